@@ -1,0 +1,78 @@
+"""Addressing of the paged latent cache `[num_blocks, 1, num_layers, page_size, 1, head_dim]`."""
+
+from .common import DPtr, U32Ptr
+
+
+@fieldwise_init
+struct RaggedBatch(TrivialRegisterPassable):
+    """Where each request's query tokens are and where they sit in its sequence.
+
+    Request `b` owns query rows `[offsets[b], offsets[b + 1])`; its `i`-th new
+    token sits at position `cache_lengths[b] + i`.
+    """
+
+    var offsets: U32Ptr
+    var cache_lengths: U32Ptr
+    var num_requests: Int
+
+    def start(self, b: Int) -> Int:
+        return Int(self.offsets.unsafe_load(b))
+
+    def stop(self, b: Int) -> Int:
+        return Int(self.offsets.unsafe_load(b + 1))
+
+    def num_tokens(self, b: Int) -> Int:
+        return self.stop(b) - self.start(b)
+
+    def cache_length(self, b: Int) -> Int:
+        return Int(self.cache_lengths.unsafe_load(b))
+
+    def visible(self, b: Int) -> Int:
+        """Keys request `b` can see: its cached tokens and its new ones."""
+        return self.cache_length(b) + self.num_tokens(b)
+
+    def position(self, b: Int, t: Int) -> Int:
+        """Sequence position of query row `t` of request `b`."""
+        return self.cache_length(b) + t - self.start(b)
+
+
+@fieldwise_init
+struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
+    """The rows of one layer of the paged cache, one per (request, position)."""
+
+    var blocks: DPtr[Self.dtype]
+    var lookup_table: U32Ptr
+    var pages_per_request: Int
+    var page_size: Int
+    var page_stride: Int
+    var layer_offset: Int
+    var head_dim: Int
+
+    @staticmethod
+    def create(
+        blocks: DPtr[Self.dtype],
+        lookup_table: U32Ptr,
+        pages_per_request: Int,
+        num_layers: Int,
+        page_size: Int,
+        head_dim: Int,
+        layer: Int,
+    ) -> Self:
+        return Self(
+            blocks,
+            lookup_table,
+            pages_per_request,
+            page_size,
+            num_layers * page_size * head_dim,
+            layer * page_size * head_dim,
+            head_dim,
+        )
+
+    def row(self, b: Int, pos: Int) -> DPtr[Self.dtype]:
+        """The `head_dim` values of request `b` at sequence position `pos`."""
+        var page = Int(
+            self.lookup_table.unsafe_load(b * self.pages_per_request + pos // self.page_size)
+        )
+        return self.blocks.unsafe_offset(
+            page * self.page_stride + self.layer_offset + (pos % self.page_size) * self.head_dim
+        )

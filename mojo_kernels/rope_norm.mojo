@@ -1,0 +1,118 @@
+"""Steps 1, 2 and 4: RoPE on q and on the new cache rows, RMSNorm of their latent part."""
+
+from std.math import sqrt
+from max.algorithm import sync_parallelize
+
+from .common import DPtr, FPtr, F32_WIDTH
+from .paged_cache import PagedLatentRows, RaggedBatch
+
+
+def rope_interleaved[
+    in_dtype: DType, freq_dtype: DType, out_dtype: DType
+](src: DPtr[in_dtype], freqs: DPtr[freq_dtype], dst: DPtr[out_dtype], width: Int):
+    """Rotates interleaved pairs: `(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`.
+
+    `freqs` is one row `[cos0, sin0, cos1, sin1, ...]`; `dst` may equal `src`.
+    """
+    for j in range(0, width, 2):
+        var x0 = src.unsafe_load(j).cast[DType.float32]()
+        var x1 = src.unsafe_load(j + 1).cast[DType.float32]()
+        var c = freqs.unsafe_load(j).cast[DType.float32]()
+        var s = freqs.unsafe_load(j + 1).cast[DType.float32]()
+        dst.unsafe_store(j, (x0 * c - x1 * s).cast[out_dtype]())
+        dst.unsafe_store(j + 1, (x0 * s + x1 * c).cast[out_dtype]())
+
+
+def rms_norm_in_place[
+    dtype: DType
+](row: DPtr[dtype], gamma: DPtr[dtype], width: Int, epsilon: Float32):
+    """`row = row / sqrt(mean(row^2) + epsilon) * gamma`, in float32, stored as `dtype`."""
+    comptime W = F32_WIDTH
+    var acc = SIMD[DType.float32, W](0)
+    var i = 0
+    while i + W <= width:
+        var x = row.unsafe_load[width=W](i).cast[DType.float32]()
+        acc += x * x
+        i += W
+    var sum_sq = acc.reduce_add()
+    while i < width:
+        var x = row.unsafe_load(i).cast[DType.float32]()
+        sum_sq += x * x
+        i += 1
+    var inv = Float32(1.0) / sqrt(sum_sq / Float32(width) + epsilon)
+    i = 0
+    while i + W <= width:
+        var x = row.unsafe_load[width=W](i).cast[DType.float32]()
+        var g = gamma.unsafe_load[width=W](i).cast[DType.float32]()
+        row.unsafe_store(i, (x * inv * g).cast[dtype]())
+        i += W
+    while i < width:
+        var x = row.unsafe_load(i).cast[DType.float32]()
+        var g = gamma.unsafe_load(i).cast[DType.float32]()
+        row.unsafe_store(i, (x * inv * g).cast[dtype]())
+        i += 1
+
+
+def rotate_and_normalize_new_rows[
+    dtype: DType
+](
+    cache: PagedLatentRows[dtype],
+    batch: RaggedBatch,
+    freqs_cis: DPtr[dtype],
+    gamma: DPtr[dtype],
+    epsilon: Float32,
+    kv_lora_rank: Int,
+    rope_dim: Int,
+) raises:
+    """Steps 1 and 2 on the cache, in place, for every new token of every request."""
+    var num_requests = batch.num_requests
+
+    def request_task(b: Int) {var cache, var batch, var freqs_cis, var gamma, var epsilon, var kv_lora_rank, var rope_dim}:
+        for t in range(batch.start(b), batch.stop(b)):
+            var pos = batch.position(b, t)
+            var row = cache.row(b, pos)
+            rms_norm_in_place[dtype](row, gamma, kv_lora_rank, epsilon)
+            rope_interleaved[dtype, dtype, dtype](
+                row.unsafe_offset(kv_lora_rank),
+                freqs_cis.unsafe_offset(pos * rope_dim),
+                row.unsafe_offset(kv_lora_rank),
+                rope_dim,
+            )
+
+    sync_parallelize(request_task, num_requests)
+
+
+def rope_queries_into_q_full[
+    dtype: DType
+](
+    q: DPtr[dtype],
+    batch: RaggedBatch,
+    freqs_cis: DPtr[dtype],
+    q_full: FPtr,
+    num_heads: Int,
+    nope_dim: Int,
+    rope_dim: Int,
+    kv_lora_rank: Int,
+) raises:
+    """Steps 1 and 4 on q: rotates `q[t, h, nope:]` into `q_full[t, h, kv_lora_rank:]`.
+
+    `q_full [T, H, kv_lora_rank + rope_dim]` is the concatenation of step 4;
+    step 3 fills its first `kv_lora_rank` columns.
+    """
+    var num_requests = batch.num_requests
+    var q_stride = nope_dim + rope_dim
+    var full_stride = kv_lora_rank + rope_dim
+
+    def request_task(b: Int) {var q, var batch, var freqs_cis, var q_full, var num_heads, var nope_dim, var rope_dim, var kv_lora_rank, var q_stride, var full_stride}:
+        for t in range(batch.start(b), batch.stop(b)):
+            var freqs = freqs_cis.unsafe_offset(batch.position(b, t) * rope_dim)
+            for h in range(num_heads):
+                var row = t * num_heads + h
+                rope_interleaved[dtype, dtype, DType.float32](
+                    q.unsafe_offset(row * q_stride + nope_dim),
+                    freqs,
+                    q_full.unsafe_offset(row * full_stride + kv_lora_rank),
+                    rope_dim,
+                )
+
+    sync_parallelize(request_task, num_requests)

@@ -1,0 +1,39 @@
+"""pymla: the fused MLA decode branch with fp8 weights, a Mojo kernel run as a MAX custom op.
+
+    out = pymla.mla_decode_branch_fp8(q, input_row_offsets, freqs_cis, kv_norm_gamma,
+                                      cache, layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
+                                      scale=scale)
+
+The math is specified in :mod:`pymla.reference`.
+"""
+
+import logging as _logging
+import os as _os
+
+from .cache import PagedLatentCache
+from .op import mla_decode_branch_fp8
+from .quant import BLOCKWISE, PER_CHANNEL, PER_TENSOR, ScaleGranularity, make_mla_weights, quantize_fp8
+from .reference import KVCacheTensors, mla_decode_branch_fp8_reference
+
+__all__ = [
+    "BLOCKWISE",
+    "PER_CHANNEL",
+    "PER_TENSOR",
+    "KVCacheTensors",
+    "PagedLatentCache",
+    "ScaleGranularity",
+    "make_mla_weights",
+    "mla_decode_branch_fp8",
+    "mla_decode_branch_fp8_reference",
+    "quantize_fp8",
+]
+
+_log = _logging.getLogger("pymla")
+if not _log.handlers and not _os.environ.get("PYMLA_QUIET"):
+    # Compile progress goes to stderr unless the application configures logging
+    # (pytest captures it, so test runs stay quiet).
+    _handler = _logging.StreamHandler()
+    _handler.setFormatter(_logging.Formatter("%(message)s"))
+    _log.addHandler(_handler)
+    _log.setLevel(_logging.INFO)
+    _log.propagate = False

@@ -1,0 +1,196 @@
+"""The public op: ``pymla.mla_decode_branch_fp8`` on torch tensors.
+
+The call is registered as the torch custom op ``pymla::mla_decode_branch_fp8``
+(the cache blocks declared as mutated, with a fake implementation for
+tracing), so ``torch.compile(fullgraph=True)`` can trace through it. Its
+real implementation validates the inputs, then runs a MAX model compiled
+once per configuration (device, dtype, scale granularity, mask, score_mod);
+batch, tokens, heads and cache shape are symbolic, so new sizes do not
+recompile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+from max import engine
+from max.graph import DeviceRef
+
+from . import bridge
+from .cache import PagedLatentCache
+from .graph import OpConfig, build_graph
+from .quant import ScaleGranularity
+from .reference import KVCacheTensors
+from .validate import check_inputs
+
+log = logging.getLogger("pymla")
+
+_models: dict[OpConfig, engine.Model] = {}
+_sessions: dict[str, engine.InferenceSession] = {}
+_lock = threading.Lock()
+
+
+def _device_ref(device: torch.device) -> DeviceRef:
+    return DeviceRef.CPU() if device.type == "cpu" else DeviceRef.GPU(device.index or 0)
+
+
+def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
+    """The compiled model of ``config``, compiling it on first use (logged with its time)."""
+    with _lock:
+        model = _models.get(config)
+        if model is not None:
+            return model
+        key = str(device)
+        session = _sessions.get(key)
+        if session is None:
+            session = engine.InferenceSession(devices=[bridge.max_device(device)])
+            _sessions[key] = session
+        g = config.scale_granularity
+        log.info(
+            "pymla: compiling mla_decode_branch_fp8 for %s %s, granularity %s, mask %s, score_mod %s ...",
+            device, config.dtype, tuple(g), config.mask, config.score_mod,
+        )
+        start = time.perf_counter()
+        model = session.load(build_graph(config))
+        log.info("pymla: compiled in %.1f s", time.perf_counter() - start)
+        _models[config] = model
+        return model
+
+
+def _scalar(value: int | float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(value, dtype=dtype)
+
+
+@torch.library.custom_op("pymla::mla_decode_branch_fp8", mutates_args=("kv_blocks",))
+def _mla_decode_branch_fp8_op(
+    q: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    kv_norm_gamma: torch.Tensor,
+    kv_blocks: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    layer_idx: int,
+    w_uk: torch.Tensor,
+    w_uk_scale: torch.Tensor,
+    w_uv: torch.Tensor,
+    w_uv_scale: torch.Tensor,
+    scale: float,
+    epsilon: float,
+    m_scale_granularity: int,
+    n_scale_granularity: int,
+    k_scale_granularity: int,
+    mask: str,
+    score_mod: str,
+    local_window_size: int,
+) -> torch.Tensor:
+    granularity = ScaleGranularity(m_scale_granularity, n_scale_granularity, k_scale_granularity)
+    dims = check_inputs(
+        q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
+        layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
+        scale=scale, epsilon=epsilon, scale_granularity=granularity, mask=mask,
+        score_mod=score_mod, local_window_size=local_window_size,
+    )
+    if dims.num_tokens == 0:
+        return q.new_empty(0, dims.num_heads, dims.v_head_dim)
+    config = OpConfig(
+        bridge.max_dtype(q.dtype), granularity, mask, score_mod, _device_ref(q.device)
+    )
+    model = compiled_model(config, q.device)
+    inputs = [
+        q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
+        _scalar(layer_idx, torch.uint32), _scalar(scale, torch.float32),
+        _scalar(epsilon, torch.float32), _scalar(local_window_size, torch.int32),
+        w_uk, w_uk_scale, w_uv, w_uv_scale,
+    ]
+    (out,) = model.execute(*(bridge.to_max(t) for t in inputs))
+    return bridge.to_torch(out)
+
+
+@_mla_decode_branch_fp8_op.register_fake
+def _(
+    q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
+    layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale, scale, epsilon,
+    m_scale_granularity, n_scale_granularity, k_scale_granularity, mask, score_mod, local_window_size,
+):
+    granularity = ScaleGranularity(m_scale_granularity, n_scale_granularity, k_scale_granularity)
+    dims = check_inputs(
+        q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
+        layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
+        scale=scale, epsilon=epsilon, scale_granularity=granularity, mask=mask,
+        score_mod=score_mod, local_window_size=local_window_size, check_values=False,
+    )
+    return q.new_empty(q.shape[0], dims.num_heads, dims.v_head_dim)
+
+
+def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:
+    """The (blocks, cache_lengths, lookup_table) of a cache object or triple."""
+    if isinstance(cache, PagedLatentCache):
+        return KVCacheTensors(cache.blocks, cache.cache_lengths, cache.lookup_table)
+    if isinstance(cache, tuple) and len(cache) == 3:
+        return KVCacheTensors(*cache)
+    raise TypeError(
+        f"cache: expected a PagedLatentCache or a (blocks, cache_lengths, lookup_table) tuple, got {type(cache).__name__}"
+    )
+
+
+def mla_decode_branch_fp8(
+    q: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    kv_norm_gamma: torch.Tensor,
+    cache: PagedLatentCache | KVCacheTensors,
+    layer_idx: int,
+    w_uk: torch.Tensor,
+    w_uk_scale: torch.Tensor,
+    w_uv: torch.Tensor,
+    w_uv_scale: torch.Tensor,
+    *,
+    scale: float,
+    epsilon: float = 1e-6,
+    scale_granularity: ScaleGranularity | tuple[int, int, int] | str = "blockwise",
+    mask: str = "causal",
+    score_mod: str = "no_pos",
+    local_window_size: int = 0,
+) -> torch.Tensor:
+    """The fused MLA decode branch with fp8 weights; the math is in :mod:`pymla.reference`.
+
+    Args:
+        q: ``[T, H, qk_nope_head_dim + qk_rope_head_dim]``, bfloat16, float16 or float32.
+        input_row_offsets: uint32 ``[B + 1]``: request ``b`` owns rows
+            ``input_row_offsets[b] .. input_row_offsets[b + 1] - 1`` of ``q``.
+        freqs_cis: ``[max_seq_len, qk_rope_head_dim]`` rows ``[cos0, sin0, cos1, sin1, ...]``, q's dtype.
+        kv_norm_gamma: ``[kv_lora_rank]`` RMSNorm weights, q's dtype.
+        cache: a :class:`pymla.PagedLatentCache` (or its three tensors) whose
+            new rows (positions ``cache_lengths[b] ..``) were already
+            appended; rotated and normalized in place.
+        layer_idx: the cache layer to use.
+        w_uk: ``[H, kv_lora_rank, qk_nope_head_dim]`` float8_e4m3fn.
+        w_uk_scale: float32 ``[H, ceil(kv_lora_rank / n), ceil(qk_nope_head_dim / k)]``.
+        w_uv: ``[H, v_head_dim, kv_lora_rank]`` float8_e4m3fn.
+        w_uv_scale: float32 ``[H, ceil(v_head_dim / n), ceil(kv_lora_rank / k)]``.
+        scale: softmax scale.
+        epsilon: RMSNorm epsilon.
+        scale_granularity: ``(m, n, k)`` or a preset name (``"blockwise"``,
+            ``"per_channel"``, ``"per_tensor"``); see :mod:`pymla.quant`.
+        mask: ``"null"``, ``"causal"``, ``"sliding_window_causal"`` or ``"chunked_causal"``.
+        score_mod: ``"no_pos"`` or ``"alibi_pos"``.
+        local_window_size: window (sliding) or chunk (chunked) size in tokens.
+
+    Returns:
+        ``[T, H, v_head_dim]`` in q's dtype, on q's device.
+
+    Raises:
+        TypeError, ValueError: on bad input, naming the argument, before any
+            kernel runs and without touching the cache.
+    """
+    kv = cache_tensors(cache)
+    g = ScaleGranularity.parse(scale_granularity)
+    return torch.ops.pymla.mla_decode_branch_fp8(
+        q, input_row_offsets, freqs_cis, kv_norm_gamma, kv.blocks, kv.cache_lengths,
+        kv.lookup_table, layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
+        float(scale), float(epsilon), g.m, g.n, g.k, mask, score_mod, int(local_window_size),
+    )

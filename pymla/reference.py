@@ -1,0 +1,191 @@
+"""Torch reference of ``mla_decode_branch_fp8``, in float32 math.
+
+This docstring is the specification of the op; the Mojo kernel and the
+public function :func:`pymla.mla_decode_branch_fp8` implement exactly this.
+
+Notation: ``T`` query tokens in all, ``B`` requests, ``H`` heads,
+``Dn = qk_nope_head_dim`` (128), ``Dr = qk_rope_head_dim`` (64),
+``R = kv_lora_rank`` (512), ``Dv = v_head_dim`` (128). Request ``b`` owns
+query rows ``t`` in ``[o[b], o[b+1])`` of ``q`` (``o = input_row_offsets``);
+its ``i``-th query token sits at position ``p = c[b] + i`` of the sequence
+(``c = cache_lengths``) and its latent row for layer ``l`` is already in the
+cache at that position. ``L[b] = c[b] + o[b+1] - o[b]`` keys are visible in all.
+All arithmetic is float32; only the cache rows written back and the output
+are rounded to ``dtype``.
+
+1. RoPE, interleaved pairs. With ``f = freqs_cis[p]`` read as pairs
+   ``(cos_j, sin_j) = (f[2j], f[2j+1])``, a vector ``x`` of width ``Dr``
+   becomes ``y[2j] = x[2j] cos_j - x[2j+1] sin_j`` and
+   ``y[2j+1] = x[2j] sin_j + x[2j+1] cos_j``. Applied to ``q[t, h, Dn:]``
+   and, in place, to the rope part ``row[R:]`` of each new token's cache row.
+2. RMSNorm, in place, on the latent part of each new token's cache row:
+   ``row[:R] = row[:R] / sqrt(mean(row[:R]^2) + epsilon) * gamma``.
+3. q_nope projection, an fp8 batched matmul over heads:
+   ``qn[t, h, :] = fp8mm(q[t, h, :Dn], w_uk[h])`` with
+   ``fp8mm(a, w)[n] = sum_k dq(a)[k] * dq(w)[n, k]``, where ``a`` is quantized
+   dynamically and ``dq`` dequantizes (see :mod:`pymla.quant` for the scale
+   granularity and the scale rule; per head, the M axis is the tokens).
+4. Concatenation: ``qf[t, h] = concat(qn[t, h], rope(q[t, h, Dn:]))``, width ``R + Dr``.
+5. MLA decode attention per request and head, with ``K[j] = row_j`` (width
+   ``R + Dr``) and ``V[j] = row_j[:R]`` for the visible positions ``j``:
+   ``s[j] = scale * <qf[t, h], K[j]> + bias(h, p, j)`` for ``j`` in the mask's
+   key range ``[lo(p), hi(p))``, ``a = softmax(s)``, ``raw[t, h] = sum_j a[j] V[j]``.
+   Key ranges: ``null`` ``[0, L)``; ``causal`` ``[0, p + 1)``;
+   ``sliding_window_causal`` ``[max(0, p - W + 1), p + 1)``;
+   ``chunked_causal`` ``[floor(p / W) * W, p + 1)``, with
+   ``W = local_window_size``. Biases: ``no_pos`` 0;
+   ``alibi_pos`` ``-slope(h) * (p - j)`` with the ALiBi slopes of
+   :func:`alibi_slopes`.
+6. Output projection: ``out[t, h, :] = fp8mm(raw[t, h, :], w_uv[h])``, rounded to ``dtype``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from .quant import ScaleGranularity, fp8_batched_matmul
+
+MASKS = ("null", "causal", "sliding_window_causal", "chunked_causal")
+SCORE_MODS = ("no_pos", "alibi_pos")
+
+
+class KVCacheTensors(NamedTuple):
+    """The three tensors of a paged latent cache, as the op consumes them."""
+
+    blocks: torch.Tensor  # [num_blocks, 1, num_layers, page_size, 1, R + Dr]
+    cache_lengths: torch.Tensor  # [B] uint32
+    lookup_table: torch.Tensor  # [B, max_pages] uint32
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi slopes (Press et al.): ``2^(-8 (h+1) / n)`` for a power of two ``n = H``.
+
+    Otherwise, with ``n`` the largest power of two below ``H``: heads
+    ``h < n`` take ``2^(-8 (h+1) / n)`` and the rest take
+    ``2^(-8 (2 (h - n) + 1) / (2 n))`` (the odd slopes of ``2n`` heads).
+    """
+    n = 1 << (num_heads.bit_length() - 1)
+    h = torch.arange(num_heads, dtype=torch.float32)
+    first = torch.exp2(-8.0 * (h + 1) / n)
+    rest = torch.exp2(-8.0 * (2 * (h - n) + 1) / (2 * n))
+    return torch.where(h < n, first, rest)
+
+
+def key_range(mask: str, position: int, visible: int, window: int) -> tuple[int, int]:
+    """The half-open range of key positions a query at ``position`` attends to."""
+    if mask == "null":
+        return 0, visible
+    if mask == "causal":
+        return 0, position + 1
+    if mask == "sliding_window_causal":
+        return max(0, position - window + 1), position + 1
+    if mask == "chunked_causal":
+        return (position // window) * window, position + 1
+    raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
+
+
+def rope_interleaved(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Step 1 on ``x [..., Dr]`` with ``freqs [..., Dr]`` rows ``[cos0, sin0, cos1, sin1, ...]``."""
+    x = x.to(torch.float32)
+    f = freqs.to(torch.float32)
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    cos, sin = f[..., 0::2], f[..., 1::2]
+    y = torch.empty_like(x)
+    y[..., 0::2] = x0 * cos - x1 * sin
+    y[..., 1::2] = x0 * sin + x1 * cos
+    return y
+
+
+def rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """Step 2 on ``x [..., R]``."""
+    x = x.to(torch.float32)
+    inv = torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + epsilon)
+    return x * inv * gamma.to(torch.float32)
+
+
+def _row_index(cache: KVCacheTensors, b: int, positions: torch.Tensor, layer: int) -> tuple:
+    page_size = cache.blocks.shape[3]
+    pages = cache.lookup_table[b].to(torch.int64)[positions // page_size]
+    return pages, 0, layer, positions % page_size, 0
+
+
+def mla_decode_branch_fp8_reference(
+    q: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    kv_norm_gamma: torch.Tensor,
+    cache: KVCacheTensors,
+    layer_idx: int,
+    w_uk: torch.Tensor,
+    w_uk_scale: torch.Tensor,
+    w_uv: torch.Tensor,
+    w_uv_scale: torch.Tensor,
+    *,
+    scale: float,
+    epsilon: float = 1e-6,
+    scale_granularity: ScaleGranularity = ScaleGranularity(1, 128, 128),
+    mask: str = "causal",
+    score_mod: str = "no_pos",
+    local_window_size: int = 0,
+) -> torch.Tensor:
+    """Runs the six steps of the module docstring; updates ``cache.blocks`` in place.
+
+    Arguments are those of :func:`pymla.mla_decode_branch_fp8` (no input
+    checks here). Returns ``[T, H, Dv]`` in ``q.dtype``.
+    """
+    if score_mod not in SCORE_MODS:
+        raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
+    granularity = ScaleGranularity.parse(scale_granularity)
+    dtype = q.dtype
+    num_tokens, num_heads, _ = q.shape
+    rank = w_uk.shape[1]
+    nope = w_uk.shape[2]
+    offsets = [int(v) for v in input_row_offsets.to(torch.int64).tolist()]
+    lengths = [int(v) for v in cache.cache_lengths.to(torch.int64).tolist()]
+    slopes = alibi_slopes(num_heads) if score_mod == "alibi_pos" else torch.zeros(num_heads)
+
+    # Steps 1 and 2 on the cache: the new tokens' rows, in place.
+    for b in range(len(offsets) - 1):
+        pos = torch.arange(lengths[b], lengths[b] + offsets[b + 1] - offsets[b])
+        idx = _row_index(cache, b, pos, layer_idx)
+        rows = cache.blocks[idx].to(torch.float32)
+        rows[:, rank:] = rope_interleaved(rows[:, rank:], freqs_cis[pos])
+        rows[:, :rank] = rms_norm(rows[:, :rank], kv_norm_gamma, epsilon)
+        cache.blocks[idx] = rows.to(dtype)
+
+    # Steps 1, 3 and 4 on q.
+    positions = torch.cat(
+        [torch.arange(lengths[b], lengths[b] + offsets[b + 1] - offsets[b]) for b in range(len(offsets) - 1)]
+        + [torch.zeros(0, dtype=torch.int64)]
+    )
+    q32 = q.to(torch.float32)
+    q_rope = rope_interleaved(q32[:, :, nope:], freqs_cis[positions][:, None, :])
+    q_nope_proj = fp8_batched_matmul(q32[:, :, :nope].transpose(0, 1), w_uk, w_uk_scale, granularity)
+    q_full = torch.cat([q_nope_proj.transpose(0, 1), q_rope], dim=2)  # [T, H, R + Dr]
+
+    # Step 5: attention over the paged cache.
+    raw = torch.empty(num_tokens, num_heads, rank, dtype=torch.float32)
+    for b in range(len(offsets) - 1):
+        start, stop = offsets[b], offsets[b + 1]
+        visible = lengths[b] + stop - start
+        keys = cache.blocks[_row_index(cache, b, torch.arange(visible), layer_idx)].to(torch.float32)
+        for t in range(start, stop):
+            p = lengths[b] + t - start
+            lo, hi = key_range(mask, p, visible, local_window_size)
+            k = keys[lo:hi]
+            scores = scale * (q_full[t] @ k.T)  # [H, hi - lo]
+            dist = (p - torch.arange(lo, hi, dtype=torch.float32))[None, :]
+            scores = scores - slopes[:, None] * dist
+            raw[t] = torch.softmax(scores, dim=-1) @ k[:, :rank]
+
+    # Step 6: output projection.
+    out = fp8_batched_matmul(raw.transpose(0, 1), w_uv, w_uv_scale, granularity)
+    return out.transpose(0, 1).to(dtype).contiguous()
+
+
+def default_scale(qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64) -> float:
+    """DeepSeek's softmax scale ``1 / sqrt(Dn + Dr)`` (without YaRN's mscale)."""
+    return 1.0 / math.sqrt(qk_nope_head_dim + qk_rope_head_dim)
