@@ -27,17 +27,30 @@ def alibi_slope(head: Int, num_heads: Int) -> Float32:
     return Float32(2.0) ** (Float32(-8.0) * Float32(2 * (head - n) + 1) / Float32(2 * n))
 
 
-def key_range[mask_str: StaticString](position: Int, visible: Int, window: Int) -> Tuple[Int, Int]:
-    """Half-open range of key positions a query at `position` attends to."""
-    comptime if mask_str == "null":
-        return (0, visible)
-    elif mask_str == "causal":
+comptime MASK_NULL = 0
+comptime MASK_CAUSAL = 1
+comptime MASK_SLIDING_WINDOW_CAUSAL = 2
+comptime MASK_CHUNKED_CAUSAL = 3
+comptime SCORE_MOD_NO_POS = 0
+comptime SCORE_MOD_ALIBI_POS = 1
+
+
+@fieldwise_init
+struct MaskSpec(TrivialRegisterPassable):
+    """Mask variant (one of the MASK_* codes) and its window or chunk size."""
+
+    var kind: Int
+    var window: Int
+
+    def key_range(self, position: Int, visible: Int) -> Tuple[Int, Int]:
+        """Half-open range of key positions a query at `position` attends to."""
+        if self.kind == MASK_NULL:
+            return (0, visible)
+        if self.kind == MASK_SLIDING_WINDOW_CAUSAL:
+            return (max(0, position - self.window + 1), position + 1)
+        if self.kind == MASK_CHUNKED_CAUSAL:
+            return ((position // self.window) * self.window, position + 1)
         return (0, position + 1)
-    elif mask_str == "sliding_window_causal":
-        return (max(0, position - window + 1), position + 1)
-    else:
-        comptime assert mask_str == "chunked_causal", "unknown mask_str"
-        return ((position // window) * window, position + 1)
 
 
 @fieldwise_init
@@ -142,21 +155,22 @@ def _dot(a: FPtr, b: FPtr, n: Int) -> Float32:
 
 
 def attend_partitions[
-    dtype: DType, mask_str: StaticString, score_mod_str: StaticString
+    dtype: DType
 ](
     q_full: FPtr,
     cache: PagedLatentRows[dtype],
     batch: RaggedBatch,
     shape: AttentionShape,
     scale: Float32,
-    window: Int,
+    mask: MaskSpec,
+    score_mod: Int,
     partials: PartialResults,
 ) raises:
     """Runs every (request, head group, key partition) task into `partials`."""
     var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
     var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var cache, var batch, var shape, var scale, var window, var partials, var head_groups, var tasks_per_request}:
+    def task(i: Int) {var q_full, var cache, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request}:
         var b = i // tasks_per_request
         var hg = (i % tasks_per_request) // shape.num_partitions
         var part = i % shape.num_partitions
@@ -180,7 +194,7 @@ def attend_partitions[
                 var acc = partials.out.unsafe_offset(row * shape.kv_lora_rank)
                 for c in range(shape.kv_lora_rank):
                     acc.unsafe_store(c, 0)
-            var r = key_range[mask_str](batch.position(b, t), visible, window)
+            var r = mask.key_range(batch.position(b, t), visible)
             k_lo = min(k_lo, max(r[0], k0))
             k_hi = max(k_hi, min(r[1], k1))
 
@@ -192,11 +206,11 @@ def attend_partitions[
             load_key_tile[dtype](cache, b, j0, j1, tile, shape.key_dim)
             for t in range(t0, t1):
                 var position = batch.position(b, t)
-                var r = key_range[mask_str](position, visible, window)
+                var r = mask.key_range(position, visible)
                 for h in range(h0, h1):
                     var row = (part * shape.num_tokens + t) * shape.num_heads + h
                     var slope = Float32(0)
-                    comptime if score_mod_str == "alibi_pos":
+                    if score_mod == SCORE_MOD_ALIBI_POS:
                         slope = alibi_slope(h, shape.num_heads)
                     var m = partials.row_max.unsafe_load(row)
                     var l = partials.row_sum.unsafe_load(row)

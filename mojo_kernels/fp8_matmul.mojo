@@ -16,20 +16,29 @@ comptime FP8_MAX: Float32 = 448.0
 
 
 @fieldwise_init
-struct BlockShape(TrivialRegisterPassable):
-    """Elements per scale along M, N and K, resolved for one matmul (0 = whole axis)."""
+struct Granularity(TrivialRegisterPassable):
+    """Scale granularity `(m, n, k)` of the op; 0 means the whole axis."""
 
     var m: Int
     var n: Int
     var k: Int
 
-    @staticmethod
-    def resolve(m_gran: Int, n_gran: Int, k_gran: Int, m: Int, n: Int, k: Int) -> Self:
-        return Self(
-            max(m, 1) if m_gran == 0 else m_gran,
-            max(n, 1) if n_gran == 0 else n_gran,
-            max(k, 1) if k_gran == 0 else k_gran,
+    def resolve(self, m: Int, n: Int, k: Int) -> BlockShape:
+        """Block extents for one matmul of `m x k` activations and `n x k` weights."""
+        return BlockShape(
+            max(m, 1) if self.m == 0 else self.m,
+            max(n, 1) if self.n == 0 else self.n,
+            max(k, 1) if self.k == 0 else self.k,
         )
+
+
+@fieldwise_init
+struct BlockShape(TrivialRegisterPassable):
+    """Elements per scale along M, N and K of one matmul."""
+
+    var m: Int
+    var n: Int
+    var k: Int
 
 
 @fieldwise_init

@@ -16,14 +16,14 @@ as float8_e4m3fn bit for bit.
 """
 
 import extensibility
-from extensibility import InputTensor, OutputTensor
+from extensibility import InputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 from std.memory import Pointer
 
-from .attention import AttentionShape, PartialResults, attend_partitions, merge_partitions
+from .attention import AttentionShape, MaskSpec, PartialResults, attend_partitions, merge_partitions
 from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div, scratch
-from .fp8_matmul import BlockShape, StridedMatrices, fp8_batched_matmul
+from .fp8_matmul import Granularity, StridedMatrices, fp8_batched_matmul
 from .paged_cache import PagedLatentRows, RaggedBatch
 from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
 
@@ -32,7 +32,7 @@ comptime TASKS_PER_WORKER = 4
 
 
 def project_q_nope[
-    dtype: DType, m_gran: Int, n_gran: Int, k_gran: Int
+    dtype: DType
 ](
     q: DPtr[dtype],
     w_uk: U8Ptr,
@@ -43,20 +43,21 @@ def project_q_nope[
     nope_dim: Int,
     rope_dim: Int,
     kv_lora_rank: Int,
+    granularity: Granularity,
 ) raises:
     """Step 3: `q_full[t, h, :R] = fp8mm(q[t, h, :nope], w_uk[h])`."""
     var a = StridedMatrices[dtype](q, nope_dim + rope_dim, num_heads * (nope_dim + rope_dim))
     var c = StridedMatrices[DType.float32](
         q_full, kv_lora_rank + rope_dim, num_heads * (kv_lora_rank + rope_dim)
     )
-    var blocks = BlockShape.resolve(m_gran, n_gran, k_gran, num_tokens, kv_lora_rank, nope_dim)
+    var blocks = granularity.resolve(num_tokens, kv_lora_rank, nope_dim)
     fp8_batched_matmul[dtype, DType.float32](
         a, w_uk, w_uk_scale, c, num_heads, num_tokens, kv_lora_rank, nope_dim, blocks
     )
 
 
 def project_output[
-    dtype: DType, m_gran: Int, n_gran: Int, k_gran: Int
+    dtype: DType
 ](
     raw: FPtr,
     w_uv: U8Ptr,
@@ -66,11 +67,12 @@ def project_output[
     num_heads: Int,
     kv_lora_rank: Int,
     v_head_dim: Int,
+    granularity: Granularity,
 ) raises:
     """Step 6: `output[t, h, :] = fp8mm(raw[t, h, :], w_uv[h])`."""
     var a = StridedMatrices[DType.float32](raw, kv_lora_rank, num_heads * kv_lora_rank)
     var c = StridedMatrices[dtype](output, v_head_dim, num_heads * v_head_dim)
-    var blocks = BlockShape.resolve(m_gran, n_gran, k_gran, num_tokens, v_head_dim, kv_lora_rank)
+    var blocks = granularity.resolve(num_tokens, v_head_dim, kv_lora_rank)
     fp8_batched_matmul[DType.float32, dtype](
         a, w_uv, w_uv_scale, c, num_heads, num_tokens, v_head_dim, kv_lora_rank, blocks
     )
@@ -95,19 +97,18 @@ from std.sys import num_physical_cores
 
 @extensibility.register("pymla.mla_decode_branch_fp8")
 struct MLADecodeBranchFP8:
-    """MAX custom op: all six steps in one call; `kv_blocks` is updated in place."""
+    """MAX custom op: all six steps in one call.
+
+    Writes every element of `output [T, H, v_head_dim]` and, in place, the new
+    tokens' rows of `kv_blocks`; reads everything else.
+    """
 
     @staticmethod
     def execute[
         dtype: DType,
-        m_scale_granularity: Int,
-        n_scale_granularity: Int,
-        k_scale_granularity: Int,
-        mask_str: StaticString,
-        score_mod_str: StaticString,
         target: StaticString,
     ](
-        output: OutputTensor[dtype=dtype, rank=3, static_spec=...],
+        output: MutableInputTensor[dtype=dtype, rank=3, static_spec=...],
         q: InputTensor[dtype=dtype, rank=3, static_spec=...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, static_spec=...],
         freqs_cis: InputTensor[dtype=dtype, rank=2, static_spec=...],
@@ -118,7 +119,12 @@ struct MLADecodeBranchFP8:
         layer_idx: UInt32,
         scale: Float32,
         epsilon: Float32,
+        mask: Int32,
+        score_mod: Int32,
         local_window_size: Int32,
+        m_scale_granularity: Int32,
+        n_scale_granularity: Int32,
+        k_scale_granularity: Int32,
         w_uk: InputTensor[dtype=DType.uint8, rank=3, static_spec=...],
         w_uk_scale: InputTensor[dtype=DType.float32, rank=3, static_spec=...],
         w_uv: InputTensor[dtype=DType.uint8, rank=3, static_spec=...],
@@ -135,6 +141,9 @@ struct MLADecodeBranchFP8:
         var key_dim = kv_blocks.dim_size(5)
         if num_tokens == 0:
             return
+        var granularity = Granularity(
+            Int(m_scale_granularity), Int(n_scale_granularity), Int(k_scale_granularity)
+        )
 
         var batch = RaggedBatch(
             input_row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
@@ -164,7 +173,7 @@ struct MLADecodeBranchFP8:
         rope_queries_into_q_full[dtype](
             q_ptr, batch, freqs, q_full, num_heads, nope_dim, rope_dim, kv_lora_rank
         )
-        project_q_nope[dtype, m_scale_granularity, n_scale_granularity, k_scale_granularity](
+        project_q_nope[dtype](
             q_ptr,
             w_uk.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
@@ -174,6 +183,7 @@ struct MLADecodeBranchFP8:
             nope_dim,
             rope_dim,
             kv_lora_rank,
+            granularity,
         )
 
         # Step 5: attention, split into partitions, then merged.
@@ -183,15 +193,15 @@ struct MLADecodeBranchFP8:
         var part_max_buf = List[Float32](length=rows, fill=0)
         var part_sum_buf = List[Float32](length=rows, fill=0)
         var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
-        attend_partitions[dtype, mask_str, score_mod_str](
-            q_full, cache, batch, shape, scale, Int(local_window_size), partials
+        attend_partitions[dtype](
+            q_full, cache, batch, shape, scale, MaskSpec(Int(mask), Int(local_window_size)), Int(score_mod), partials
         )
         var raw_buf = List[Float32](length=num_tokens * num_heads * kv_lora_rank, fill=0)
         var raw = scratch(raw_buf)
         merge_partitions(partials, shape, raw)
 
         # Step 6: output projection.
-        project_output[dtype, m_scale_granularity, n_scale_granularity, k_scale_granularity](
+        project_output[dtype](
             raw,
             w_uv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             w_uv_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
@@ -200,6 +210,7 @@ struct MLADecodeBranchFP8:
             num_heads,
             kv_lora_rank,
             v_head_dim,
+            granularity,
         )
         _ = q_full_buf^
         _ = part_out_buf^

@@ -71,23 +71,28 @@ def kernels_path() -> pathlib.Path:
 
 @dataclass(frozen=True)
 class OpConfig:
-    """What a compiled op is specialized on; everything else is a runtime input."""
+    """What a compiled op is specialized on: its device and dtype.
+
+    Everything else (sizes, scale granularity, mask, score_mod, scalars) is a
+    runtime input, so one compiled model serves every configuration.
+    """
 
     dtype: DType
-    scale_granularity: ScaleGranularity
-    mask: str
-    score_mod: str
     device: DeviceRef
 
-    def parameters(self) -> dict[str, int | str]:
-        g = self.scale_granularity
-        return {
-            "m_scale_granularity": g.m,
-            "n_scale_granularity": g.n,
-            "k_scale_granularity": g.k,
-            "mask_str": self.mask,
-            "score_mod_str": self.score_mod,
-        }
+
+def mask_code(mask: str) -> int:
+    """The kernel's code for a mask name (its index in :data:`pymla.reference.MASKS`)."""
+    if mask not in MASKS:
+        raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
+    return MASKS.index(mask)
+
+
+def score_mod_code(score_mod: str) -> int:
+    """The kernel's code for a score_mod name (its index in :data:`pymla.reference.SCORE_MODS`)."""
+    if score_mod not in SCORE_MODS:
+        raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
+    return SCORE_MODS.index(score_mod)
 
 
 def mla_decode_branch_fp8_graph(
@@ -106,33 +111,46 @@ def mla_decode_branch_fp8_graph(
     *,
     scale: float | TensorValue,
     epsilon: float | TensorValue = 1e-6,
+    scale_granularity: ScaleGranularity | tuple[int, int, int] | str | Sequence[TensorValue] = "blockwise",
+    mask: str | TensorValue = "causal",
+    score_mod: str | TensorValue = "no_pos",
     local_window_size: int | TensorValue = 0,
-    scale_granularity: ScaleGranularity | tuple[int, int, int] | str = "blockwise",
-    mask: str = "causal",
-    score_mod: str = "no_pos",
-) -> TensorValue:
-    """Adds the fused op to the current graph; returns ``output [T, H, v_head_dim]``.
+    out: BufferValue | None = None,
+) -> TensorValue | None:
+    """Adds the fused op to the current graph.
+
+    Returns ``output [T, H, v_head_dim]`` as a new tensor, or, when ``out``
+    (a buffer of that shape and q's dtype) is given, writes it there and
+    returns None.
 
     Tensor arguments are as in :func:`pymla.mla_decode_branch_fp8`, with fp8
     weights typed ``uint8`` and ``kv_blocks`` a buffer (it is updated in
-    place). ``layer_idx`` is a uint32 scalar; ``scale``, ``epsilon`` and
-    ``local_window_size`` may be Python numbers (graph constants) or scalar
-    tensors (float32, float32, int32). The graph needs
-    ``custom_extensions=[kernels_path()]``.
+    place). ``layer_idx`` is a uint32 scalar tensor. The options may be
+    Python values (folded into the graph as constants) or scalar tensors on
+    the CPU: ``scale`` and ``epsilon`` float32; ``mask`` and ``score_mod``
+    int32 codes (:func:`mask_code`, :func:`score_mod_code`);
+    ``local_window_size`` and the three ``scale_granularity`` values int32.
+    The graph needs ``custom_extensions=[kernels_path()]``.
     """
-    if mask not in MASKS:
-        raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
-    if score_mod not in SCORE_MODS:
-        raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
-    config = OpConfig(q.dtype, ScaleGranularity.parse(scale_granularity), mask, score_mod, q.device)
 
     def scalar(value: float | int | TensorValue, dtype: DType) -> TensorValue:
         if isinstance(value, TensorValue):
             return value
         return ops.constant(value, dtype, device=DeviceRef.CPU())
 
-    out_type = TensorType(q.dtype, [q.shape[0], q.shape[1], w_uv.shape[1]], q.device)
+    if isinstance(scale_granularity, (str, ScaleGranularity)) or not isinstance(
+        scale_granularity[0], TensorValue
+    ):
+        scale_granularity = ScaleGranularity.parse(scale_granularity)
+    if isinstance(mask, str):
+        mask = mask_code(mask)
+    if isinstance(score_mod, str):
+        score_mod = score_mod_code(score_mod)
+    result = out
+    if result is None:
+        result = ops.buffer_create(BufferType(q.dtype, [q.shape[0], q.shape[1], w_uv.shape[1]], q.device))
     values = [
+        result,
         q,
         input_row_offsets,
         freqs_cis,
@@ -143,18 +161,21 @@ def mla_decode_branch_fp8_graph(
         layer_idx,
         scalar(scale, DType.float32),
         scalar(epsilon, DType.float32),
+        scalar(mask, DType.int32),
+        scalar(score_mod, DType.int32),
         scalar(local_window_size, DType.int32),
+        *(scalar(g, DType.int32) for g in scale_granularity),
         w_uk,
         w_uk_scale,
         w_uv,
         w_uv_scale,
     ]
-    return ops.inplace_custom(
-        OP_NAME, device=q.device, values=values, out_types=[out_type], parameters=config.parameters()
-    )[0].tensor
+    ops.inplace_custom(OP_NAME, device=q.device, values=values)
+    return ops.buffer_load(result) if out is None else None
 
 
 INPUT_NAMES = (
+    "output",
     "q",
     "input_row_offsets",
     "freqs_cis",
@@ -165,7 +186,12 @@ INPUT_NAMES = (
     "layer_idx",
     "scale",
     "epsilon",
+    "mask",
+    "score_mod",
     "local_window_size",
+    "m_scale_granularity",
+    "n_scale_granularity",
+    "k_scale_granularity",
     "w_uk",
     "w_uk_scale",
     "w_uv",
@@ -176,7 +202,12 @@ INPUT_NAMES = (
 def input_types(dtype: DType, device: DeviceRef) -> Sequence[TensorType | BufferType]:
     """Graph inputs with symbolic sizes: one compiled model serves every batch and cache shape."""
     cpu = DeviceRef.CPU()
+
+    def scalar(dt: DType) -> TensorType:
+        return TensorType(dt, [], cpu)
+
     return [
+        BufferType(dtype, ["tokens", "heads", "v_head_dim"], device),
         TensorType(dtype, ["tokens", "heads", "q_head_dim"], device),
         TensorType(DType.uint32, ["offsets"], device),
         TensorType(dtype, ["max_seq_len", "rope_dim"], device),
@@ -184,10 +215,10 @@ def input_types(dtype: DType, device: DeviceRef) -> Sequence[TensorType | Buffer
         BufferType(dtype, ["num_blocks", 1, "num_layers", "page_size", 1, "cache_head_dim"], device),
         TensorType(DType.uint32, ["requests"], device),
         TensorType(DType.uint32, ["requests", "pages_per_request"], device),
-        TensorType(DType.uint32, [], cpu),
-        TensorType(DType.float32, [], cpu),
-        TensorType(DType.float32, [], cpu),
-        TensorType(DType.int32, [], cpu),
+        scalar(DType.uint32),
+        scalar(DType.float32),
+        scalar(DType.float32),
+        *(scalar(DType.int32) for _ in range(6)),
         TensorType(FP8_BYTES, ["heads", "kv_lora_rank", "nope_dim"], device),
         TensorType(DType.float32, ["heads", "uk_n_blocks", "uk_k_blocks"], device),
         TensorType(FP8_BYTES, ["heads", "v_head_dim", "kv_lora_rank"], device),
@@ -196,34 +227,39 @@ def input_types(dtype: DType, device: DeviceRef) -> Sequence[TensorType | Buffer
 
 
 def build_graph(config: OpConfig) -> Graph:
-    """A graph whose only op is the fused op, inputs in :data:`INPUT_NAMES` order."""
-    name = "pymla_mla_decode_branch_fp8"
+    """A graph whose only op is the fused op, inputs in :data:`INPUT_NAMES` order.
+
+    The output and the cache blocks are buffers the caller owns; the graph
+    returns nothing.
+    """
     with Graph(
-        name,
+        "pymla_mla_decode_branch_fp8",
         input_types=input_types(config.dtype, config.device),
         custom_extensions=[kernels_path()],
     ) as graph:
         args = dict(zip(INPUT_NAMES, graph.inputs, strict=True))
-        tensors = {k: (v if k == "kv_blocks" else v.tensor) for k, v in args.items()}
-        out = mla_decode_branch_fp8_graph(
-            tensors["q"],
-            tensors["input_row_offsets"],
-            tensors["freqs_cis"],
-            tensors["kv_norm_gamma"],
+        buffers = ("output", "kv_blocks")
+        t = {name: value.tensor for name, value in args.items() if name not in buffers}
+        mla_decode_branch_fp8_graph(
+            t["q"],
+            t["input_row_offsets"],
+            t["freqs_cis"],
+            t["kv_norm_gamma"],
             args["kv_blocks"].buffer,
-            tensors["cache_lengths"],
-            tensors["lookup_table"],
-            tensors["layer_idx"],
-            tensors["w_uk"],
-            tensors["w_uk_scale"],
-            tensors["w_uv"],
-            tensors["w_uv_scale"],
-            scale=tensors["scale"],
-            epsilon=tensors["epsilon"],
-            local_window_size=tensors["local_window_size"],
-            scale_granularity=config.scale_granularity,
-            mask=config.mask,
-            score_mod=config.score_mod,
+            t["cache_lengths"],
+            t["lookup_table"],
+            t["layer_idx"],
+            t["w_uk"],
+            t["w_uk_scale"],
+            t["w_uv"],
+            t["w_uv_scale"],
+            scale=t["scale"],
+            epsilon=t["epsilon"],
+            scale_granularity=[t[f"{axis}_scale_granularity"] for axis in "mnk"],
+            mask=t["mask"],
+            score_mod=t["score_mod"],
+            local_window_size=t["local_window_size"],
+            out=args["output"].buffer,
         )
-        graph.output(out)
+        graph.output()
     return graph

@@ -4,9 +4,9 @@ The call is registered as the torch custom op ``pymla::mla_decode_branch_fp8``
 (the cache blocks declared as mutated, with a fake implementation for
 tracing), so ``torch.compile(fullgraph=True)`` can trace through it. Its
 real implementation validates the inputs, then runs a MAX model compiled
-once per configuration (device, dtype, scale granularity, mask, score_mod);
-batch, tokens, heads and cache shape are symbolic, so new sizes do not
-recompile.
+once per (device, dtype) and kept in this process: sizes are symbolic and
+the options (granularity, mask, score_mod, scalars) are runtime inputs, so
+nothing else recompiles.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from max.graph import DeviceRef
 
 from . import bridge
 from .cache import PagedLatentCache
-from .graph import OpConfig, build_graph
+from .graph import OpConfig, build_graph, mask_code, score_mod_code
 from .quant import ScaleGranularity
 from .reference import KVCacheTensors
 from .validate import check_inputs
@@ -48,11 +48,7 @@ def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
         if session is None:
             session = engine.InferenceSession(devices=[bridge.max_device(device)])
             _sessions[key] = session
-        g = config.scale_granularity
-        log.info(
-            "pymla: compiling mla_decode_branch_fp8 for %s %s, granularity %s, mask %s, score_mod %s ...",
-            device, config.dtype, tuple(g), config.mask, config.score_mod,
-        )
+        log.info("pymla: compiling mla_decode_branch_fp8 for %s, %s ...", device, config.dtype)
         start = time.perf_counter()
         model = session.load(build_graph(config))
         log.info("pymla: compiled in %.1f s", time.perf_counter() - start)
@@ -64,8 +60,9 @@ def _scalar(value: int | float, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
-@torch.library.custom_op("pymla::mla_decode_branch_fp8", mutates_args=("kv_blocks",))
+@torch.library.custom_op("pymla::mla_decode_branch_fp8", mutates_args=("out", "kv_blocks"))
 def _mla_decode_branch_fp8_op(
+    out: torch.Tensor,
     q: torch.Tensor,
     input_row_offsets: torch.Tensor,
     freqs_cis: torch.Tensor,
@@ -86,44 +83,40 @@ def _mla_decode_branch_fp8_op(
     mask: str,
     score_mod: str,
     local_window_size: int,
-) -> torch.Tensor:
+) -> None:
     granularity = ScaleGranularity(m_scale_granularity, n_scale_granularity, k_scale_granularity)
     dims = check_inputs(
-        q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
+        out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
         layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
         scale=scale, epsilon=epsilon, scale_granularity=granularity, mask=mask,
         score_mod=score_mod, local_window_size=local_window_size,
     )
     if dims.num_tokens == 0:
-        return q.new_empty(0, dims.num_heads, dims.v_head_dim)
-    config = OpConfig(
-        bridge.max_dtype(q.dtype), granularity, mask, score_mod, _device_ref(q.device)
-    )
-    model = compiled_model(config, q.device)
+        return
+    model = compiled_model(OpConfig(bridge.max_dtype(q.dtype), _device_ref(q.device)), q.device)
     inputs = [
-        q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
-        _scalar(layer_idx, torch.uint32), _scalar(scale, torch.float32),
-        _scalar(epsilon, torch.float32), _scalar(local_window_size, torch.int32),
+        out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
+        _scalar(layer_idx, torch.uint32), _scalar(scale, torch.float32), _scalar(epsilon, torch.float32),
+        _scalar(mask_code(mask), torch.int32), _scalar(score_mod_code(score_mod), torch.int32),
+        *(_scalar(v, torch.int32) for v in (local_window_size, *granularity)),
         w_uk, w_uk_scale, w_uv, w_uv_scale,
     ]
-    (out,) = model.execute(*(bridge.to_max(t) for t in inputs))
-    return bridge.to_torch(out)
+    model.execute(*(bridge.to_max(t) for t in inputs))
 
 
 @_mla_decode_branch_fp8_op.register_fake
 def _(
-    q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
+    out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
     layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale, scale, epsilon,
     m_scale_granularity, n_scale_granularity, k_scale_granularity, mask, score_mod, local_window_size,
 ):
     granularity = ScaleGranularity(m_scale_granularity, n_scale_granularity, k_scale_granularity)
-    dims = check_inputs(
-        q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
+    check_inputs(
+        out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
         layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
         scale=scale, epsilon=epsilon, scale_granularity=granularity, mask=mask,
         score_mod=score_mod, local_window_size=local_window_size, check_values=False,
     )
-    return q.new_empty(q.shape[0], dims.num_heads, dims.v_head_dim)
 
 
 def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:
@@ -155,6 +148,7 @@ def mla_decode_branch_fp8(
     mask: str = "causal",
     score_mod: str = "no_pos",
     local_window_size: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused MLA decode branch with fp8 weights; the math is in :mod:`pymla.reference`.
 
@@ -179,9 +173,10 @@ def mla_decode_branch_fp8(
         mask: ``"null"``, ``"causal"``, ``"sliding_window_causal"`` or ``"chunked_causal"``.
         score_mod: ``"no_pos"`` or ``"alibi_pos"``.
         local_window_size: window (sliding) or chunk (chunked) size in tokens.
+        out: optional ``[T, H, v_head_dim]`` tensor of q's dtype to write into.
 
     Returns:
-        ``[T, H, v_head_dim]`` in q's dtype, on q's device.
+        ``[T, H, v_head_dim]`` in q's dtype, on q's device (``out`` when given).
 
     Raises:
         TypeError, ValueError: on bad input, naming the argument, before any
@@ -189,8 +184,18 @@ def mla_decode_branch_fp8(
     """
     kv = cache_tensors(cache)
     g = ScaleGranularity.parse(scale_granularity)
-    return torch.ops.pymla.mla_decode_branch_fp8(
-        q, input_row_offsets, freqs_cis, kv_norm_gamma, kv.blocks, kv.cache_lengths,
+    for name, value in (("q", q), ("input_row_offsets", input_row_offsets), ("freqs_cis", freqs_cis),
+                        ("kv_norm_gamma", kv_norm_gamma), ("w_uk", w_uk), ("w_uk_scale", w_uk_scale),
+                        ("w_uv", w_uv), ("w_uv_scale", w_uv_scale)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if out is None:
+        # A malformed q or w_uv gets a placeholder: the op's checks then name the problem.
+        shaped = q.dim() == 3 and w_uv.dim() == 3
+        out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1]) if shaped else q.new_empty(0)
+    torch.ops.pymla.mla_decode_branch_fp8(
+        out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv.blocks, kv.cache_lengths,
         kv.lookup_table, layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
         float(scale), float(epsilon), g.m, g.n, g.k, mask, score_mod, int(local_window_size),
     )
+    return out

@@ -68,6 +68,7 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
 
 
 def check_inputs(
+    out: torch.Tensor,
     q: torch.Tensor,
     input_row_offsets: torch.Tensor,
     freqs_cis: torch.Tensor,
@@ -127,6 +128,8 @@ def check_inputs(
     ):
         check_tensor(name, scales, rank=3, dtypes=(torch.float32,), device=dev)
         check_shape(name, scales, scale_shape(num_heads, n, k, g.n, g.k), f"scale granularity {tuple(g)}")
+    check_tensor("out", out, rank=3, dtypes=(dtype,), device=dev)
+    check_shape("out", out, (num_tokens, num_heads, v_head_dim), "[tot_seq_len, num_heads, v_head_dim]")
     check_tensor("freqs_cis", freqs_cis, rank=2, dtypes=(dtype,), device=dev)
     check_shape("freqs_cis", freqs_cis, (None, rope_dim), "[max_seq_len, qk_rope_head_dim]")
     check_tensor("kv_norm_gamma", kv_norm_gamma, rank=1, dtypes=(dtype,), device=dev)

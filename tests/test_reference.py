@@ -1,0 +1,199 @@
+"""The torch reference against independent formulations, so that parity with it means something."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pymla import quant
+from pymla.reference import (
+    KVCacheTensors,
+    alibi_slopes,
+    key_range,
+    mla_decode_branch_fp8_reference,
+    rms_norm,
+    rope_interleaved,
+)
+
+from helpers import make_case
+
+
+def test_rope_matches_complex_rotation():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 64, generator=g)
+    angles = torch.rand(5, 1, 32, generator=g) * 6.3
+    freqs = torch.stack([angles.cos(), angles.sin()], dim=-1).reshape(5, 1, 64)
+    expected = torch.view_as_real(
+        torch.view_as_complex(x.reshape(5, 3, 32, 2)) * torch.polar(torch.ones_like(angles), angles)
+    ).reshape(5, 3, 64)
+    torch.testing.assert_close(rope_interleaved(x, freqs), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_matches_torch():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 512, generator=g) * 3
+    gamma = torch.randn(512, generator=g)
+    expected = F.rms_norm(x, (512,), weight=gamma, eps=1e-5)
+    torch.testing.assert_close(rms_norm(x, gamma, 1e-5), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_alibi_slopes_known_values():
+    # Press et al.: 8 heads -> 1/2, 1/4, ..., 1/256.
+    torch.testing.assert_close(alibi_slopes(8), torch.tensor([2.0**-i for i in range(1, 9)]))
+    # 12 heads: the 8 slopes of 8 heads, then the odd slopes of 16 heads.
+    expected = [2.0 ** -(i + 1) for i in range(8)] + [2.0 ** -(0.5 * (2 * i + 1)) for i in range(4)]
+    torch.testing.assert_close(alibi_slopes(12), torch.tensor(expected))
+
+
+@pytest.mark.parametrize(
+    ("mask", "position", "visible", "window", "expected"),
+    [
+        ("null", 7, 9, 0, (0, 9)),
+        ("causal", 7, 9, 0, (0, 8)),
+        ("sliding_window_causal", 7, 9, 3, (5, 8)),
+        ("sliding_window_causal", 1, 9, 3, (0, 2)),
+        ("chunked_causal", 7, 9, 4, (4, 8)),
+        ("chunked_causal", 8, 9, 4, (8, 9)),
+    ],
+)
+def test_key_ranges(mask, position, visible, window, expected):
+    assert key_range(mask, position, visible, window) == expected
+
+
+@pytest.mark.parametrize("granularity", [quant.BLOCKWISE, quant.PER_CHANNEL, quant.PER_TENSOR, (2, 64, 32)])
+def test_quantize_fp8_scale_rule_and_round_trip(granularity):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 130, 200, generator=g) * 5
+    gm, gn, gk = quant.ScaleGranularity.parse(granularity)
+    x_fp8, scales = quant.quantize_fp8(x, gn, gk)
+    assert x_fp8.dtype == torch.float8_e4m3fn
+    assert scales.shape == quant.scale_shape(3, 130, 200, gn, gk)
+    # Each block's largest magnitude maps to 448 (the scale rule).
+    blocks, _ = quant._block_view(x.abs(), gn, gk)
+    torch.testing.assert_close(scales, blocks.amax(dim=(2, 4)) / 448)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normal values.
+    back = quant.dequantize_fp8(x_fp8, scales, gn, gk)
+    full_scale = quant.expand_scales(scales, 130, 200, gn, gk)
+    normal = x.abs() / full_scale >= 2.0**-6
+    assert ((back - x).abs() <= x.abs() * 2**-4 + 1e-12)[normal].all()
+
+
+def test_quantize_fp8_zero_block_has_unit_scale():
+    x = torch.zeros(1, 128, 128)
+    x[0, 0, 0] = 0  # all zero
+    x_fp8, scales = quant.quantize_fp8(x, 128, 128)
+    assert scales.item() == 1.0
+    assert (x_fp8.float() == 0).all()
+
+
+@pytest.mark.parametrize("granularity", [quant.BLOCKWISE, quant.PER_CHANNEL, quant.PER_TENSOR, (1, 32, 64)])
+def test_fp8_batched_matmul_matches_dequantize_then_matmul(granularity):
+    g = torch.Generator().manual_seed(4)
+    gran = quant.ScaleGranularity.parse(granularity)
+    a = torch.randn(4, 6, 128, generator=g)
+    w = torch.randn(4, 512, 128, generator=g) * 0.05
+    w_fp8, w_scale = quant.quantize_fp8(w, gran.n, gran.k)
+    a_fp8, a_scale = quant.quantize_fp8(a, gran.m, gran.k)
+    expected = quant.dequantize_fp8(a_fp8, a_scale, gran.m, gran.k) @ quant.dequantize_fp8(
+        w_fp8, w_scale, gran.n, gran.k
+    ).transpose(1, 2)
+    got = quant.fp8_batched_matmul(a, w_fp8, w_scale, gran)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # And close to the unquantized product (fp8 keeps ~2 significant digits).
+    exact = a @ w.transpose(1, 2)
+    assert (got - exact).norm() / exact.norm() < 0.1
+
+
+def _allowed(mask: str, p: torch.Tensor, j: torch.Tensor, window: int) -> torch.Tensor:
+    """The masks as elementwise predicates on query position p and key position j."""
+    if mask == "null":
+        return torch.ones(p.shape[0], j.shape[1], dtype=torch.bool)
+    causal = j <= p
+    if mask == "causal":
+        return causal
+    if mask == "sliding_window_causal":
+        return causal & (j > p - window)
+    return causal & (j // window == p // window)
+
+
+def _sdpa_attention(case, kv: KVCacheTensors, q_full, scale, mask, score_mod, window):
+    """Attention of every request with torch SDPA on gathered (unpaged) keys."""
+    offsets = case.input_row_offsets.tolist()
+    rank = case.cache.kv_lora_rank
+    slopes = alibi_slopes(q_full.shape[1]) if score_mod == "alibi_pos" else torch.zeros(q_full.shape[1])
+    outs = []
+    for b in range(len(offsets) - 1):
+        n = offsets[b + 1] - offsets[b]
+        c = case.cache.length(b)
+        visible = c + n
+        pages = kv.lookup_table[b].to(torch.int64)
+        pos = torch.arange(visible)
+        keys = kv.blocks[pages[pos // case.cache.page_size], 0, case.layer_idx, pos % case.cache.page_size, 0].float()
+        q_b = q_full[offsets[b] : offsets[b + 1]].transpose(0, 1)  # [H, n, D]
+        qpos = torch.arange(c, c + n)
+        allowed = _allowed(mask, qpos[:, None], pos[None, :], window)
+        bias = -slopes[:, None, None] * (qpos[None, :, None] - pos[None, None, :]).float()
+        bias = bias.masked_fill(~allowed, -math.inf)
+        o = F.scaled_dot_product_attention(
+            q_b, keys[None].expand(q_b.shape[0], -1, -1), keys[None, :, :rank].expand(q_b.shape[0], -1, -1),
+            attn_mask=bias, scale=scale,
+        )
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize(
+    ("mask", "score_mod", "window"),
+    [("causal", "no_pos", 0), ("null", "alibi_pos", 0), ("sliding_window_causal", "alibi_pos", 5),
+     ("chunked_causal", "no_pos", 16)],
+)
+def test_reference_attention_matches_sdpa(mask, score_mod, window, monkeypatch):
+    """The whole reference with its fp8 projections made exact, against SDPA on unpaged keys."""
+    case = make_case(5, dtype=torch.float32, num_heads=4, page_size=8, cache_lengths=(9, 30, 0),
+                     new_tokens=(1, 3, 2), mask=mask, score_mod=score_mod, local_window_size=window)
+    # Replace both fp8 matmuls by exact float matmuls on dequantized weights, so
+    # the remaining difference is the attention alone.
+    from pymla import reference
+
+    def exact_matmul(a, w_fp8, w_scale, granularity):
+        w = quant.dequantize_fp8(w_fp8, w_scale, granularity.n, granularity.k)
+        return a @ w.transpose(1, 2)
+
+    monkeypatch.setattr(reference, "fp8_batched_matmul", exact_matmul)
+    kv = KVCacheTensors(case.cache.blocks.clone(), case.cache.cache_lengths, case.cache.lookup_table)
+    out = mla_decode_branch_fp8_reference(*case.args(cache=kv), **case.options)
+
+    # Independent path: the same steps 1-4, then SDPA, then the output projection.
+    w = case.weights
+    gran = case.options["scale_granularity"]
+    nope = w["w_uk"].shape[2]
+    offsets = case.input_row_offsets.tolist()
+    positions = torch.cat([torch.arange(case.cache.length(b), case.cache.length(b) + offsets[b + 1] - offsets[b])
+                           for b in range(len(offsets) - 1)])
+    q = case.q.float()
+    q_nope = torch.einsum("thk,hnk->thn", q[..., :nope], quant.dequantize_fp8(w["w_uk"], w["w_uk_scale"], gran.n, gran.k))
+    q_full = torch.cat([q_nope, rope_interleaved(q[..., nope:], case.freqs_cis[positions][:, None])], dim=-1)
+    raw = _sdpa_attention(case, kv, q_full, case.options["scale"], mask, score_mod, window)
+    expected = torch.einsum("thk,hnk->thn", raw, quant.dequantize_fp8(w["w_uv"], w["w_uv_scale"], gran.n, gran.k))
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_reference_updates_only_new_rows():
+    case = make_case(6, dtype=torch.float32, num_heads=2)
+    kv = KVCacheTensors(case.cache.blocks.clone(), case.cache.cache_lengths, case.cache.lookup_table)
+    mla_decode_branch_fp8_reference(*case.args(cache=kv), **case.options)
+    changed = (kv.blocks != case.cache.blocks).any(dim=-1)
+    expected = torch.zeros_like(changed)
+    for b, pos in case.new_positions():
+        expected[case.cache.pages_of(b)[pos // case.cache.page_size], 0, case.layer_idx, pos % case.cache.page_size, 0] = True
+    assert torch.equal(changed, expected)
+    # Each new row: RMSNorm of its latent part, RoPE of its rope part.
+    b, pos = case.new_positions()[-1]
+    page = case.cache.pages_of(b)[pos // case.cache.page_size]
+    row_before = case.cache.blocks[page, 0, case.layer_idx, pos % case.cache.page_size, 0]
+    row_after = kv.blocks[page, 0, case.layer_idx, pos % case.cache.page_size, 0]
+    torch.testing.assert_close(row_after[:512], rms_norm(row_before[:512], case.kv_norm_gamma, 1e-6))
+    torch.testing.assert_close(row_after[512:], rope_interleaved(row_before[512:], case.freqs_cis[pos]))
