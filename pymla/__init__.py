@@ -12,7 +12,14 @@ import os as _os
 
 from .cache import PagedLatentCache
 from .op import mla_decode_branch_fp8
-from .quant import BLOCKWISE, PER_CHANNEL, PER_TENSOR, ScaleGranularity, make_mla_weights, quantize_fp8
+from .quant import (
+    BLOCKWISE,
+    PER_CHANNEL,
+    PER_TENSOR,
+    ScaleGranularity,
+    make_mla_weights,
+    quantize_fp8,
+)
 from .reference import KVCacheTensors, mla_decode_branch_fp8_reference
 
 __all__ = [

@@ -52,7 +52,11 @@ class PagedLatentCache:
         shuffle_pages: bool = False,
         generator: torch.Generator | None = None,
     ) -> None:
-        for name, value in (("num_blocks", num_blocks), ("page_size", page_size), ("num_layers", num_layers)):
+        for name, value in (
+            ("num_blocks", num_blocks),
+            ("page_size", page_size),
+            ("num_layers", num_layers),
+        ):
             if int(value) < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         self.page_size = int(page_size)
@@ -140,18 +144,24 @@ class PagedLatentCache:
         pages = self._pages[request]
         pos = torch.arange(start, start + rows.shape[0])
         if rows.shape[0] and int(pos[-1]) // self.page_size >= len(pages):
-            raise ValueError(f"rows: positions up to {int(pos[-1])} exceed the pages of request {request}")
+            raise ValueError(
+                f"rows: positions up to {int(pos[-1])} exceed the pages of request {request}"
+            )
         page_ids = torch.tensor(pages, dtype=torch.long)[pos // self.page_size]
-        self.blocks[page_ids.to(self.device), 0, layer, (pos % self.page_size).to(self.device), 0, :] = rows.to(
-            self.blocks.dtype
-        ).to(self.device)
+        self.blocks[
+            page_ids.to(self.device), 0, layer, (pos % self.page_size).to(self.device), 0, :
+        ] = rows.to(self.blocks.dtype).to(self.device)
 
-    def rows(self, request: int, layer: int, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def rows(
+        self, request: int, layer: int, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
         """A copy of the request's rows at positions ``start .. stop - 1`` (default: all written)."""
         stop = self._lengths[request] + self._pending[request] if stop is None else stop
         pos = torch.arange(start, stop)
         page_ids = torch.tensor(self._pages[request], dtype=torch.long)[pos // self.page_size]
-        return self.blocks[page_ids.to(self.device), 0, layer, (pos % self.page_size).to(self.device), 0, :]
+        return self.blocks[
+            page_ids.to(self.device), 0, layer, (pos % self.page_size).to(self.device), 0, :
+        ]
 
     def advance(self) -> None:
         """Ends a step: every request's pending tokens join its cached tokens."""
@@ -178,7 +188,15 @@ class PagedLatentCache:
         for b, pages in enumerate(self._pages):
             table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
         self.lookup_table = table.to(torch.uint32).to(self.device)
-        self.cache_lengths = torch.tensor(self._lengths, dtype=torch.int64).to(torch.uint32).to(self.device)
+        self.cache_lengths = (
+            torch.tensor(self._lengths, dtype=torch.int64).to(torch.uint32).to(self.device)
+        )
+
+    def to(self, device: str | torch.device) -> None:
+        """Moves the cache's tensors to ``device``."""
+        self.device = torch.device(device)
+        self.blocks = self.blocks.to(self.device)
+        self._sync_tables()
 
     def pages_of(self, request: int) -> list[int]:
         """The block indices request ``request`` owns, in position order."""

@@ -111,7 +111,10 @@ def mla_decode_branch_fp8_graph(
     *,
     scale: float | TensorValue,
     epsilon: float | TensorValue = 1e-6,
-    scale_granularity: ScaleGranularity | tuple[int, int, int] | str | Sequence[TensorValue] = "blockwise",
+    scale_granularity: ScaleGranularity
+    | tuple[int, int, int]
+    | str
+    | Sequence[TensorValue] = "blockwise",
     mask: str | TensorValue = "causal",
     score_mod: str | TensorValue = "no_pos",
     local_window_size: int | TensorValue = 0,
@@ -148,7 +151,9 @@ def mla_decode_branch_fp8_graph(
         score_mod = score_mod_code(score_mod)
     result = out
     if result is None:
-        result = ops.buffer_create(BufferType(q.dtype, [q.shape[0], q.shape[1], w_uv.shape[1]], q.device))
+        result = ops.buffer_create(
+            BufferType(q.dtype, [q.shape[0], q.shape[1], w_uv.shape[1]], q.device)
+        )
     values = [
         result,
         q,
@@ -212,7 +217,9 @@ def input_types(dtype: DType, device: DeviceRef) -> Sequence[TensorType | Buffer
         TensorType(DType.uint32, ["offsets"], device),
         TensorType(dtype, ["max_seq_len", "rope_dim"], device),
         TensorType(dtype, ["kv_lora_rank"], device),
-        BufferType(dtype, ["num_blocks", 1, "num_layers", "page_size", 1, "cache_head_dim"], device),
+        BufferType(
+            dtype, ["num_blocks", 1, "num_layers", "page_size", 1, "cache_head_dim"], device
+        ),
         TensorType(DType.uint32, ["requests"], device),
         TensorType(DType.uint32, ["requests", "pages_per_request"], device),
         scalar(DType.uint32),

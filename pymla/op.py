@@ -86,36 +86,98 @@ def _mla_decode_branch_fp8_op(
 ) -> None:
     granularity = ScaleGranularity(m_scale_granularity, n_scale_granularity, k_scale_granularity)
     dims = check_inputs(
-        out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
-        layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
-        scale=scale, epsilon=epsilon, scale_granularity=granularity, mask=mask,
-        score_mod=score_mod, local_window_size=local_window_size,
+        out,
+        q,
+        input_row_offsets,
+        freqs_cis,
+        kv_norm_gamma,
+        kv_blocks,
+        cache_lengths,
+        lookup_table,
+        layer_idx,
+        w_uk,
+        w_uk_scale,
+        w_uv,
+        w_uv_scale,
+        scale=scale,
+        epsilon=epsilon,
+        scale_granularity=granularity,
+        mask=mask,
+        score_mod=score_mod,
+        local_window_size=local_window_size,
     )
     if dims.num_tokens == 0:
         return
     model = compiled_model(OpConfig(bridge.max_dtype(q.dtype), _device_ref(q.device)), q.device)
     inputs = [
-        out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
-        _scalar(layer_idx, torch.uint32), _scalar(scale, torch.float32), _scalar(epsilon, torch.float32),
-        _scalar(mask_code(mask), torch.int32), _scalar(score_mod_code(score_mod), torch.int32),
+        out,
+        q,
+        input_row_offsets,
+        freqs_cis,
+        kv_norm_gamma,
+        kv_blocks,
+        cache_lengths,
+        lookup_table,
+        _scalar(layer_idx, torch.uint32),
+        _scalar(scale, torch.float32),
+        _scalar(epsilon, torch.float32),
+        _scalar(mask_code(mask), torch.int32),
+        _scalar(score_mod_code(score_mod), torch.int32),
         *(_scalar(v, torch.int32) for v in (local_window_size, *granularity)),
-        w_uk, w_uk_scale, w_uv, w_uv_scale,
+        w_uk,
+        w_uk_scale,
+        w_uv,
+        w_uv_scale,
     ]
     model.execute(*(bridge.to_max(t) for t in inputs))
 
 
 @_mla_decode_branch_fp8_op.register_fake
 def _(
-    out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
-    layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale, scale, epsilon,
-    m_scale_granularity, n_scale_granularity, k_scale_granularity, mask, score_mod, local_window_size,
+    out,
+    q,
+    input_row_offsets,
+    freqs_cis,
+    kv_norm_gamma,
+    kv_blocks,
+    cache_lengths,
+    lookup_table,
+    layer_idx,
+    w_uk,
+    w_uk_scale,
+    w_uv,
+    w_uv_scale,
+    scale,
+    epsilon,
+    m_scale_granularity,
+    n_scale_granularity,
+    k_scale_granularity,
+    mask,
+    score_mod,
+    local_window_size,
 ):
     granularity = ScaleGranularity(m_scale_granularity, n_scale_granularity, k_scale_granularity)
     check_inputs(
-        out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv_blocks, cache_lengths, lookup_table,
-        layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
-        scale=scale, epsilon=epsilon, scale_granularity=granularity, mask=mask,
-        score_mod=score_mod, local_window_size=local_window_size, check_values=False,
+        out,
+        q,
+        input_row_offsets,
+        freqs_cis,
+        kv_norm_gamma,
+        kv_blocks,
+        cache_lengths,
+        lookup_table,
+        layer_idx,
+        w_uk,
+        w_uk_scale,
+        w_uv,
+        w_uv_scale,
+        scale=scale,
+        epsilon=epsilon,
+        scale_granularity=granularity,
+        mask=mask,
+        score_mod=score_mod,
+        local_window_size=local_window_size,
+        check_values=False,
     )
 
 
@@ -184,9 +246,16 @@ def mla_decode_branch_fp8(
     """
     kv = cache_tensors(cache)
     g = ScaleGranularity.parse(scale_granularity)
-    for name, value in (("q", q), ("input_row_offsets", input_row_offsets), ("freqs_cis", freqs_cis),
-                        ("kv_norm_gamma", kv_norm_gamma), ("w_uk", w_uk), ("w_uk_scale", w_uk_scale),
-                        ("w_uv", w_uv), ("w_uv_scale", w_uv_scale)):
+    for name, value in (
+        ("q", q),
+        ("input_row_offsets", input_row_offsets),
+        ("freqs_cis", freqs_cis),
+        ("kv_norm_gamma", kv_norm_gamma),
+        ("w_uk", w_uk),
+        ("w_uk_scale", w_uk_scale),
+        ("w_uv", w_uv),
+        ("w_uv_scale", w_uv_scale),
+    ):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
     if out is None:
@@ -194,8 +263,26 @@ def mla_decode_branch_fp8(
         shaped = q.dim() == 3 and w_uv.dim() == 3
         out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1]) if shaped else q.new_empty(0)
     torch.ops.pymla.mla_decode_branch_fp8(
-        out, q, input_row_offsets, freqs_cis, kv_norm_gamma, kv.blocks, kv.cache_lengths,
-        kv.lookup_table, layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
-        float(scale), float(epsilon), g.m, g.n, g.k, mask, score_mod, int(local_window_size),
+        out,
+        q,
+        input_row_offsets,
+        freqs_cis,
+        kv_norm_gamma,
+        kv.blocks,
+        kv.cache_lengths,
+        kv.lookup_table,
+        layer_idx,
+        w_uk,
+        w_uk_scale,
+        w_uv,
+        w_uv_scale,
+        float(scale),
+        float(epsilon),
+        g.m,
+        g.n,
+        g.k,
+        mask,
+        score_mod,
+        int(local_window_size),
     )
     return out

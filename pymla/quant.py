@@ -66,7 +66,9 @@ class ScaleGranularity(NamedTuple):
                 f"scale_granularity: expected a preset name or an (m, n, k) triple of ints, got {value!r}"
             ) from None
         if min(m, n, k) < 0:
-            raise ValueError(f"scale_granularity: values must be >= 0 (0 = whole axis), got {(m, n, k)}")
+            raise ValueError(
+                f"scale_granularity: values must be >= 0 (0 = whole axis), got {(m, n, k)}"
+            )
         return cls(m, n, k)
 
 
@@ -102,7 +104,9 @@ def _block_view(x: torch.Tensor, row_gran: int, col_gran: int) -> tuple[torch.Te
     return padded.view(g, nr, rb, nc, cb), (rows, cols, nr * rb, nc * cb)
 
 
-def expand_scales(scales: torch.Tensor, rows: int, cols: int, row_gran: int, col_gran: int) -> torch.Tensor:
+def expand_scales(
+    scales: torch.Tensor, rows: int, cols: int, row_gran: int, col_gran: int
+) -> torch.Tensor:
     """Repeats ``[G, RB, CB]`` block scales to one per element of a ``[G, rows, cols]`` operand."""
     rb, cb = block_extent(row_gran, rows), block_extent(col_gran, cols)
     full = scales.repeat_interleave(rb, dim=1).repeat_interleave(cb, dim=2)

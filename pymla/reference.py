@@ -126,7 +126,7 @@ def mla_decode_branch_fp8_reference(
     *,
     scale: float,
     epsilon: float = 1e-6,
-    scale_granularity: ScaleGranularity = ScaleGranularity(1, 128, 128),
+    scale_granularity: ScaleGranularity | tuple[int, int, int] | str = "blockwise",
     mask: str = "causal",
     score_mod: str = "no_pos",
     local_window_size: int = 0,
@@ -158,12 +158,17 @@ def mla_decode_branch_fp8_reference(
 
     # Steps 1, 3 and 4 on q.
     positions = torch.cat(
-        [torch.arange(lengths[b], lengths[b] + offsets[b + 1] - offsets[b]) for b in range(len(offsets) - 1)]
+        [
+            torch.arange(lengths[b], lengths[b] + offsets[b + 1] - offsets[b])
+            for b in range(len(offsets) - 1)
+        ]
         + [torch.zeros(0, dtype=torch.int64)]
     )
     q32 = q.to(torch.float32)
     q_rope = rope_interleaved(q32[:, :, nope:], freqs_cis[positions][:, None, :])
-    q_nope_proj = fp8_batched_matmul(q32[:, :, :nope].transpose(0, 1), w_uk, w_uk_scale, granularity)
+    q_nope_proj = fp8_batched_matmul(
+        q32[:, :, :nope].transpose(0, 1), w_uk, w_uk_scale, granularity
+    )
     q_full = torch.cat([q_nope_proj.transpose(0, 1), q_rope], dim=2)  # [T, H, R + Dr]
 
     # Step 5: attention over the paged cache.
@@ -171,7 +176,9 @@ def mla_decode_branch_fp8_reference(
     for b in range(len(offsets) - 1):
         start, stop = offsets[b], offsets[b + 1]
         visible = lengths[b] + stop - start
-        keys = cache.blocks[_row_index(cache, b, torch.arange(visible), layer_idx)].to(torch.float32)
+        keys = cache.blocks[_row_index(cache, b, torch.arange(visible), layer_idx)].to(
+            torch.float32
+        )
         for t in range(start, stop):
             p = lengths[b] + t - start
             lo, hi = key_range(mask, p, visible, local_window_size)

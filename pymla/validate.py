@@ -53,7 +53,9 @@ def check_tensor(
     if t.dim() != rank:
         raise ValueError(f"{name}: expected a rank-{rank} tensor, got shape {_shape(t)}")
     if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}")
+        raise ValueError(
+            f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}"
+        )
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (where q is), got {t.device}")
     return t
@@ -62,7 +64,9 @@ def check_tensor(
 def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
     """``expected`` holds ints or None (any size); ``what`` names the dims."""
     got = _shape(t)
-    if len(got) != len(expected) or any(e is not None and e != g for e, g in zip(expected, got, strict=True)):
+    if len(got) != len(expected) or any(
+        e is not None and e != g for e, g in zip(expected, got, strict=True)
+    ):
         shown = tuple("*" if e is None else e for e in expected)
         raise ValueError(f"{name}: expected shape {shown} ({what}), got {got}")
 
@@ -100,7 +104,9 @@ def check_inputs(
     if score_mod not in SCORE_MODS:
         raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
     if mask in ("sliding_window_causal", "chunked_causal") and local_window_size < 1:
-        raise ValueError(f"local_window_size: expected >= 1 for mask {mask!r}, got {local_window_size}")
+        raise ValueError(
+            f"local_window_size: expected >= 1 for mask {mask!r}, got {local_window_size}"
+        )
     if not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite float, got {scale}")
     if not (math.isfinite(epsilon) and epsilon >= 0):
@@ -111,7 +117,9 @@ def check_inputs(
     num_tokens, num_heads, q_head_dim = _shape(q)
     check_tensor("w_uk", w_uk, rank=3, dtypes=(FP8_DTYPE,), device=dev)
     _, kv_lora_rank, nope_dim = _shape(w_uk)
-    check_shape("w_uk", w_uk, (num_heads, None, None), "[num_heads of q, kv_lora_rank, qk_nope_head_dim]")
+    check_shape(
+        "w_uk", w_uk, (num_heads, None, None), "[num_heads of q, kv_lora_rank, qk_nope_head_dim]"
+    )
     rope_dim = q_head_dim - nope_dim
     if rope_dim < 2 or rope_dim % 2:
         raise ValueError(
@@ -120,16 +128,25 @@ def check_inputs(
         )
     check_tensor("w_uv", w_uv, rank=3, dtypes=(FP8_DTYPE,), device=dev)
     v_head_dim = w_uv.shape[1]
-    check_shape("w_uv", w_uv, (num_heads, None, kv_lora_rank), "[num_heads of q, v_head_dim, kv_lora_rank of w_uk]")
+    check_shape(
+        "w_uv",
+        w_uv,
+        (num_heads, None, kv_lora_rank),
+        "[num_heads of q, v_head_dim, kv_lora_rank of w_uk]",
+    )
     g = scale_granularity
     for name, scales, n, k in (
         ("w_uk_scale", w_uk_scale, kv_lora_rank, nope_dim),
         ("w_uv_scale", w_uv_scale, v_head_dim, kv_lora_rank),
     ):
         check_tensor(name, scales, rank=3, dtypes=(torch.float32,), device=dev)
-        check_shape(name, scales, scale_shape(num_heads, n, k, g.n, g.k), f"scale granularity {tuple(g)}")
+        check_shape(
+            name, scales, scale_shape(num_heads, n, k, g.n, g.k), f"scale granularity {tuple(g)}"
+        )
     check_tensor("out", out, rank=3, dtypes=(dtype,), device=dev)
-    check_shape("out", out, (num_tokens, num_heads, v_head_dim), "[tot_seq_len, num_heads, v_head_dim]")
+    check_shape(
+        "out", out, (num_tokens, num_heads, v_head_dim), "[tot_seq_len, num_heads, v_head_dim]"
+    )
     check_tensor("freqs_cis", freqs_cis, rank=2, dtypes=(dtype,), device=dev)
     check_shape("freqs_cis", freqs_cis, (None, rope_dim), "[max_seq_len, qk_rope_head_dim]")
     check_tensor("kv_norm_gamma", kv_norm_gamma, rank=1, dtypes=(dtype,), device=dev)
@@ -145,20 +162,33 @@ def check_inputs(
     check_tensor("input_row_offsets", input_row_offsets, rank=1, dtypes=(torch.uint32,), device=dev)
     num_requests = input_row_offsets.shape[0] - 1
     if num_requests < 0:
-        raise ValueError("input_row_offsets: expected shape [num_requests + 1], got an empty tensor")
+        raise ValueError(
+            "input_row_offsets: expected shape [num_requests + 1], got an empty tensor"
+        )
     check_tensor("cache_lengths", cache_lengths, rank=1, dtypes=(torch.uint32,), device=dev)
     check_shape("cache_lengths", cache_lengths, (num_requests,), "[num_requests]")
     check_tensor("lookup_table", lookup_table, rank=2, dtypes=(torch.uint32,), device=dev)
-    check_shape("lookup_table", lookup_table, (num_requests, None), "[num_requests, pages_per_request]")
+    check_shape(
+        "lookup_table", lookup_table, (num_requests, None), "[num_requests, pages_per_request]"
+    )
     if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
         raise TypeError(f"layer_idx: expected an int, got {type(layer_idx).__name__}")
     if not 0 <= layer_idx < num_layers:
-        raise ValueError(f"layer_idx: expected 0 <= layer_idx < {num_layers} (kv_blocks' num_layers), got {layer_idx}")
+        raise ValueError(
+            f"layer_idx: expected 0 <= layer_idx < {num_layers} (kv_blocks' num_layers), got {layer_idx}"
+        )
 
     if check_values:
         _check_values(
-            input_row_offsets, cache_lengths, lookup_table, w_uk_scale, w_uv_scale,
-            num_tokens=num_tokens, max_seq_len=freqs_cis.shape[0], num_blocks=num_blocks, page_size=page_size,
+            input_row_offsets,
+            cache_lengths,
+            lookup_table,
+            w_uk_scale,
+            w_uv_scale,
+            num_tokens=num_tokens,
+            max_seq_len=freqs_cis.shape[0],
+            num_blocks=num_blocks,
+            page_size=page_size,
         )
     return Dims(num_tokens, num_requests, num_heads, nope_dim, rope_dim, kv_lora_rank, v_head_dim)
 

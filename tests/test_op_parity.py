@@ -53,8 +53,15 @@ def test_grid(dtype, granularity, mask, score_mod):
 @pytest.mark.parametrize("num_heads", HEADS)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_heads_and_page_sizes(num_heads, page_size):
-    case = make_case(2000 + num_heads + page_size, num_heads=num_heads, page_size=page_size,
-                     cache_lengths=(130, 1, 0, 64), new_tokens=(1, 4, 2, 1), num_layers=3, layer_idx=2)
+    case = make_case(
+        2000 + num_heads + page_size,
+        num_heads=num_heads,
+        page_size=page_size,
+        cache_lengths=(130, 1, 0, 64),
+        new_tokens=(1, 4, 2, 1),
+        num_layers=3,
+        layer_idx=2,
+    )
     check_parity(case)
 
 
@@ -71,21 +78,42 @@ def test_zero_token_request_in_batch():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_context_uses_partitions(dtype):
     """Contexts long enough to split into several key partitions and merge them."""
-    case = make_case(3003, dtype=dtype, num_heads=16, page_size=64, cache_lengths=(4000,), new_tokens=(2,),
-                     num_layers=1, layer_idx=0, mask="causal", score_mod="alibi_pos")
+    case = make_case(
+        3003,
+        dtype=dtype,
+        num_heads=16,
+        page_size=64,
+        cache_lengths=(4000,),
+        new_tokens=(2,),
+        num_layers=1,
+        layer_idx=0,
+        mask="causal",
+        score_mod="alibi_pos",
+    )
     check_parity(case)
 
 
 def test_many_requests_mixed_lengths():
     g = torch.Generator().manual_seed(3004)
     lengths = tuple(int(v) for v in torch.randint(0, 700, (9,), generator=g))
-    check_parity(make_case(3004, cache_lengths=lengths, new_tokens=(1, 2, 1, 3, 1, 1, 4, 1, 2), page_size=64))
+    check_parity(
+        make_case(3004, cache_lengths=lengths, new_tokens=(1, 2, 1, 3, 1, 1, 4, 1, 2), page_size=64)
+    )
 
 
 def test_other_head_dims():
     """Sizes are runtime values: a smaller MLA (rank 256, nope 64, rope 32, v 64) works too."""
-    check_parity(make_case(3005, kv_lora_rank=256, nope_dim=64, rope_dim=32, v_head_dim=64, num_heads=4,
-                           granularity=(1, 64, 32)))
+    check_parity(
+        make_case(
+            3005,
+            kv_lora_rank=256,
+            nope_dim=64,
+            rope_dim=32,
+            v_head_dim=64,
+            num_heads=4,
+            granularity=(1, 64, 32),
+        )
+    )
 
 
 def test_repeated_calls_reuse_the_model_and_stay_in_parity():

@@ -63,7 +63,9 @@ def test_key_ranges(mask, position, visible, window, expected):
     assert key_range(mask, position, visible, window) == expected
 
 
-@pytest.mark.parametrize("granularity", [quant.BLOCKWISE, quant.PER_CHANNEL, quant.PER_TENSOR, (2, 64, 32)])
+@pytest.mark.parametrize(
+    "granularity", [quant.BLOCKWISE, quant.PER_CHANNEL, quant.PER_TENSOR, (2, 64, 32)]
+)
 def test_quantize_fp8_scale_rule_and_round_trip(granularity):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 130, 200, generator=g) * 5
@@ -89,7 +91,9 @@ def test_quantize_fp8_zero_block_has_unit_scale():
     assert (x_fp8.float() == 0).all()
 
 
-@pytest.mark.parametrize("granularity", [quant.BLOCKWISE, quant.PER_CHANNEL, quant.PER_TENSOR, (1, 32, 64)])
+@pytest.mark.parametrize(
+    "granularity", [quant.BLOCKWISE, quant.PER_CHANNEL, quant.PER_TENSOR, (1, 32, 64)]
+)
 def test_fp8_batched_matmul_matches_dequantize_then_matmul(granularity):
     g = torch.Generator().manual_seed(4)
     gran = quant.ScaleGranularity.parse(granularity)
@@ -123,7 +127,9 @@ def _sdpa_attention(case, kv: KVCacheTensors, q_full, scale, mask, score_mod, wi
     """Attention of every request with torch SDPA on gathered (unpaged) keys."""
     offsets = case.input_row_offsets.tolist()
     rank = case.cache.kv_lora_rank
-    slopes = alibi_slopes(q_full.shape[1]) if score_mod == "alibi_pos" else torch.zeros(q_full.shape[1])
+    slopes = (
+        alibi_slopes(q_full.shape[1]) if score_mod == "alibi_pos" else torch.zeros(q_full.shape[1])
+    )
     outs = []
     for b in range(len(offsets) - 1):
         n = offsets[b + 1] - offsets[b]
@@ -131,15 +137,20 @@ def _sdpa_attention(case, kv: KVCacheTensors, q_full, scale, mask, score_mod, wi
         visible = c + n
         pages = kv.lookup_table[b].to(torch.int64)
         pos = torch.arange(visible)
-        keys = kv.blocks[pages[pos // case.cache.page_size], 0, case.layer_idx, pos % case.cache.page_size, 0].float()
+        keys = kv.blocks[
+            pages[pos // case.cache.page_size], 0, case.layer_idx, pos % case.cache.page_size, 0
+        ].float()
         q_b = q_full[offsets[b] : offsets[b + 1]].transpose(0, 1)  # [H, n, D]
         qpos = torch.arange(c, c + n)
         allowed = _allowed(mask, qpos[:, None], pos[None, :], window)
         bias = -slopes[:, None, None] * (qpos[None, :, None] - pos[None, None, :]).float()
         bias = bias.masked_fill(~allowed, -math.inf)
         o = F.scaled_dot_product_attention(
-            q_b, keys[None].expand(q_b.shape[0], -1, -1), keys[None, :, :rank].expand(q_b.shape[0], -1, -1),
-            attn_mask=bias, scale=scale,
+            q_b,
+            keys[None].expand(q_b.shape[0], -1, -1),
+            keys[None, :, :rank].expand(q_b.shape[0], -1, -1),
+            attn_mask=bias,
+            scale=scale,
         )
         outs.append(o.transpose(0, 1))
     return torch.cat(outs)
@@ -147,13 +158,26 @@ def _sdpa_attention(case, kv: KVCacheTensors, q_full, scale, mask, score_mod, wi
 
 @pytest.mark.parametrize(
     ("mask", "score_mod", "window"),
-    [("causal", "no_pos", 0), ("null", "alibi_pos", 0), ("sliding_window_causal", "alibi_pos", 5),
-     ("chunked_causal", "no_pos", 16)],
+    [
+        ("causal", "no_pos", 0),
+        ("null", "alibi_pos", 0),
+        ("sliding_window_causal", "alibi_pos", 5),
+        ("chunked_causal", "no_pos", 16),
+    ],
 )
 def test_reference_attention_matches_sdpa(mask, score_mod, window, monkeypatch):
     """The whole reference with its fp8 projections made exact, against SDPA on unpaged keys."""
-    case = make_case(5, dtype=torch.float32, num_heads=4, page_size=8, cache_lengths=(9, 30, 0),
-                     new_tokens=(1, 3, 2), mask=mask, score_mod=score_mod, local_window_size=window)
+    case = make_case(
+        5,
+        dtype=torch.float32,
+        num_heads=4,
+        page_size=8,
+        cache_lengths=(9, 30, 0),
+        new_tokens=(1, 3, 2),
+        mask=mask,
+        score_mod=score_mod,
+        local_window_size=window,
+    )
     # Replace both fp8 matmuls by exact float matmuls on dequantized weights, so
     # the remaining difference is the attention alone.
     from pymla import reference
@@ -163,7 +187,9 @@ def test_reference_attention_matches_sdpa(mask, score_mod, window, monkeypatch):
         return a @ w.transpose(1, 2)
 
     monkeypatch.setattr(reference, "fp8_batched_matmul", exact_matmul)
-    kv = KVCacheTensors(case.cache.blocks.clone(), case.cache.cache_lengths, case.cache.lookup_table)
+    kv = KVCacheTensors(
+        case.cache.blocks.clone(), case.cache.cache_lengths, case.cache.lookup_table
+    )
     out = mla_decode_branch_fp8_reference(*case.args(cache=kv), **case.options)
 
     # Independent path: the same steps 1-4, then SDPA, then the output projection.
@@ -171,29 +197,53 @@ def test_reference_attention_matches_sdpa(mask, score_mod, window, monkeypatch):
     gran = case.options["scale_granularity"]
     nope = w["w_uk"].shape[2]
     offsets = case.input_row_offsets.tolist()
-    positions = torch.cat([torch.arange(case.cache.length(b), case.cache.length(b) + offsets[b + 1] - offsets[b])
-                           for b in range(len(offsets) - 1)])
+    positions = torch.cat(
+        [
+            torch.arange(case.cache.length(b), case.cache.length(b) + offsets[b + 1] - offsets[b])
+            for b in range(len(offsets) - 1)
+        ]
+    )
     q = case.q.float()
-    q_nope = torch.einsum("thk,hnk->thn", q[..., :nope], quant.dequantize_fp8(w["w_uk"], w["w_uk_scale"], gran.n, gran.k))
-    q_full = torch.cat([q_nope, rope_interleaved(q[..., nope:], case.freqs_cis[positions][:, None])], dim=-1)
+    q_nope = torch.einsum(
+        "thk,hnk->thn",
+        q[..., :nope],
+        quant.dequantize_fp8(w["w_uk"], w["w_uk_scale"], gran.n, gran.k),
+    )
+    q_full = torch.cat(
+        [q_nope, rope_interleaved(q[..., nope:], case.freqs_cis[positions][:, None])], dim=-1
+    )
     raw = _sdpa_attention(case, kv, q_full, case.options["scale"], mask, score_mod, window)
-    expected = torch.einsum("thk,hnk->thn", raw, quant.dequantize_fp8(w["w_uv"], w["w_uv_scale"], gran.n, gran.k))
+    expected = torch.einsum(
+        "thk,hnk->thn", raw, quant.dequantize_fp8(w["w_uv"], w["w_uv_scale"], gran.n, gran.k)
+    )
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_reference_updates_only_new_rows():
     case = make_case(6, dtype=torch.float32, num_heads=2)
-    kv = KVCacheTensors(case.cache.blocks.clone(), case.cache.cache_lengths, case.cache.lookup_table)
+    kv = KVCacheTensors(
+        case.cache.blocks.clone(), case.cache.cache_lengths, case.cache.lookup_table
+    )
     mla_decode_branch_fp8_reference(*case.args(cache=kv), **case.options)
     changed = (kv.blocks != case.cache.blocks).any(dim=-1)
     expected = torch.zeros_like(changed)
     for b, pos in case.new_positions():
-        expected[case.cache.pages_of(b)[pos // case.cache.page_size], 0, case.layer_idx, pos % case.cache.page_size, 0] = True
+        expected[
+            case.cache.pages_of(b)[pos // case.cache.page_size],
+            0,
+            case.layer_idx,
+            pos % case.cache.page_size,
+            0,
+        ] = True
     assert torch.equal(changed, expected)
     # Each new row: RMSNorm of its latent part, RoPE of its rope part.
     b, pos = case.new_positions()[-1]
     page = case.cache.pages_of(b)[pos // case.cache.page_size]
     row_before = case.cache.blocks[page, 0, case.layer_idx, pos % case.cache.page_size, 0]
     row_after = kv.blocks[page, 0, case.layer_idx, pos % case.cache.page_size, 0]
-    torch.testing.assert_close(row_after[:512], rms_norm(row_before[:512], case.kv_norm_gamma, 1e-6))
-    torch.testing.assert_close(row_after[512:], rope_interleaved(row_before[512:], case.freqs_cis[pos]))
+    torch.testing.assert_close(
+        row_after[:512], rms_norm(row_before[:512], case.kv_norm_gamma, 1e-6)
+    )
+    torch.testing.assert_close(
+        row_after[512:], rope_interleaved(row_before[512:], case.freqs_cis[pos])
+    )
