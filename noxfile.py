@@ -4,13 +4,15 @@ Each session installs the package with its pinned MAX, Mojo and torch into
 its own virtualenv (reused across runs).
 """
 
+from pathlib import Path
+
 import nox
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "tests"]
 
-LINT_PATHS = ["pymla", "tests", "benchmarks", "noxfile.py"]
+LINT_PATHS = [p for p in ("pymla", "tests", "benchmarks", "scripts", "noxfile.py") if Path(p).exists()]
 
 
 @nox.session

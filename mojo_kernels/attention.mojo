@@ -2,9 +2,15 @@
 
 Keys are whole cache rows (`kv_lora_rank + rope_dim` values), values their
 first `kv_lora_rank`. One task takes a request, a group of heads and a
-partition of the request's keys; it converts each key once into a float32
-tile shared by every (token, head) row of the task, and keeps an online
-softmax per row. Partitions are then merged with their log-sum-exp.
+partition of the request's keys. Its rows are the (token, head) pairs of the
+request and group; every key tile is widened to float32 once and shared by
+all rows, so the cache is read once per head group. Per tile:
+
+- scores: `S = Q K^T`, register-blocked `ROW_BLOCK x KEY_BLOCK`;
+- online softmax per row, one SIMD vector over the tile's keys;
+- `O = O * correction + P V`, register-blocked `ROW_BLOCK x COL_BLOCK` vectors.
+
+Partitions are merged with their log-sum-exp at the end.
 """
 
 from std.math import exp, min
@@ -14,7 +20,19 @@ from max.algorithm import sync_parallelize
 from .common import DPtr, FPtr, F32_WIDTH, ceil_div, scratch
 from .paged_cache import PagedLatentRows, RaggedBatch
 
-comptime KEY_TILE = 16
+comptime KEY_TILE = F32_WIDTH  # keys per tile: one score vector per row
+comptime ROW_BLOCK = 4  # rows per register block
+comptime KEY_BLOCK = 4  # keys per register block of the scores
+comptime COL_BLOCK = 4  # value vectors per register block of P V
+
+comptime MASK_NULL = 0
+comptime MASK_CAUSAL = 1
+comptime MASK_SLIDING_WINDOW_CAUSAL = 2
+comptime MASK_CHUNKED_CAUSAL = 3
+comptime SCORE_MOD_NO_POS = 0
+comptime SCORE_MOD_ALIBI_POS = 1
+
+comptime ScoreVec = SIMD[DType.float32, KEY_TILE]
 
 
 def alibi_slope(head: Int, num_heads: Int) -> Float32:
@@ -25,14 +43,6 @@ def alibi_slope(head: Int, num_heads: Int) -> Float32:
     if head < n:
         return Float32(2.0) ** (Float32(-8.0) * Float32(head + 1) / Float32(n))
     return Float32(2.0) ** (Float32(-8.0) * Float32(2 * (head - n) + 1) / Float32(2 * n))
-
-
-comptime MASK_NULL = 0
-comptime MASK_CAUSAL = 1
-comptime MASK_SLIDING_WINDOW_CAUSAL = 2
-comptime MASK_CHUNKED_CAUSAL = 3
-comptime SCORE_MOD_NO_POS = 0
-comptime SCORE_MOD_ALIBI_POS = 1
 
 
 @fieldwise_init
@@ -75,7 +85,7 @@ struct PartialResults(TrivialRegisterPassable):
 def load_key_tile[
     dtype: DType
 ](cache: PagedLatentRows[dtype], b: Int, j0: Int, j1: Int, tile: FPtr, key_dim: Int):
-    """Widens cache rows `j0 .. j1 - 1` of request `b` into `tile [KEY_TILE, key_dim]`."""
+    """Widens cache rows `j0 .. j1 - 1` of request `b` into the first rows of `tile [KEY_TILE, key_dim]`."""
     comptime W = F32_WIDTH
     for j in range(j0, j1):
         var src = cache.row(b, j)
@@ -89,69 +99,144 @@ def load_key_tile[
             k += 1
 
 
-def attend_tile(
-    q_row: FPtr,
-    tile: FPtr,
-    j0: Int,
-    j1: Int,
-    lo: Int,
-    hi: Int,
-    position: Int,
-    slope: Float32,
-    scale: Float32,
-    shape: AttentionShape,
-    acc_out: FPtr,
-    mut row_max: Float32,
-    mut row_sum: Float32,
-):
-    """Online-softmax update of one (token, head) row with keys `j0 .. j1 - 1`.
-
-    Keys outside the row's range `[lo, hi)` are skipped.
-    """
-    var a = max(j0, lo)
-    var e = min(j1, hi)
-    if a >= e:
-        return
-    var scores = SIMD[DType.float32, KEY_TILE](neg_inf[DType.float32]())
-    for j in range(a, e):
-        var s = _dot(q_row, tile.unsafe_offset((j - j0) * shape.key_dim), shape.key_dim)
-        scores[j - j0] = s * scale - slope * Float32(position - j)
-    var new_max = max(row_max, scores.reduce_max())
-    var correction = exp(row_max - new_max)
-    var p = exp(scores - new_max)
-    row_sum = row_sum * correction + p.reduce_add()
-    row_max = new_max
+def tile_scores(q: FPtr, tile: FPtr, scores: FPtr, num_rows: Int, key_dim: Int):
+    """`scores[r, j] = <q[r], tile[j]>` for `num_rows` (a multiple of ROW_BLOCK) rows and KEY_TILE keys."""
     comptime W = F32_WIDTH
-    var rank = shape.kv_lora_rank
-    var c = 0
-    while c + W <= rank:
-        var acc = acc_out.unsafe_load[width=W](c) * correction
-        for j in range(a, e):
-            acc += p[j - j0] * tile.unsafe_load[width=W]((j - j0) * shape.key_dim + c)
-        acc_out.unsafe_store(c, acc)
-        c += W
-    while c < rank:
-        var acc = acc_out.unsafe_load(c) * correction
-        for j in range(a, e):
-            acc += p[j - j0] * tile.unsafe_load((j - j0) * shape.key_dim + c)
-        acc_out.unsafe_store(c, acc)
-        c += 1
+    var main = key_dim - key_dim % W
+    for r0 in range(0, num_rows, ROW_BLOCK):
+        for j0 in range(0, KEY_TILE, KEY_BLOCK):
+            var acc = Array[SIMD[DType.float32, W], ROW_BLOCK * KEY_BLOCK](fill=SIMD[DType.float32, W](0))
+            for d in range(0, main, W):
+                var qv = Array[SIMD[DType.float32, W], ROW_BLOCK](fill=SIMD[DType.float32, W](0))
+                comptime for r in range(ROW_BLOCK):
+                    qv[r] = q.unsafe_load[width=W]((r0 + r) * key_dim + d)
+                comptime for j in range(KEY_BLOCK):
+                    var kv = tile.unsafe_load[width=W]((j0 + j) * key_dim + d)
+                    comptime for r in range(ROW_BLOCK):
+                        acc[r * KEY_BLOCK + j] += qv[r] * kv
+            comptime for r in range(ROW_BLOCK):
+                comptime for j in range(KEY_BLOCK):
+                    var s = acc[r * KEY_BLOCK + j].reduce_add()
+                    for d in range(main, key_dim):
+                        s += q.unsafe_load((r0 + r) * key_dim + d) * tile.unsafe_load((j0 + j) * key_dim + d)
+                    scores.unsafe_store((r0 + r) * KEY_TILE + j0 + j, s)
 
 
-def _dot(a: FPtr, b: FPtr, n: Int) -> Float32:
+def accumulate_values(probs: FPtr, tile: FPtr, acc_out: FPtr, correction: FPtr, num_rows: Int, key_dim: Int, rank: Int):
+    """`acc_out[r] = acc_out[r] * correction[r] + sum_j probs[r, j] * tile[j, :rank]` (values = first `rank` columns)."""
     comptime W = F32_WIDTH
-    var acc0 = SIMD[DType.float32, W](0)
-    var acc1 = SIMD[DType.float32, W](0)
-    var i = 0
-    while i + 2 * W <= n:
-        acc0 += a.unsafe_load[width=W](i) * b.unsafe_load[width=W](i)
-        acc1 += a.unsafe_load[width=W](i + W) * b.unsafe_load[width=W](i + W)
-        i += 2 * W
-    var s = (acc0 + acc1).reduce_add()
-    while i < n:
-        s += a.unsafe_load(i) * b.unsafe_load(i)
-        i += 1
-    return s
+    comptime SPAN = COL_BLOCK * W
+    var main = rank - rank % SPAN
+    for r0 in range(0, num_rows, ROW_BLOCK):
+        var c0 = 0
+        while c0 < rank:
+            var width = SPAN if c0 < main else W
+            if c0 >= main and c0 + W > rank:
+                # Scalar tail of a rank that is not a multiple of the vector width.
+                for r in range(ROW_BLOCK):
+                    var row = acc_out.unsafe_offset((r0 + r) * rank)
+                    for c in range(c0, rank):
+                        var acc = row.unsafe_load(c) * correction.unsafe_load(r0 + r)
+                        for j in range(KEY_TILE):
+                            acc += probs.unsafe_load((r0 + r) * KEY_TILE + j) * tile.unsafe_load(j * key_dim + c)
+                        row.unsafe_store(c, acc)
+                break
+            if width == SPAN:
+                var acc = Array[SIMD[DType.float32, W], ROW_BLOCK * COL_BLOCK](fill=SIMD[DType.float32, W](0))
+                comptime for r in range(ROW_BLOCK):
+                    var corr = correction.unsafe_load(r0 + r)
+                    comptime for c in range(COL_BLOCK):
+                        acc[r * COL_BLOCK + c] = acc_out.unsafe_load[width=W]((r0 + r) * rank + c0 + c * W) * corr
+                for j in range(KEY_TILE):
+                    var vv = Array[SIMD[DType.float32, W], COL_BLOCK](fill=SIMD[DType.float32, W](0))
+                    comptime for c in range(COL_BLOCK):
+                        vv[c] = tile.unsafe_load[width=W](j * key_dim + c0 + c * W)
+                    comptime for r in range(ROW_BLOCK):
+                        var p = SIMD[DType.float32, W](probs.unsafe_load((r0 + r) * KEY_TILE + j))
+                        comptime for c in range(COL_BLOCK):
+                            acc[r * COL_BLOCK + c] += p * vv[c]
+                comptime for r in range(ROW_BLOCK):
+                    comptime for c in range(COL_BLOCK):
+                        acc_out.unsafe_store((r0 + r) * rank + c0 + c * W, acc[r * COL_BLOCK + c])
+            else:
+                comptime for r in range(ROW_BLOCK):
+                    var acc = acc_out.unsafe_load[width=W]((r0 + r) * rank + c0) * correction.unsafe_load(r0 + r)
+                    for j in range(KEY_TILE):
+                        acc += probs.unsafe_load((r0 + r) * KEY_TILE + j) * tile.unsafe_load[width=W](j * key_dim + c0)
+                    acc_out.unsafe_store((r0 + r) * rank + c0, acc)
+            c0 += width
+
+
+struct TaskRows(Movable):
+    """The (token, head) rows of one attention task and their running state."""
+
+    var q_buf: List[Float32]  # [padded rows, key_dim]
+    var out_buf: List[Float32]  # [padded rows, kv_lora_rank]
+    var scores_buf: List[Float32]  # [padded rows, KEY_TILE]
+    var state_buf: List[Float32]  # max, sum, correction, slope per padded row
+    var meta: List[Int]  # lo, hi, position, token, head per row
+    var num_rows: Int
+    var padded: Int
+
+    def __init__(out self, num_rows: Int, key_dim: Int, rank: Int):
+        self.num_rows = num_rows
+        self.padded = ceil_div(max(num_rows, 1), ROW_BLOCK) * ROW_BLOCK
+        self.q_buf = List[Float32](length=self.padded * key_dim, fill=0)
+        self.out_buf = List[Float32](length=self.padded * rank, fill=0)
+        self.scores_buf = List[Float32](length=self.padded * KEY_TILE, fill=0)
+        self.state_buf = List[Float32](length=self.padded * 4, fill=0)
+        self.meta = List[Int](length=self.padded * 5, fill=0)
+        for r in range(self.padded):
+            self.state_buf[r] = neg_inf[DType.float32]()  # running max
+            self.state_buf[2 * self.padded + r] = 1  # correction
+
+    def row_max(mut self) -> FPtr:
+        return scratch(self.state_buf)
+
+    def row_sum(mut self) -> FPtr:
+        return scratch(self.state_buf).unsafe_offset(self.padded)
+
+    def correction(mut self) -> FPtr:
+        return scratch(self.state_buf).unsafe_offset(2 * self.padded)
+
+    def slope(mut self) -> FPtr:
+        return scratch(self.state_buf).unsafe_offset(3 * self.padded)
+
+
+def softmax_update(mut rows: TaskRows, j0: Int, num_keys: Int, scale: Float32):
+    """Turns the tile's scores into probabilities and updates each row's max, sum and correction."""
+    var lanes = SIMD[DType.int32, KEY_TILE]()
+    comptime for i in range(KEY_TILE):
+        lanes[i] = Int32(i)
+    var key_pos = lanes.cast[DType.float32]() + Float32(j0)
+    var scores = scratch(rows.scores_buf)
+    var row_max = rows.row_max()
+    var row_sum = rows.row_sum()
+    var correction = rows.correction()
+    var slope = rows.slope()
+    for r in range(rows.padded):
+        var p_row = scores.unsafe_offset(r * KEY_TILE)
+        correction.unsafe_store(r, 1)
+        if r >= rows.num_rows:
+            p_row.unsafe_store(0, ScoreVec(0))
+            continue
+        var lo = rows.meta[5 * r] - j0
+        var hi = min(rows.meta[5 * r + 1], j0 + num_keys) - j0
+        if lo >= hi:
+            p_row.unsafe_store(0, ScoreVec(0))
+            continue
+        var position = Float32(rows.meta[5 * r + 2])
+        var s = p_row.unsafe_load[width=KEY_TILE](0) * scale - slope.unsafe_load(r) * (position - key_pos)
+        var valid = lanes.ge(Int32(lo)) & lanes.lt(Int32(hi))
+        s = valid.select(s, ScoreVec(neg_inf[DType.float32]()))
+        var old_max = row_max.unsafe_load(r)
+        var new_max = max(old_max, s.reduce_max())
+        var corr = exp(old_max - new_max)
+        var p = exp(s - new_max)
+        row_sum.unsafe_store(r, row_sum.unsafe_load(r) * corr + p.reduce_add())
+        row_max.unsafe_store(r, new_max)
+        correction.unsafe_store(r, corr)
+        p_row.unsafe_store(0, p)
 
 
 def attend_partitions[
@@ -182,47 +267,62 @@ def attend_partitions[
         var k1 = min(k0 + part_len, visible)
         var t0 = batch.start(b)
         var t1 = batch.stop(b)
+        var key_dim = shape.key_dim
+        var rank = shape.kv_lora_rank
 
-        # Row state starts empty; rows whose keys miss this partition stay so.
+        # Gather the task's rows: their queries, key ranges (within this partition) and slopes.
+        var rows = TaskRows((t1 - t0) * (h1 - h0), key_dim, rank)
+        var q_rows = scratch(rows.q_buf)
+        var slopes = rows.slope()
         var k_lo = k1
         var k_hi = k0
+        var r = 0
         for t in range(t0, t1):
+            var position = batch.position(b, t)
+            var span = mask.key_range(position, visible)
+            var lo = max(span[0], k0)
+            var hi = min(span[1], k1)
+            k_lo = min(k_lo, lo)
+            k_hi = max(k_hi, hi)
             for h in range(h0, h1):
-                var row = (part * shape.num_tokens + t) * shape.num_heads + h
-                partials.row_max.unsafe_store(row, neg_inf[DType.float32]())
-                partials.row_sum.unsafe_store(row, 0)
-                var acc = partials.out.unsafe_offset(row * shape.kv_lora_rank)
-                for c in range(shape.kv_lora_rank):
-                    acc.unsafe_store(c, 0)
-            var r = mask.key_range(batch.position(b, t), visible)
-            k_lo = min(k_lo, max(r[0], k0))
-            k_hi = max(k_hi, min(r[1], k1))
+                var src = q_full.unsafe_offset((t * shape.num_heads + h) * key_dim)
+                var dst = q_rows.unsafe_offset(r * key_dim)
+                for d in range(key_dim):
+                    dst.unsafe_store(d, src.unsafe_load(d))
+                rows.meta[5 * r] = lo
+                rows.meta[5 * r + 1] = hi
+                rows.meta[5 * r + 2] = position
+                rows.meta[5 * r + 3] = t
+                rows.meta[5 * r + 4] = h
+                if score_mod == SCORE_MOD_ALIBI_POS:
+                    slopes.unsafe_store(r, alibi_slope(h, shape.num_heads))
+                r += 1
 
-        var tile_buf = List[Float32](length=KEY_TILE * shape.key_dim, fill=0)
+        var tile_buf = List[Float32](length=KEY_TILE * key_dim, fill=0)
         var tile = scratch(tile_buf)
         var j0 = k_lo
         while j0 < k_hi:
             var j1 = min(j0 + KEY_TILE, k_hi)
-            load_key_tile[dtype](cache, b, j0, j1, tile, shape.key_dim)
-            for t in range(t0, t1):
-                var position = batch.position(b, t)
-                var r = mask.key_range(position, visible)
-                for h in range(h0, h1):
-                    var row = (part * shape.num_tokens + t) * shape.num_heads + h
-                    var slope = Float32(0)
-                    if score_mod == SCORE_MOD_ALIBI_POS:
-                        slope = alibi_slope(h, shape.num_heads)
-                    var m = partials.row_max.unsafe_load(row)
-                    var l = partials.row_sum.unsafe_load(row)
-                    attend_tile(
-                        q_full.unsafe_offset((t * shape.num_heads + h) * shape.key_dim),
-                        tile, j0, j1, r[0], r[1], position, slope, scale, shape,
-                        partials.out.unsafe_offset(row * shape.kv_lora_rank), m, l,
-                    )
-                    partials.row_max.unsafe_store(row, m)
-                    partials.row_sum.unsafe_store(row, l)
+            load_key_tile[dtype](cache, b, j0, j1, tile, key_dim)
+            tile_scores(q_rows, tile, scratch(rows.scores_buf), rows.padded, key_dim)
+            softmax_update(rows, j0, j1 - j0, scale)
+            accumulate_values(
+                scratch(rows.scores_buf), tile, scratch(rows.out_buf), rows.correction(), rows.padded, key_dim, rank
+            )
             j0 = j1
+
+        # Hand the rows' state to the merge.
+        var out_rows = scratch(rows.out_buf)
+        for r in range(rows.num_rows):
+            var row = (part * shape.num_tokens + rows.meta[5 * r + 3]) * shape.num_heads + rows.meta[5 * r + 4]
+            partials.row_max.unsafe_store(row, rows.row_max().unsafe_load(r))
+            partials.row_sum.unsafe_store(row, rows.row_sum().unsafe_load(r))
+            var dst = partials.out.unsafe_offset(row * rank)
+            var src = out_rows.unsafe_offset(r * rank)
+            for c in range(rank):
+                dst.unsafe_store(c, src.unsafe_load(c))
         _ = tile_buf^
+        _ = rows^
 
     sync_parallelize(task, batch.num_requests * tasks_per_request)
 
@@ -232,19 +332,31 @@ def merge_partitions(partials: PartialResults, shape: AttentionShape, raw: FPtr)
     var rows = shape.num_tokens * shape.num_heads
 
     def row_task(row: Int) {var partials, var shape, var raw, var rows}:
+        comptime W = F32_WIDTH
+        var rank = shape.kv_lora_rank
         var top = neg_inf[DType.float32]()
         for p in range(shape.num_partitions):
             top = max(top, partials.row_max.unsafe_load(p * rows + row))
         var total = Float32(0)
         for p in range(shape.num_partitions):
-            total += exp(partials.row_max.unsafe_load(p * rows + row) - top) * partials.row_sum.unsafe_load(p * rows + row)
-        var dst = raw.unsafe_offset(row * shape.kv_lora_rank)
-        for c in range(shape.kv_lora_rank):
+            var m = partials.row_max.unsafe_load(p * rows + row)
+            if m > neg_inf[DType.float32]():
+                total += exp(m - top) * partials.row_sum.unsafe_load(p * rows + row)
+        var dst = raw.unsafe_offset(row * rank)
+        for c in range(rank):
             dst.unsafe_store(c, 0)
         for p in range(shape.num_partitions):
-            var w = exp(partials.row_max.unsafe_load(p * rows + row) - top) / total
-            var src = partials.out.unsafe_offset((p * rows + row) * shape.kv_lora_rank)
-            for c in range(shape.kv_lora_rank):
+            var m = partials.row_max.unsafe_load(p * rows + row)
+            if not m > neg_inf[DType.float32]():
+                continue  # this partition held none of the row's keys
+            var w = exp(m - top) / total
+            var src = partials.out.unsafe_offset((p * rows + row) * rank)
+            var c = 0
+            while c + W <= rank:
+                dst.unsafe_store(c, dst.unsafe_load[width=W](c) + w * src.unsafe_load[width=W](c))
+                c += W
+            while c < rank:
                 dst.unsafe_store(c, dst.unsafe_load(c) + w * src.unsafe_load(c))
+                c += 1
 
     sync_parallelize(row_task, rows)

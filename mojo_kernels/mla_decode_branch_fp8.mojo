@@ -29,6 +29,7 @@ from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
 
 comptime MIN_KEYS_PER_PARTITION = 256
 comptime TASKS_PER_WORKER = 4
+comptime MAX_HEADS_PER_TASK = 128
 
 
 def project_q_nope[
@@ -81,7 +82,7 @@ def project_output[
 def plan_attention(batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_rank: Int, key_dim: Int) -> AttentionShape:
     """Splits work so every core is busy: head groups, then key partitions for long contexts."""
     var workers = num_physical_cores()
-    var heads_per_group = min(num_heads, 16)
+    var heads_per_group = min(num_heads, MAX_HEADS_PER_TASK)
     var head_groups = ceil_div(num_heads, heads_per_group)
     var longest = 0
     for b in range(batch.num_requests):
