@@ -6,7 +6,7 @@ partition of the request's keys. Its rows are the (token, head) pairs of the
 request and group; every key tile is widened to float32 once and shared by
 all rows, so the cache is read once per head group. Per tile:
 
-- scores: `S = Q K^T`, register-blocked `ROW_BLOCK x KEY_BLOCK`;
+- scores: `S = Q K^T`, with the register-blocked `dot_block` of common.mojo;
 - online softmax per row, one SIMD vector over the tile's keys;
 - `O = O * correction + P V`, register-blocked `ROW_BLOCK x COL_BLOCK` vectors.
 
@@ -17,12 +17,11 @@ from std.math import exp, min
 from std.utils.numerics import neg_inf
 from max.algorithm import sync_parallelize
 
-from .common import DPtr, FPtr, F32_WIDTH, ceil_div, scratch
+from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32_WIDTH, ceil_div, dot_block, scratch
 from .paged_cache import PagedLatentRows, RaggedBatch
 
 comptime KEY_TILE = F32_WIDTH  # keys per tile: one score vector per row
-comptime ROW_BLOCK = 4  # rows per register block
-comptime KEY_BLOCK = 4  # keys per register block of the scores
+comptime ROW_BLOCK = DOT_ROWS  # rows per register block (scores and P V)
 comptime COL_BLOCK = 4  # value vectors per register block of P V
 
 comptime MASK_NULL = 0
@@ -101,25 +100,14 @@ def load_key_tile[
 
 def tile_scores(q: FPtr, tile: FPtr, scores: FPtr, num_rows: Int, key_dim: Int):
     """`scores[r, j] = <q[r], tile[j]>` for `num_rows` (a multiple of ROW_BLOCK) rows and KEY_TILE keys."""
-    comptime W = F32_WIDTH
-    var main = key_dim - key_dim % W
-    for r0 in range(0, num_rows, ROW_BLOCK):
-        for j0 in range(0, KEY_TILE, KEY_BLOCK):
-            var acc = Array[SIMD[DType.float32, W], ROW_BLOCK * KEY_BLOCK](fill=SIMD[DType.float32, W](0))
-            for d in range(0, main, W):
-                var qv = Array[SIMD[DType.float32, W], ROW_BLOCK](fill=SIMD[DType.float32, W](0))
-                comptime for r in range(ROW_BLOCK):
-                    qv[r] = q.unsafe_load[width=W]((r0 + r) * key_dim + d)
-                comptime for j in range(KEY_BLOCK):
-                    var kv = tile.unsafe_load[width=W]((j0 + j) * key_dim + d)
-                    comptime for r in range(ROW_BLOCK):
-                        acc[r * KEY_BLOCK + j] += qv[r] * kv
-            comptime for r in range(ROW_BLOCK):
-                comptime for j in range(KEY_BLOCK):
-                    var s = acc[r * KEY_BLOCK + j].reduce_add()
-                    for d in range(main, key_dim):
-                        s += q.unsafe_load((r0 + r) * key_dim + d) * tile.unsafe_load((j0 + j) * key_dim + d)
-                    scores.unsafe_store((r0 + r) * KEY_TILE + j0 + j, s)
+    for r0 in range(0, num_rows, DOT_ROWS):
+        for j0 in range(0, KEY_TILE, DOT_COLS):
+            var dots = dot_block(
+                q.unsafe_offset(r0 * key_dim), key_dim, tile.unsafe_offset(j0 * key_dim), key_dim, key_dim
+            )
+            comptime for r in range(DOT_ROWS):
+                comptime for j in range(DOT_COLS):
+                    scores.unsafe_store((r0 + r) * KEY_TILE + j0 + j, dots[r * DOT_COLS + j])
 
 
 def accumulate_values(probs: FPtr, tile: FPtr, acc_out: FPtr, correction: FPtr, num_rows: Int, key_dim: Int, rank: Int):
