@@ -11,6 +11,7 @@ nothing else recompiles.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -23,8 +24,8 @@ from . import bridge
 from .cache import PagedLatentCache
 from .graph import OpConfig, build_graph, mask_code, score_mod_code
 from .quant import ScaleGranularity
-from .reference import KVCacheTensors
-from .validate import check_inputs
+from .reference import MASKS, SCORE_MODS, KVCacheTensors
+from .validate import as_float, as_int, as_str, as_tensor, check_inputs
 
 log = logging.getLogger("pymla")
 
@@ -186,10 +187,42 @@ def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTe
     if isinstance(cache, PagedLatentCache):
         return KVCacheTensors(cache.blocks, cache.cache_lengths, cache.lookup_table)
     if isinstance(cache, tuple) and len(cache) == 3:
+        if not all(isinstance(t, torch.Tensor) for t in cache):
+            types = ", ".join(type(t).__name__ for t in cache)
+            raise TypeError(
+                f"cache: expected a (blocks, cache_lengths, lookup_table) tuple of tensors, got ({types})"
+            )
         return KVCacheTensors(*cache)
     raise TypeError(
         f"cache: expected a PagedLatentCache or a (blocks, cache_lengths, lookup_table) tuple, got {type(cache).__name__}"
     )
+
+
+def _check_pending(
+    cache: PagedLatentCache, input_row_offsets: torch.Tensor, num_tokens: int
+) -> None:
+    """The new tokens of each request are the rows appended to the cache since the last advance."""
+    if (
+        input_row_offsets.dtype != torch.uint32
+        or input_row_offsets.dim() != 1
+        or input_row_offsets.shape[0] != cache.num_requests + 1
+        or input_row_offsets.device != cache.blocks.device
+    ):
+        return  # the op's checks name the problem
+    offsets = input_row_offsets.to(torch.int64).cpu().tolist()
+    if (
+        offsets[0] != 0
+        or offsets[-1] != num_tokens
+        or any(a > b for a, b in itertools.pairwise(offsets))
+    ):
+        return
+    for b in range(cache.num_requests):
+        new, pending = offsets[b + 1] - offsets[b], cache.pending(b)
+        if pending and new != pending:
+            raise ValueError(
+                f"input_row_offsets: expected {pending} new tokens for request {b} (the rows "
+                f"appended to the cache since its last advance()), got {new}"
+            )
 
 
 def mla_decode_branch_fp8(
@@ -239,10 +272,16 @@ def mla_decode_branch_fp8(
 
     Returns:
         ``[T, H, v_head_dim]`` in q's dtype, on q's device (``out`` when given).
+        A request without new tokens is skipped (its cache rows untouched);
+        with no new tokens at all (zero requests included) the output is
+        empty, ``[0, H, v_head_dim]``, and no kernel runs.
 
     Raises:
-        TypeError, ValueError: on bad input, naming the argument, before any
-            kernel runs and without touching the cache.
+        TypeError, ValueError: on bad input, before any kernel runs and
+            without touching the cache or ``out``: ``"<arg>: expected <what>,
+            got <actual>"`` (the cache's tensors are named ``kv_blocks``,
+            ``cache_lengths`` and ``lookup_table``). TypeError for a wrong
+            type or dtype, ValueError for a wrong shape, layout, device or value.
     """
     kv = cache_tensors(cache)
     g = ScaleGranularity.parse(scale_granularity)
@@ -256,8 +295,20 @@ def mla_decode_branch_fp8(
         ("w_uv", w_uv),
         ("w_uv_scale", w_uv_scale),
     ):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+        as_tensor(name, value)
+    for name, weight in (("w_uk", w_uk), ("w_uv", w_uv)):
+        if weight.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{name}: expected dtype {torch.float8_e4m3fn}, got {weight.dtype}")
+    if out is not None and not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
+    layer_idx = as_int("layer_idx", layer_idx)
+    scale = as_float("scale", scale)
+    epsilon = as_float("epsilon", epsilon)
+    local_window_size = as_int("local_window_size", local_window_size)
+    mask = as_str("mask", mask, MASKS)
+    score_mod = as_str("score_mod", score_mod, SCORE_MODS)
+    if isinstance(cache, PagedLatentCache) and not torch.compiler.is_compiling():
+        _check_pending(cache, input_row_offsets, q.shape[0] if q.dim() else -1)
     if out is None:
         # A malformed q or w_uv gets a placeholder: the op's checks then name the problem.
         shaped = q.dim() == 3 and w_uv.dim() == 3
@@ -272,17 +323,17 @@ def mla_decode_branch_fp8(
         kv.cache_lengths,
         kv.lookup_table,
         layer_idx,
-        w_uk,
+        w_uk.view(torch.uint8),
         w_uk_scale,
-        w_uv,
+        w_uv.view(torch.uint8),
         w_uv_scale,
-        float(scale),
-        float(epsilon),
+        scale,
+        epsilon,
         g.m,
         g.n,
         g.k,
         mask,
         score_mod,
-        int(local_window_size),
+        local_window_size,
     )
     return out

@@ -30,6 +30,7 @@ the Mojo kernel uses the same rule, bit for bit.
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -57,19 +58,27 @@ class ScaleGranularity(NamedTuple):
                 return PRESETS[value]
             except KeyError:
                 raise ValueError(
-                    f"scale_granularity: unknown preset {value!r}; expected one of {sorted(PRESETS)}"
+                    f"scale_granularity: expected a preset name, one of {sorted(PRESETS)}, "
+                    f"or an (m, n, k) triple of ints, got {value!r}"
                 ) from None
         try:
-            m, n, k = (int(v) for v in value)
+            m, n, k = (_as_index(v) for v in value)
         except (TypeError, ValueError):
             raise ValueError(
                 f"scale_granularity: expected a preset name or an (m, n, k) triple of ints, got {value!r}"
             ) from None
         if min(m, n, k) < 0:
             raise ValueError(
-                f"scale_granularity: values must be >= 0 (0 = whole axis), got {(m, n, k)}"
+                f"scale_granularity: expected values >= 0 (0 = whole axis), got {(m, n, k)}"
             )
         return cls(m, n, k)
+
+
+def _as_index(value: object) -> int:
+    """An int (or numpy int); bools and floats are refused."""
+    if isinstance(value, bool):
+        raise TypeError("bool")
+    return operator.index(value)
 
 
 PER_TENSOR = ScaleGranularity(0, 0, 0)
@@ -159,6 +168,8 @@ def fp8_batched_matmul(
     """
     g, m_rows, k_cols = a.shape
     n_rows = w_fp8.shape[1]
+    if m_rows == 0:
+        return torch.zeros(g, 0, n_rows, dtype=torch.float32, device=a.device)
     gm, gn, gk = granularity
     a_fp8, a_scales = quantize_fp8(a, gm, gk)
     kb = block_extent(gk, k_cols)

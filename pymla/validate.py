@@ -1,22 +1,39 @@
 """Input checks of the op: every problem is a clear error before any kernel runs.
 
-Errors name the argument, what was expected and what was given. ``TypeError``
-means a wrong type or dtype; ``ValueError`` a wrong shape, layout or value.
-Nothing here writes to any tensor, so a refused call leaves the cache as it was.
+Errors name the argument, what was expected and what was given, in the form
+``"<arg>: expected <what>, got <actual>"``. ``TypeError`` means a wrong type
+or dtype; ``ValueError`` a wrong shape, layout, device or value. Nothing here
+writes to any tensor, so a refused call leaves the cache as it was.
+
+Sizes that several arguments share (heads, kv_lora_rank, qk_rope_head_dim,
+the number of requests, dtype, device) are read off all of them; when they
+disagree, the error names the argument that disagrees with the others (with
+two, the first one listed wins).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .quant import ScaleGranularity, scale_shape
+from .cache import UNUSED_PAGE
+from .quant import PRESETS, ScaleGranularity, scale_shape
 from .reference import MASKS, SCORE_MODS
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPE = torch.float8_e4m3fn
+# The torch op takes fp8 weights as their uint8 bytes (how they cross into MAX, and
+# what torch can compare); the public function checks the fp8 dtype before viewing.
+WEIGHT_DTYPES = (FP8_DTYPE, torch.uint8)
+INDEX_DTYPE = torch.uint32
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = torch.finfo(torch.float32).max
+WINDOWED_MASKS = ("sliding_window_causal", "chunked_causal")
 
 
 @dataclass(frozen=True)
@@ -36,6 +53,51 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
+def _join(names: Sequence[str]) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+# ---------------------------------------------------------------- python scalars
+
+
+def as_int(name: str, value: object) -> int:
+    """An int argument (Python or numpy int, not bool): TypeError otherwise."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def as_float(name: str, value: object) -> float:
+    """A real-number argument (int, float or a one-element real tensor, not bool): TypeError otherwise."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
+    return float(value)
+
+
+def as_str(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """A name out of ``choices``: TypeError for a non-str, ValueError for an unknown name."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected a str, one of {choices}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
+    return value
+
+
+def as_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+# ---------------------------------------------------------------- one tensor
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -43,18 +105,19 @@ def check_tensor(
     rank: int,
     dtypes: tuple[torch.dtype, ...],
     device: torch.device | None = None,
+    dtype_note: str = "",
 ) -> torch.Tensor:
     """Type, dtype, rank, contiguity and device of one tensor argument."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    as_tensor(name, t)
     if t.dtype not in dtypes:
         expected = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name}: expected dtype {expected}, got {t.dtype}")
+        raise TypeError(f"{name}: expected dtype {expected}{dtype_note}, got {t.dtype}")
     if t.dim() != rank:
         raise ValueError(f"{name}: expected a rank-{rank} tensor, got shape {_shape(t)}")
     if not t.is_contiguous():
         raise ValueError(
-            f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()}"
+            f"{name}: expected a contiguous tensor (call .contiguous()), got strides {t.stride()} "
+            f"for shape {_shape(t)}"
         )
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} (where q is), got {t.device}")
@@ -67,8 +130,145 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
     if len(got) != len(expected) or any(
         e is not None and e != g for e, g in zip(expected, got, strict=True)
     ):
-        shown = tuple("*" if e is None else e for e in expected)
+        shown = ", ".join("*" if e is None else str(e) for e in expected)
+        shown = f"({shown},)" if len(expected) == 1 else f"({shown})"
         raise ValueError(f"{name}: expected shape {shown} ({what}), got {got}")
+
+
+# ---------------------------------------------------------------- agreement
+
+
+@dataclass(frozen=True)
+class _Size:
+    """One argument's say on a shared size: ``t.shape[dim] - offset``.
+
+    ``how`` formats the expected ``t.shape[dim]`` from the quantity's
+    description, e.g. ``"{} + 1"`` or ``"kv_lora_rank 512 + {}"``.
+    """
+
+    name: str
+    t: torch.Tensor
+    dim: int
+    offset: int = 0
+    how: str = "{}"
+
+    @property
+    def value(self):
+        return self.t.shape[self.dim] - self.offset
+
+
+def _majority(values: list) -> object:
+    """The most frequent value; ties go to the one listed first."""
+    return max(values, key=lambda v: (values.count(v), -values.index(v)))
+
+
+def _agree_size(quantity: str, sources: list[_Size]) -> int:
+    """The size most ``sources`` agree on; a ValueError naming the first that does not."""
+    values = [s.value for s in sources]
+    best = _majority(values)
+    for s, v in zip(sources, values, strict=True):
+        if v != best:
+            peers = [o.name for o, w in zip(sources, values, strict=True) if w == best]
+            described = s.how.format(f"{quantity} {best}")
+            raise ValueError(
+                f"{s.name}: expected size {best + s.offset} in dim {s.dim} "
+                f"({described}, as in {_join(peers)}), got {v + s.offset} (shape {_shape(s.t)})"
+            )
+    return best
+
+
+def _agree_attr(attr: str, tensors: dict[str, torch.Tensor], error: type[Exception]) -> object:
+    """The dtype or device most ``tensors`` share; an error naming the first that differs."""
+    names = list(tensors)
+    values = [getattr(t, attr) for t in tensors.values()]
+    best = _majority(values)
+    for name, v in zip(names, values, strict=True):
+        if v != best:
+            peers = [n for n, w in zip(names, values, strict=True) if w == best]
+            if len(peers) > 3:
+                peers = [peers[0], f"{len(peers) - 1} other inputs"]
+            what = f"dtype {best}" if attr == "dtype" else f"a tensor on {best}"
+            raise error(f"{name}: expected {what} (as {_join(peers)}), got {v}")
+    return best
+
+
+def _at_least(name: str, t: torch.Tensor, dim: int, what: str, minimum: int = 1) -> None:
+    if t.shape[dim] < minimum:
+        raise ValueError(
+            f"{name}: expected {what} >= {minimum} in dim {dim}, got {t.shape[dim]} "
+            f"(shape {_shape(t)})"
+        )
+
+
+def _blocks_text(axis: str, size: int, granularity: int) -> str:
+    if granularity == 0:
+        return f"1 (whole {axis} {size})"
+    return f"ceil({axis} {size} / {granularity})"
+
+
+def _check_scales(
+    name: str,
+    scales: torch.Tensor,
+    num_heads: int,
+    rows: tuple[str, int],
+    cols: tuple[str, int],
+    g: ScaleGranularity,
+) -> None:
+    expected = scale_shape(num_heads, rows[1], cols[1], g.n, g.k)
+    got = _shape(scales)
+    if got == expected:
+        return
+    what = (
+        f"[num_heads {num_heads}, {_blocks_text(*rows, g.n)}, {_blocks_text(*cols, g.k)}] "
+        f"for scale_granularity {tuple(g)}"
+    )
+    fits = [
+        f"{preset!r} {tuple(p)}"
+        for preset, p in PRESETS.items()
+        if (p.n, p.k) != (g.n, g.k) and scale_shape(num_heads, rows[1], cols[1], p.n, p.k) == got
+    ]
+    hint = f"; that shape fits scale_granularity {' or '.join(fits)}" if fits else ""
+    raise ValueError(f"{name}: expected shape {expected} ({what}), got {got}{hint}")
+
+
+# ---------------------------------------------------------------- options
+
+
+def check_options(
+    *,
+    scale: float,
+    epsilon: float,
+    scale_granularity: ScaleGranularity,
+    mask: str,
+    score_mod: str,
+    local_window_size: int,
+) -> None:
+    """The non-tensor options of the op."""
+    as_str("mask", mask, MASKS)
+    as_str("score_mod", score_mod, SCORE_MODS)
+    window = as_int("local_window_size", local_window_size)
+    if mask in WINDOWED_MASKS and window < 1:
+        raise ValueError(f"local_window_size: expected >= 1 for mask {mask!r}, got {window}")
+    if not 0 <= window <= INT32_MAX:
+        raise ValueError(
+            f"local_window_size: expected 0 <= local_window_size < 2**31, got {window}"
+        )
+    scale = as_float("scale", scale)
+    if not (math.isfinite(scale) and abs(scale) <= FLOAT32_MAX):
+        raise ValueError(f"scale: expected a finite float32 value, got {scale}")
+    epsilon = as_float("epsilon", epsilon)
+    if not (math.isfinite(epsilon) and 0 <= epsilon <= FLOAT32_MAX):
+        raise ValueError(f"epsilon: expected a finite float32 value >= 0, got {epsilon}")
+    g = tuple(scale_granularity)
+    if len(g) != 3 or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT32_MAX for v in g
+    ):
+        raise ValueError(
+            f"scale_granularity: expected an (m, n, k) triple of ints in [0, 2**31), got {g}"
+        )
+
+
+# ---------------------------------------------------------------- the op
 
 
 def check_inputs(
@@ -99,86 +299,123 @@ def check_inputs(
     ``check_values=False`` checks only metadata (what torch's fake tensors
     have), for tracing.
     """
-    if mask not in MASKS:
-        raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
-    if score_mod not in SCORE_MODS:
-        raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
-    if mask in ("sliding_window_causal", "chunked_causal") and local_window_size < 1:
-        raise ValueError(
-            f"local_window_size: expected >= 1 for mask {mask!r}, got {local_window_size}"
-        )
-    if not math.isfinite(scale):
-        raise ValueError(f"scale: expected a finite float, got {scale}")
-    if not (math.isfinite(epsilon) and epsilon >= 0):
-        raise ValueError(f"epsilon: expected a finite float >= 0, got {epsilon}")
-
-    check_tensor("q", q, rank=3, dtypes=ACTIVATION_DTYPES)
-    dev, dtype = q.device, q.dtype
-    num_tokens, num_heads, q_head_dim = _shape(q)
-    check_tensor("w_uk", w_uk, rank=3, dtypes=(FP8_DTYPE,), device=dev)
-    _, kv_lora_rank, nope_dim = _shape(w_uk)
-    check_shape(
-        "w_uk", w_uk, (num_heads, None, None), "[num_heads of q, kv_lora_rank, qk_nope_head_dim]"
+    check_options(
+        scale=scale,
+        epsilon=epsilon,
+        scale_granularity=scale_granularity,
+        mask=mask,
+        score_mod=score_mod,
+        local_window_size=local_window_size,
     )
-    rope_dim = q_head_dim - nope_dim
+    layer_idx = as_int("layer_idx", layer_idx)
+
+    # Each input on its own: type, dtype, rank, contiguity.
+    inputs = {
+        "q": (q, 3, ACTIVATION_DTYPES),
+        "input_row_offsets": (input_row_offsets, 1, (INDEX_DTYPE,)),
+        "freqs_cis": (freqs_cis, 2, ACTIVATION_DTYPES),
+        "kv_norm_gamma": (kv_norm_gamma, 1, ACTIVATION_DTYPES),
+        "kv_blocks": (kv_blocks, 6, ACTIVATION_DTYPES),
+        "cache_lengths": (cache_lengths, 1, (INDEX_DTYPE,)),
+        "lookup_table": (lookup_table, 2, (INDEX_DTYPE,)),
+        "w_uk": (w_uk, 3, WEIGHT_DTYPES),
+        "w_uk_scale": (w_uk_scale, 3, (torch.float32,)),
+        "w_uv": (w_uv, 3, WEIGHT_DTYPES),
+        "w_uv_scale": (w_uv_scale, 3, (torch.float32,)),
+    }
+    for name, (t, rank, dtypes) in inputs.items():
+        check_tensor(name, t, rank=rank, dtypes=dtypes)
+    dev = _agree_attr("device", {name: t for name, (t, _, _) in inputs.items()}, ValueError)
+    dtype = _agree_attr(
+        "dtype",
+        {"q": q, "freqs_cis": freqs_cis, "kv_norm_gamma": kv_norm_gamma, "kv_blocks": kv_blocks},
+        TypeError,
+    )
+
+    # Sizes shared between arguments.
+    num_tokens = q.shape[0]
+    num_heads = _agree_size(
+        "num_heads", [_Size("q", q, 1), _Size("w_uk", w_uk, 0), _Size("w_uv", w_uv, 0)]
+    )
+    _at_least("q", q, 1, "num_heads")
+    kv_lora_rank = _agree_size(
+        "kv_lora_rank",
+        [_Size("w_uk", w_uk, 1), _Size("w_uv", w_uv, 2), _Size("kv_norm_gamma", kv_norm_gamma, 0)],
+    )
+    _at_least("w_uk", w_uk, 1, "kv_lora_rank")
+    nope_dim = w_uk.shape[2]
+    _at_least("w_uk", w_uk, 2, "qk_nope_head_dim")
+    rope_dim = _agree_size(
+        "qk_rope_head_dim",
+        [
+            _Size("freqs_cis", freqs_cis, 1),
+            _Size("kv_blocks", kv_blocks, 5, kv_lora_rank, f"kv_lora_rank {kv_lora_rank} + {{}}"),
+            _Size("q", q, 2, nope_dim, f"w_uk's qk_nope_head_dim {nope_dim} + {{}}"),
+        ],
+    )
     if rope_dim < 2 or rope_dim % 2:
         raise ValueError(
-            f"q: last dim {q_head_dim} minus w_uk's qk_nope_head_dim {nope_dim} gives "
-            f"qk_rope_head_dim {rope_dim}; expected an even number >= 2"
+            f"freqs_cis: expected an even qk_rope_head_dim >= 2 in dim 1 (q's dim 2 minus w_uk's "
+            f"qk_nope_head_dim {nope_dim}), got {rope_dim} (shape {_shape(freqs_cis)})"
         )
-    check_tensor("w_uv", w_uv, rank=3, dtypes=(FP8_DTYPE,), device=dev)
     v_head_dim = w_uv.shape[1]
-    check_shape(
-        "w_uv",
-        w_uv,
-        (num_heads, None, kv_lora_rank),
-        "[num_heads of q, v_head_dim, kv_lora_rank of w_uk]",
-    )
+    _at_least("w_uv", w_uv, 1, "v_head_dim")
+
     g = scale_granularity
-    for name, scales, n, k in (
-        ("w_uk_scale", w_uk_scale, kv_lora_rank, nope_dim),
-        ("w_uv_scale", w_uv_scale, v_head_dim, kv_lora_rank),
-    ):
-        check_tensor(name, scales, rank=3, dtypes=(torch.float32,), device=dev)
-        check_shape(
-            name, scales, scale_shape(num_heads, n, k, g.n, g.k), f"scale granularity {tuple(g)}"
-        )
-    check_tensor("out", out, rank=3, dtypes=(dtype,), device=dev)
-    check_shape(
-        "out", out, (num_tokens, num_heads, v_head_dim), "[tot_seq_len, num_heads, v_head_dim]"
+    _check_scales(
+        "w_uk_scale",
+        w_uk_scale,
+        num_heads,
+        ("kv_lora_rank", kv_lora_rank),
+        ("qk_nope_head_dim", nope_dim),
+        g,
     )
-    check_tensor("freqs_cis", freqs_cis, rank=2, dtypes=(dtype,), device=dev)
-    check_shape("freqs_cis", freqs_cis, (None, rope_dim), "[max_seq_len, qk_rope_head_dim]")
-    check_tensor("kv_norm_gamma", kv_norm_gamma, rank=1, dtypes=(dtype,), device=dev)
-    check_shape("kv_norm_gamma", kv_norm_gamma, (kv_lora_rank,), "[kv_lora_rank]")
-    check_tensor("kv_blocks", kv_blocks, rank=6, dtypes=(dtype,), device=dev)
+    _check_scales(
+        "w_uv_scale",
+        w_uv_scale,
+        num_heads,
+        ("v_head_dim", v_head_dim),
+        ("kv_lora_rank", kv_lora_rank),
+        g,
+    )
+
+    # The cache.
     check_shape(
         "kv_blocks",
         kv_blocks,
         (None, 1, None, None, 1, kv_lora_rank + rope_dim),
         "[num_blocks, 1, num_layers, page_size, 1, kv_lora_rank + qk_rope_head_dim]",
     )
+    _at_least("kv_blocks", kv_blocks, 3, "page_size")
     num_blocks, _, num_layers, page_size, _, _ = _shape(kv_blocks)
-    check_tensor("input_row_offsets", input_row_offsets, rank=1, dtypes=(torch.uint32,), device=dev)
-    num_requests = input_row_offsets.shape[0] - 1
-    if num_requests < 0:
-        raise ValueError(
-            "input_row_offsets: expected shape [num_requests + 1], got an empty tensor"
-        )
-    check_tensor("cache_lengths", cache_lengths, rank=1, dtypes=(torch.uint32,), device=dev)
-    check_shape("cache_lengths", cache_lengths, (num_requests,), "[num_requests]")
-    check_tensor("lookup_table", lookup_table, rank=2, dtypes=(torch.uint32,), device=dev)
-    check_shape(
-        "lookup_table", lookup_table, (num_requests, None), "[num_requests, pages_per_request]"
-    )
-    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
-        raise TypeError(f"layer_idx: expected an int, got {type(layer_idx).__name__}")
     if not 0 <= layer_idx < num_layers:
         raise ValueError(
             f"layer_idx: expected 0 <= layer_idx < {num_layers} (kv_blocks' num_layers), got {layer_idx}"
         )
+    num_requests = _agree_size(
+        "num_requests",
+        [
+            _Size("input_row_offsets", input_row_offsets, 0, 1, "{} + 1"),
+            _Size("cache_lengths", cache_lengths, 0),
+            _Size("lookup_table", lookup_table, 0),
+        ],
+    )
+    if num_requests < 0:
+        raise ValueError(
+            "input_row_offsets: expected shape [num_requests + 1] (at least [0]), got an empty tensor"
+        )
+
+    # The output.
+    check_tensor("out", out, rank=3, dtypes=(dtype,), device=dev, dtype_note=" (q's dtype)")
+    check_shape(
+        "out",
+        out,
+        (num_tokens, num_heads, v_head_dim),
+        "[tot_seq_len of q, num_heads, v_head_dim of w_uv]",
+    )
 
     if check_values:
+        _check_no_overlap(out, kv_blocks, {name: t for name, (t, _, _) in inputs.items()})
         _check_values(
             input_row_offsets,
             cache_lengths,
@@ -191,6 +428,27 @@ def check_inputs(
             page_size=page_size,
         )
     return Dims(num_tokens, num_requests, num_heads, nope_dim, rope_dim, kv_lora_rank, v_head_dim)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous tensors share memory."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _check_no_overlap(
+    out: torch.Tensor, kv_blocks: torch.Tensor, inputs: dict[str, torch.Tensor]
+) -> None:
+    """The tensors the op writes (out, the cache blocks) share memory with no other argument."""
+    for name, written in (("out", out), ("kv_blocks", kv_blocks)):
+        for other, t in inputs.items():
+            if t is not written and other != name and _overlaps(written, t):
+                raise ValueError(
+                    f"{name}: expected memory of its own (the op writes it), got a tensor "
+                    f"overlapping {other}"
+                )
 
 
 def _check_values(
@@ -206,44 +464,86 @@ def _check_values(
     page_size: int,
 ) -> None:
     for name, scales in (("w_uk_scale", w_uk_scale), ("w_uv_scale", w_uv_scale)):
-        if not bool(torch.isfinite(scales).all()):
-            bad = scales[~torch.isfinite(scales)][0].item()
-            raise ValueError(f"{name}: expected finite scales, found {bad}")
+        finite = torch.isfinite(scales)
+        if not bool(finite.all()):
+            index = tuple(int(v) for v in torch.nonzero(~finite)[0])
+            raise ValueError(
+                f"{name}: expected finite scales, got {scales[index].item()} at {list(index)}"
+            )
     offsets = input_row_offsets.to(torch.int64).cpu()
     if int(offsets[0]) != 0:
         raise ValueError(f"input_row_offsets: expected to start at 0, got {int(offsets[0])}")
-    steps = offsets[1:] - offsets[:-1]
+    steps = offsets[1:] - offsets[:-1]  # new tokens per request
     if bool((steps < 0).any()):
         b = int(torch.nonzero(steps < 0)[0])
         raise ValueError(
-            f"input_row_offsets: expected non-decreasing values, got {int(offsets[b])} then {int(offsets[b + 1])} at request {b}"
+            f"input_row_offsets: expected non-decreasing values, got {int(offsets[b])} then "
+            f"{int(offsets[b + 1])} at request {b}"
         )
     if int(offsets[-1]) != num_tokens:
         raise ValueError(
-            f"input_row_offsets: expected to end at tot_seq_len = {num_tokens} (q's first dim), got {int(offsets[-1])}"
+            f"input_row_offsets: expected to end at tot_seq_len = {num_tokens} (q's dim 0), "
+            f"got {int(offsets[-1])}"
         )
     if steps.numel() == 0:
         return
-    ends = cache_lengths.to(torch.int64).cpu() + steps  # one past each request's last position
+    lengths = cache_lengths.to(torch.int64).cpu()
+    ends = lengths + steps  # one past each request's last position
     worst = int(torch.argmax(ends))
     if int(ends[worst]) > max_seq_len:
         raise ValueError(
-            f"cache_lengths: request {worst} has {int(ends[worst]) - int(steps[worst])} cached + "
-            f"{int(steps[worst])} new tokens = {int(ends[worst])} positions, past freqs_cis' {max_seq_len} rows"
+            f"cache_lengths: expected cached + new tokens <= {max_seq_len} (freqs_cis' rows), got "
+            f"{int(lengths[worst])} + {int(steps[worst])} = {int(ends[worst])} for request {worst}"
         )
     pages_needed = (ends + page_size - 1) // page_size
     capacity = lookup_table.shape[1]
-    if int(pages_needed.max()) > capacity:
-        b = int(torch.argmax(pages_needed))
+    b = int(torch.argmax(pages_needed))
+    if int(pages_needed[b]) > capacity:
         raise ValueError(
-            f"lookup_table: request {b} needs {int(pages_needed[b])} pages of {page_size} tokens for "
-            f"{int(ends[b])} positions, but lookup_table has {capacity} per request"
+            f"lookup_table: expected >= {int(pages_needed[b])} pages per request (request {b} has "
+            f"{int(lengths[b])} cached + {int(steps[b])} new tokens in pages of {page_size}), "
+            f"got shape {_shape(lookup_table)} (were its new rows appended to the cache?)"
         )
     table = lookup_table.to(torch.int64).cpu()
     used = torch.arange(capacity)[None, :] < pages_needed[:, None]
+    unowned = used & (table == UNUSED_PAGE)
+    if bool(unowned.any()):
+        b, p = (int(v) for v in torch.nonzero(unowned)[0])
+        raise ValueError(
+            f"lookup_table: expected a page at [{b}, {p}] (request {b} has {int(lengths[b])} "
+            f"cached + {int(steps[b])} new tokens in pages of {page_size}), got the unused-page "
+            f"marker {UNUSED_PAGE:#x}: the request owns only {p} pages "
+            "(were its new rows appended to the cache?)"
+        )
     outside = used & (table >= num_blocks)
     if bool(outside.any()):
         b, p = (int(v) for v in torch.nonzero(outside)[0])
         raise ValueError(
-            f"lookup_table: entry [{b}, {p}] = {int(table[b, p])} is outside kv_blocks' {num_blocks} blocks"
+            f"lookup_table: expected entries < {num_blocks} (kv_blocks' num_blocks), "
+            f"got {int(table[b, p])} at [{b}, {p}]"
+        )
+    _check_distinct_new_rows(offsets, lengths, table, page_size)
+
+
+def _check_distinct_new_rows(
+    offsets: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor, page_size: int
+) -> None:
+    """Every new token's cache row belongs to it alone (the op rewrites those rows in place)."""
+    steps = offsets[1:] - offsets[:-1]
+    request = torch.repeat_interleave(torch.arange(steps.numel()), steps)
+    if request.numel() < 2:
+        return
+    position = lengths[request] + torch.arange(request.numel()) - offsets[:-1][request]
+    block = table[request, position // page_size]
+    row = block * page_size + position % page_size
+    _, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
+    shared = counts[inverse] > 1
+    if bool(shared.any()):
+        first = int(torch.nonzero(shared)[0])
+        second = int(torch.nonzero(shared & (row == row[first]))[1])
+        raise ValueError(
+            f"lookup_table: expected a cache row of its own for each new token, got request "
+            f"{int(request[first])} position {int(position[first])} and request "
+            f"{int(request[second])} position {int(position[second])} both in block "
+            f"{int(block[first])} row {int(position[first]) % page_size}"
         )

@@ -1,0 +1,152 @@
+"""Torch-native calling: torch.compile without graph breaks, opcheck, and the demo command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+import pymla
+from pymla.parity import compare_output
+
+from helpers import check_parity, make_case, run_reference
+
+
+def _op_args(case):
+    w = case.weights
+    kv = case.cache_tensors()
+    out = torch.empty(case.q.shape[0], case.q.shape[1], w["w_uv"].shape[1], dtype=case.q.dtype)
+    o = case.options
+    g = pymla.ScaleGranularity.parse(o["scale_granularity"])
+    return (
+        out,
+        case.q,
+        case.input_row_offsets,
+        case.freqs_cis,
+        case.kv_norm_gamma,
+        kv.blocks,
+        kv.cache_lengths,
+        kv.lookup_table,
+        case.layer_idx,
+        w["w_uk"].view(torch.uint8),
+        w["w_uk_scale"],
+        w["w_uv"].view(torch.uint8),
+        w["w_uv_scale"],
+        o["scale"],
+        o["epsilon"],
+        g.m,
+        g.n,
+        g.k,
+        o["mask"],
+        o["score_mod"],
+        o["local_window_size"],
+    )
+
+
+def test_torch_compile_fullgraph_matches_reference():
+    case = make_case(401, num_heads=16, cache_lengths=(30, 5), new_tokens=(1, 2))
+    ref_out, ref_blocks = run_reference(case)
+    w = case.weights
+
+    def decode_layer(q, cache):
+        # A small torch program around the op: scale q, run the op, post-process.
+        out = pymla.mla_decode_branch_fp8(
+            q * 1.0,
+            case.input_row_offsets,
+            case.freqs_cis,
+            case.kv_norm_gamma,
+            cache,
+            case.layer_idx,
+            w["w_uk"],
+            w["w_uk_scale"],
+            w["w_uv"],
+            w["w_uv_scale"],
+            **case.options,
+        )
+        return out.float() * 2.0
+
+    torch._dynamo.reset()
+    compiled = torch.compile(decode_layer, fullgraph=True)
+    got = compiled(case.q, case.cache)
+    report = compare_output((got / 2).to(case.q.dtype), ref_out)
+    assert report.passed, report.describe()
+    # The cache mutation happened through the compiled graph too.
+    updated = case.new_rows_mask()
+    assert torch.equal(case.cache.blocks[updated], ref_blocks[updated]) or (
+        (case.cache.blocks[updated].float() - ref_blocks[updated].float()).abs().max() < 0.02
+    )
+
+
+def test_opcheck():
+    case = make_case(
+        402, num_heads=4, cache_lengths=(9, 0), new_tokens=(1, 1), num_layers=1, layer_idx=0
+    )
+    torch.library.opcheck(torch.ops.pymla.mla_decode_branch_fp8.default, _op_args(case))
+
+
+def test_op_is_registered_with_mutations_declared():
+    schema = torch.ops.pymla.mla_decode_branch_fp8.default._schema
+    mutated = {
+        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    }
+    assert mutated == {"out", "kv_blocks"}
+
+
+def test_direct_torch_ops_call_matches_reference():
+    case = make_case(
+        403, num_heads=2, cache_lengths=(12,), new_tokens=(3,), num_layers=1, layer_idx=0
+    )
+    ref_out, _ = run_reference(case)
+    args = _op_args(case)
+    torch.ops.pymla.mla_decode_branch_fp8(*args)
+    assert compare_output(args[0], ref_out).passed
+
+
+def test_public_function_parity_smoke():
+    check_parity(make_case(404, num_heads=16))
+
+
+def test_demo_command_succeeds():
+    result = subprocess.run(
+        [sys.executable, "-m", "pymla", "demo", "--repeat", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PARITY OK" in result.stdout
+    for label in (
+        "max abs error",
+        "relative error",
+        "time per call: pymla op",
+        "time per call: torch reference",
+    ):
+        assert label in result.stdout
+
+
+def test_compile_is_logged_once():
+    import logging
+
+    from pymla import op
+
+    op._models.clear()
+    logger = logging.getLogger("pymla")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        case = make_case(
+            405, num_heads=2, cache_lengths=(3,), new_tokens=(1,), num_layers=1, layer_idx=0
+        )
+        pymla.mla_decode_branch_fp8(*case.args(), **case.options)
+        pymla.mla_decode_branch_fp8(*case.args(), **case.options)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    messages = [r.getMessage() for r in records]
+    assert sum("compiling" in m for m in messages) == 1
+    assert any("compiled in" in m for m in messages)
