@@ -1,7 +1,9 @@
 """`pymla.mla_decode_branch_fp8`: the fused MLA decode branch with fp8 weights.
 
-The math is specified once, in `pymla/reference.py`; `execute` runs its six
-steps as named stages:
+The math is specified once, in `pymla/reference.py`. `execute` unpacks the
+op's tensors into a `DecodeProblem` and hands it to the CPU pipeline below
+or to the GPU one (`gpu.mojo`). The CPU pipeline runs the six steps as named
+stages:
 
 1. RoPE on q and on the new tokens' cache rows  (`rope_queries_into_q_full`,
    `rotate_and_normalize_new_rows`)
@@ -24,7 +26,9 @@ from std.memory import Pointer
 from .attention import AttentionShape, MaskSpec, PartialResults, attend_partitions, merge_partitions
 from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div, scratch
 from .fp8_matmul import Granularity, StridedMatrices, fp8_batched_matmul
+from .gpu import mla_decode_branch_fp8_gpu
 from .paged_cache import PagedLatentRows, RaggedBatch
+from .problem import DecodeProblem
 from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
 
 comptime MIN_KEYS_PER_PARTITION = 256
@@ -96,12 +100,59 @@ def plan_attention(batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_
 from std.sys import num_physical_cores
 
 
+def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
+    """The six steps on the CPU, each a parallel stage over host memory."""
+    if p.num_tokens == 0:
+        return
+    var key_dim = p.key_dim()
+
+    # Steps 1 and 2 on the cache: the new rows, rotated and normalized in place.
+    rotate_and_normalize_new_rows[dtype](
+        p.cache, p.batch, p.freqs_cis, p.kv_norm_gamma, p.epsilon, p.kv_lora_rank, p.rope_dim
+    )
+
+    # Steps 1, 3 and 4 on q: q_full = concat(q_nope @ w_uk, rope(q_rope)).
+    var q_full_buf = List[Float32](length=p.num_tokens * p.num_heads * key_dim, fill=0)
+    var q_full = scratch(q_full_buf)
+    rope_queries_into_q_full[dtype](
+        p.q, p.batch, p.freqs_cis, q_full, p.num_heads, p.nope_dim, p.rope_dim, p.kv_lora_rank
+    )
+    project_q_nope[dtype](
+        p.q, p.w_uk, p.w_uk_scale, q_full, p.num_tokens, p.num_heads, p.nope_dim, p.rope_dim,
+        p.kv_lora_rank, p.granularity,
+    )
+
+    # Step 5: attention, split into partitions, then merged.
+    var shape = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
+    var rows = shape.num_partitions * p.num_tokens * p.num_heads
+    var part_out_buf = List[Float32](length=rows * p.kv_lora_rank, fill=0)
+    var part_max_buf = List[Float32](length=rows, fill=0)
+    var part_sum_buf = List[Float32](length=rows, fill=0)
+    var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
+    attend_partitions[dtype](q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials)
+    var raw_buf = List[Float32](length=p.num_tokens * p.num_heads * p.kv_lora_rank, fill=0)
+    var raw = scratch(raw_buf)
+    merge_partitions(partials, shape, raw)
+
+    # Step 6: output projection.
+    project_output[dtype](
+        raw, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank, p.v_head_dim,
+        p.granularity,
+    )
+    _ = q_full_buf^
+    _ = part_out_buf^
+    _ = part_max_buf^
+    _ = part_sum_buf^
+    _ = raw_buf^
+
+
 @extensibility.register("pymla.mla_decode_branch_fp8")
 struct MLADecodeBranchFP8:
-    """MAX custom op: all six steps in one call.
+    """MAX custom op: all six steps in one call, on the CPU or an NVIDIA GPU.
 
     Writes every element of `output [T, H, v_head_dim]` and, in place, the new
-    tokens' rows of `kv_blocks`; reads everything else.
+    tokens' rows of `kv_blocks`; reads everything else. The scalar options
+    arrive as host values; see `pymla/graph.py` for their codes.
     """
 
     @staticmethod
@@ -132,89 +183,44 @@ struct MLADecodeBranchFP8:
         w_uv_scale: InputTensor[dtype=DType.float32, rank=3, static_spec=...],
         ctx: DeviceContext,
     ) raises:
-        comptime assert target == "cpu", "pymla.mla_decode_branch_fp8 has a CPU implementation only"
-        var num_tokens = q.dim_size(0)
-        var num_heads = q.dim_size(1)
-        var kv_lora_rank = w_uk.dim_size(1)
         var nope_dim = w_uk.dim_size(2)
-        var rope_dim = q.dim_size(2) - nope_dim
-        var v_head_dim = w_uv.dim_size(1)
-        var key_dim = kv_blocks.dim_size(5)
-        if num_tokens == 0:
-            return
-        var granularity = Granularity(
-            Int(m_scale_granularity), Int(n_scale_granularity), Int(k_scale_granularity)
-        )
-
-        var batch = RaggedBatch(
-            input_row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            input_row_offsets.dim_size(0) - 1,
-        )
-        var cache = PagedLatentRows[dtype].create(
-            kv_blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            lookup_table.dim_size(1),
-            kv_blocks.dim_size(2),
-            kv_blocks.dim_size(3),
-            key_dim,
-            Int(layer_idx),
-        )
-        var q_ptr = q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var freqs = freqs_cis.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-
-        # Steps 1 and 2 on the cache: the new rows, rotated and normalized in place.
-        rotate_and_normalize_new_rows[dtype](
-            cache, batch, freqs, kv_norm_gamma.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), epsilon, kv_lora_rank, rope_dim
-        )
-
-        # Steps 1, 3 and 4 on q: q_full = concat(q_nope @ w_uk, rope(q_rope)).
-        var q_full_buf = List[Float32](length=num_tokens * num_heads * key_dim, fill=0)
-        var q_full = scratch(q_full_buf)
-        rope_queries_into_q_full[dtype](
-            q_ptr, batch, freqs, q_full, num_heads, nope_dim, rope_dim, kv_lora_rank
-        )
-        project_q_nope[dtype](
-            q_ptr,
+        var problem = DecodeProblem[dtype](
+            output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            RaggedBatch(
+                input_row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+                cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+                input_row_offsets.dim_size(0) - 1,
+            ),
+            freqs_cis.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            kv_norm_gamma.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            PagedLatentRows[dtype].create(
+                kv_blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+                lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+                lookup_table.dim_size(1),
+                kv_blocks.dim_size(2),
+                kv_blocks.dim_size(3),
+                kv_blocks.dim_size(5),
+                Int(layer_idx),
+            ),
+            q.dim_size(0),
+            q.dim_size(1),
+            nope_dim,
+            q.dim_size(2) - nope_dim,
+            w_uk.dim_size(1),
+            w_uv.dim_size(1),
+            scale,
+            epsilon,
+            MaskSpec(Int(mask), Int(local_window_size)),
+            Int(score_mod),
+            Granularity(Int(m_scale_granularity), Int(n_scale_granularity), Int(k_scale_granularity)),
             w_uk.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            q_full,
-            num_tokens,
-            num_heads,
-            nope_dim,
-            rope_dim,
-            kv_lora_rank,
-            granularity,
-        )
-
-        # Step 5: attention, split into partitions, then merged.
-        var shape = plan_attention(batch, num_tokens, num_heads, kv_lora_rank, key_dim)
-        var rows = shape.num_partitions * num_tokens * num_heads
-        var part_out_buf = List[Float32](length=rows * kv_lora_rank, fill=0)
-        var part_max_buf = List[Float32](length=rows, fill=0)
-        var part_sum_buf = List[Float32](length=rows, fill=0)
-        var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
-        attend_partitions[dtype](
-            q_full, cache, batch, shape, scale, MaskSpec(Int(mask), Int(local_window_size)), Int(score_mod), partials
-        )
-        var raw_buf = List[Float32](length=num_tokens * num_heads * kv_lora_rank, fill=0)
-        var raw = scratch(raw_buf)
-        merge_partitions(partials, shape, raw)
-
-        # Step 6: output projection.
-        project_output[dtype](
-            raw,
             w_uv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             w_uv_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            num_tokens,
-            num_heads,
-            kv_lora_rank,
-            v_head_dim,
-            granularity,
         )
-        _ = q_full_buf^
-        _ = part_out_buf^
-        _ = part_max_buf^
-        _ = part_sum_buf^
-        _ = raw_buf^
+        comptime if target == "gpu":
+            mla_decode_branch_fp8_gpu[dtype](problem, ctx)
+        else:
+            comptime assert target == "cpu", "pymla.mla_decode_branch_fp8: target must be cpu or gpu"
+            mla_decode_branch_fp8_cpu[dtype](problem)

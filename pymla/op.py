@@ -30,12 +30,21 @@ from .validate import as_float, as_int, as_str, as_tensor, check_inputs
 log = logging.getLogger("pymla")
 
 _models: dict[OpConfig, engine.Model] = {}
-_sessions: dict[str, engine.InferenceSession] = {}
+_sessions: dict[str, tuple[engine.InferenceSession, object]] = {}
 _lock = threading.Lock()
 
 
 def _device_ref(device: torch.device) -> DeviceRef:
     return DeviceRef.CPU() if device.type == "cpu" else DeviceRef.GPU(device.index or 0)
+
+
+def _session(device: torch.device) -> tuple[engine.InferenceSession, object]:
+    """The MAX session and MAX device for a torch device, made once per process."""
+    key = str(device)
+    if key not in _sessions:
+        max_device = bridge.max_device(device)
+        _sessions[key] = (engine.InferenceSession(devices=[max_device]), max_device)
+    return _sessions[key]
 
 
 def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
@@ -44,11 +53,7 @@ def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
         model = _models.get(config)
         if model is not None:
             return model
-        key = str(device)
-        session = _sessions.get(key)
-        if session is None:
-            session = engine.InferenceSession(devices=[bridge.max_device(device)])
-            _sessions[key] = session
+        session, _ = _session(device)
         log.info("pymla: compiling mla_decode_branch_fp8 for %s, %s ...", device, config.dtype)
         start = time.perf_counter()
         model = session.load(build_graph(config))
@@ -130,7 +135,14 @@ def _mla_decode_branch_fp8_op(
         w_uv,
         w_uv_scale,
     ]
+    on_gpu = q.device.type != "cpu"
+    if on_gpu:
+        # MAX runs on its own stream: torch's writes of the inputs must be done first,
+        # and the op's writes must be done before torch reads them.
+        torch.cuda.current_stream(q.device).synchronize()
     model.execute(*(bridge.to_max(t) for t in inputs))
+    if on_gpu:
+        _session(q.device)[1].synchronize()
 
 
 @_mla_decode_branch_fp8_op.register_fake

@@ -8,7 +8,7 @@ import pymla
 from pymla.parity import compare_cache, compare_output
 from pymla.scenario import Case, make_case, run_reference
 
-__all__ = ["Case", "check_parity", "make_case", "run_op_poisoned", "run_reference"]
+__all__ = ["DEVICES", "Case", "check_parity", "make_case", "run_op_poisoned", "run_reference"]
 
 
 def run_op_poisoned(case: Case) -> torch.Tensor:
@@ -32,11 +32,17 @@ def assert_output_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert report.passed, f"output: {report.describe()}"
 
 
-def check_parity(case: Case) -> None:
-    """Op vs reference: the output, the updated rows, and every other cache byte."""
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+"""Where the op is tested: the CPU always, a CUDA GPU when there is one."""
+
+
+def check_parity(case: Case, device: str = "cpu") -> None:
+    """Op (on ``device``) vs reference (on the CPU): the output, the updated rows, every other cache byte."""
     before = case.cache.blocks.clone()
     ref_out, ref_blocks = run_reference(case)
-    out = run_op_poisoned(case)
+    case.to(device)
+    out = run_op_poisoned(case).cpu()
+    case.to("cpu")
     assert_output_close(out, ref_out)
     updated = case.new_rows_mask()
     report = compare_cache(before, case.cache.blocks, ref_blocks, updated)

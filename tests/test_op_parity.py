@@ -1,7 +1,8 @@
 """The fused Mojo op against the torch reference: outputs and cache, over the whole option grid.
 
 One compiled model per dtype serves every case (options are runtime inputs),
-so the grid costs three compiles.
+so the grid costs three compiles. Every test runs on the CPU and, where
+torch sees a CUDA GPU, on it too.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import itertools
 import pytest
 import torch
 
-from helpers import check_parity, make_case
+from helpers import DEVICES, check_parity, make_case
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GRANULARITIES = ("blockwise", "per_channel", "per_tensor")
@@ -23,12 +24,13 @@ PAGE_SIZES = (1, 16, 64, 128)
 GRID = list(itertools.product(DTYPES, GRANULARITIES, MASKS, SCORE_MODS))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     ("dtype", "granularity", "mask", "score_mod"),
     GRID,
     ids=[f"{str(d)[6:]}-{g}-{m}-{s}" for d, g, m, s in GRID],
 )
-def test_grid(dtype, granularity, mask, score_mod):
+def test_grid(dtype, granularity, mask, score_mod, device):
     """Every option combination; heads, page size and batch shape vary across the grid."""
     i = GRID.index((dtype, granularity, mask, score_mod))
     g = torch.Generator().manual_seed(1000 + i)
@@ -47,12 +49,13 @@ def test_grid(dtype, granularity, mask, score_mod):
         score_mod=score_mod,
         local_window_size=int(torch.randint(1, 40, (1,), generator=g)),
     )
-    check_parity(case)
+    check_parity(case, device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_heads", HEADS)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_heads_and_page_sizes(num_heads, page_size):
+def test_heads_and_page_sizes(num_heads, page_size, device):
     case = make_case(
         2000 + num_heads + page_size,
         num_heads=num_heads,
@@ -62,21 +65,24 @@ def test_heads_and_page_sizes(num_heads, page_size):
         num_layers=3,
         layer_idx=2,
     )
-    check_parity(case)
+    check_parity(case, device)
 
 
-def test_empty_caches_only_new_tokens():
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_caches_only_new_tokens(device):
     """Requests whose cache holds nothing but the new tokens."""
-    check_parity(make_case(3001, cache_lengths=(0, 0, 0), new_tokens=(1, 3, 2)))
+    check_parity(make_case(3001, cache_lengths=(0, 0, 0), new_tokens=(1, 3, 2)), device)
 
 
-def test_zero_token_request_in_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_token_request_in_batch(device):
     """A request with no new tokens in the middle of the batch is skipped, its cache untouched."""
-    check_parity(make_case(3002, cache_lengths=(12, 50, 7), new_tokens=(2, 0, 1)))
+    check_parity(make_case(3002, cache_lengths=(12, 50, 7), new_tokens=(2, 0, 1)), device)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_long_context_uses_partitions(dtype):
+def test_long_context_uses_partitions(dtype, device):
     """Contexts long enough to split into several key partitions and merge them."""
     case = make_case(
         3003,
@@ -90,18 +96,23 @@ def test_long_context_uses_partitions(dtype):
         mask="causal",
         score_mod="alibi_pos",
     )
-    check_parity(case)
+    check_parity(case, device)
 
 
-def test_many_requests_mixed_lengths():
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_requests_mixed_lengths(device):
     g = torch.Generator().manual_seed(3004)
     lengths = tuple(int(v) for v in torch.randint(0, 700, (9,), generator=g))
     check_parity(
-        make_case(3004, cache_lengths=lengths, new_tokens=(1, 2, 1, 3, 1, 1, 4, 1, 2), page_size=64)
+        make_case(
+            3004, cache_lengths=lengths, new_tokens=(1, 2, 1, 3, 1, 1, 4, 1, 2), page_size=64
+        ),
+        device,
     )
 
 
-def test_other_head_dims():
+@pytest.mark.parametrize("device", DEVICES)
+def test_other_head_dims(device):
     """Sizes are runtime values: a smaller MLA (rank 256, nope 64, rope 32, v 64) works too."""
     check_parity(
         make_case(
@@ -112,17 +123,19 @@ def test_other_head_dims():
             v_head_dim=64,
             num_heads=4,
             granularity=(1, 64, 32),
-        )
+        ),
+        device,
     )
 
 
-def test_repeated_calls_reuse_the_model_and_stay_in_parity():
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_calls_reuse_the_model_and_stay_in_parity(device):
     """Two decode steps in a row: the second sees the first's rotated rows as ordinary cache."""
     case = make_case(3006, cache_lengths=(3, 20), new_tokens=(1, 1), num_layers=1, layer_idx=0)
-    check_parity(case)
+    check_parity(case, device)
     case.cache.advance()
     g = torch.Generator().manual_seed(3007)
     for b in range(2):
         case.cache.append(b, 0, torch.randn(1, 576, generator=g))
     case.q = torch.randn_like(case.q.float(), dtype=torch.float32).to(case.q.dtype)
-    check_parity(case)
+    check_parity(case, device)

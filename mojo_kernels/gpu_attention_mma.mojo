@@ -1,0 +1,432 @@
+"""Step 5 on tensor cores (bf16 / f16 caches): paged MLA attention with `mma.sync`.
+
+Same contract as `attention_fma_kernel` in `gpu.mojo` (same arguments, same
+outputs), for caches whose values are exact in `dtype` (bfloat16 or
+float16). The float32 operands (q_full, the probabilities) are split into
+`hi + lo` halves in `dtype`, two tensor-core products each, so products keep
+about 16 (bf16) or 21 (f16) bits: close to the float32 math of the
+reference. Accumulation is float32.
+
+Layout of one block: `groups` groups of 4 warps; each group owns 16 (token,
+head) rows of one request; all groups share each key tile in shared memory.
+
+* Scores `S[16, KT] = Q K^T`: warp `w` of a group takes the k-steps
+  (16 dims) `w, w + 4, ...` of the key dim with its q fragments held in
+  registers, `ldmatrix` for K; partial scores are summed across the 4 warps
+  through shared memory.
+* Softmax: warp `w` updates rows `4w .. 4w + 3` of its group (online max/sum).
+* `O[16, R] += P V`: warp `w` owns value columns `[w R / 4, (w + 1) R / 4)`,
+  `ldmatrix.trans` for V (the first R columns of the same key tile).
+
+Fragment layouts are those of PTX `mma.m16n8k16` (.row.col, f32 accumulate):
+lane = 4 g + t; A: a0,a1 = (g, 2t..2t+1), a2,a3 = (g+8, 2t..), a4,a5 = (g, 2t+8..),
+a6,a7 = (g+8, 2t+8..); B: b0,b1 = (k = 2t..2t+1, n = g), b2,b3 = (k = 2t+8.., n = g);
+C: c0,c1 = (g, 2t..2t+1), c2,c3 = (g+8, 2t..2t+1).
+"""
+
+from std.math import exp
+from std.sys import size_of
+from std.utils.numerics import neg_inf
+
+from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
+from max.gpu.compute.mma import ld_matrix, mma
+from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
+from max.gpu.primitives import warp
+
+from .common import DPtr, FPtr, U32Ptr, ceil_div
+from .gpu_common import (
+    SCORE_MOD_ALIBI_POS,
+    alibi_slope_gpu,
+    cache_row_offset,
+    find_slot_request,
+    mask_hi,
+    mask_lo,
+    slot_start,
+)
+
+comptime MMA_GROUP_WARPS = 4
+comptime MMA_GROUP_THREADS = MMA_GROUP_WARPS * WARP_SIZE
+comptime MMA_ROWS = 16  # rows per group (the M of one mma)
+comptime MMA_KS_MAX = 9  # k-steps of 16 per warp: key_dim <= 4 * 9 * 16 = 576
+comptime MMA_NT_MAX = 16  # value n-tiles of 8 per warp: kv_lora_rank <= 4 * 16 * 8 = 512
+comptime MMA_KEY_PAD = 8  # elements: key rows of (key_dim + 8) keep ldmatrix conflict-free
+comptime MMA_ROW_PAD = 8  # floats: score / probability rows of (KT + 8)
+
+
+def mma_supported[dtype: DType](key_dim: Int, kv_lora_rank: Int) -> Bool:
+    """Whether `attention_mma_kernel` handles these sizes (else use the FMA kernel)."""
+    comptime if dtype != DType.bfloat16 and dtype != DType.float16:
+        return False
+    return (
+        key_dim % 16 == 0
+        and key_dim <= MMA_GROUP_WARPS * MMA_KS_MAX * 16
+        and kv_lora_rank % 64 == 0
+        and kv_lora_rank <= MMA_GROUP_WARPS * MMA_NT_MAX * 8
+    )
+
+
+def attention_mma_smem_bytes[dtype: DType, groups: Int, kt: Int](key_dim: Int) -> Int:
+    """Dynamic shared memory of `attention_mma_kernel` (regions 16-byte aligned)."""
+    var k_bytes = 2 * ceil_div(kt * (key_dim + MMA_KEY_PAD) * size_of[dtype](), 16) * 16
+    var red_bytes = groups * MMA_GROUP_WARPS * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
+    var p_bytes = groups * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
+    var row_bytes = ceil_div(groups * MMA_ROWS * 7 * 4, 16) * 16
+    var off_bytes = 2 * kt * 8
+    return k_bytes + red_bytes + p_bytes + row_bytes + off_bytes
+
+
+@always_inline
+def mma_acc[dt: DType](mut acc: SIMD[DType.float32, 4], a: SIMD[dt, 8], b: SIMD[dt, 4]):
+    """`acc += A B` for one m16n8k16 tile."""
+    var c = acc
+    mma(acc, a, b, c)
+
+
+@always_inline
+def split_hi_lo[dt: DType](x: SIMD[DType.float32, 8]) -> Tuple[SIMD[dt, 8], SIMD[dt, 8]]:
+    """`x ~= hi + lo` with both halves in `dt`."""
+    var hi = x.cast[dt]()
+    var lo = (x - hi.cast[DType.float32]()).cast[dt]()
+    return (hi, lo)
+
+
+@always_inline
+def copy_key_tile[
+    dtype: DType, kt: Int, threads: Int
+](
+    blocks: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.GLOBAL],
+    rowoff: Pointer[Int64, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    k_s: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    tid: Int,
+    stride: Int,
+    vec_per_row: Int,
+):
+    """Starts the copy of `kt` cache rows (offsets in `rowoff`, -1 = zeros) into `k_s`; one commit group."""
+    comptime VEC = 16 // size_of[dtype]()
+    for v in range(tid, kt * vec_per_row, threads):
+        var r = v // vec_per_row
+        var c = (v % vec_per_row) * VEC
+        var ro = Int(rowoff.unsafe_load(r))
+        var src = blocks.unsafe_offset(max(ro, 0) + c)
+        async_copy[16, fill=Scalar[dtype](0)](
+            src, k_s.unsafe_offset(r * stride + c), src_size=Int32(16) if ro >= 0 else Int32(0)
+        )
+    async_copy_commit_group()
+
+
+def attention_mma_kernel[
+    dtype: DType, groups: Int, kt: Int
+](
+    q_full: FPtr,
+    blocks: DPtr[dtype],
+    lookup: U32Ptr,
+    pages_per_request: Int32,
+    page_size: Int32,
+    page_stride: Int64,
+    layer_offset: Int64,
+    offsets: U32Ptr,
+    cache_lengths: U32Ptr,
+    num_requests: Int32,
+    num_heads: Int32,
+    kv_lora_rank: Int32,
+    key_dim: Int32,
+    num_partitions: Int32,
+    scale: Float32,
+    mask_kind: Int32,
+    window: Int32,
+    score_mod: Int32,
+    raw: FPtr,
+    part_out: FPtr,
+    part_max: FPtr,
+    part_sum: FPtr,
+):
+    """One block per (request, `16 groups` rows, key partition); see the module docstring.
+
+    Grid `(attention_slots(T, H, B, 16 groups), num_partitions)`, block
+    `128 groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
+    """
+    comptime assert kt % 32 == 0, "kt must be a multiple of 32"
+    comptime THREADS = groups * MMA_GROUP_THREADS
+    comptime ROWS_BLK = groups * MMA_ROWS
+    comptime NSP = kt // 8  # score n-tiles
+    comptime NPAIR = kt // 16  # score n-tile pairs (one ldmatrix.x4 each); PV k-steps
+    comptime KPL = kt // WARP_SIZE  # keys per lane in the softmax
+    comptime RS = kt + MMA_ROW_PAD  # row stride of the score / probability tiles
+    comptime VEC = 16 // size_of[dtype]()  # elements per 16-byte load
+
+    var tid = thread_idx.x
+    var group = tid // MMA_GROUP_THREADS
+    var w = (tid % MMA_GROUP_THREADS) // WARP_SIZE
+    var lane = tid % WARP_SIZE
+    var g = lane // 4
+    var t4 = lane % 4
+
+    var heads = Int(num_heads)
+    var rank = Int(kv_lora_rank)
+    var dim = Int(key_dim)
+    var parts = Int(num_partitions)
+    var nreq = Int(num_requests)
+    var ppr = Int(pages_per_request)
+    var psize = Int(page_size)
+    var pstride = Int(page_stride)
+    var loff = Int(layer_offset)
+    var kind = Int(mask_kind)
+    var win = Int(window)
+
+    var slot = block_idx.x
+    var part = block_idx.y
+    var b = find_slot_request(offsets, nreq, heads, ROWS_BLK, slot)
+    var o0 = Int(offsets.unsafe_load(b))
+    var o1 = Int(offsets.unsafe_load(b + 1))
+    var tile = slot - slot_start(offsets, b, heads, ROWS_BLK)
+    var row0 = o0 * heads + tile * ROWS_BLK
+    var row_end = o1 * heads
+    if row0 >= row_end:
+        return
+    var total_rows = Int(offsets.unsafe_load(nreq)) * heads
+    var cache_len = Int(cache_lengths.unsafe_load(b))
+    var visible = cache_len + o1 - o0
+    var part_len = ceil_div(visible, parts)
+    var k0 = part * part_len
+    var k1 = min(k0 + part_len, visible)
+
+    # Shared memory.
+    var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
+    var stride = dim + MMA_KEY_PAD
+    var off = 0
+    var k_buf_bytes = ceil_div(kt * stride * size_of[dtype](), 16) * 16
+    var k_s0 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # two buffers [kt][stride]
+    var k_s1 = base.unsafe_offset(off + k_buf_bytes).unsafe_bitcast[Scalar[dtype]]()
+    off += 2 * k_buf_bytes
+    var red_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][4][16][RS]
+    off += groups * MMA_GROUP_WARPS * MMA_ROWS * RS * 4
+    var p_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][16][RS]
+    off += groups * MMA_ROWS * RS * 4
+    var m_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [ROWS_BLK] each
+    off += ROWS_BLK * 4
+    var l_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
+    off += ROWS_BLK * 4
+    var corr_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
+    off += ROWS_BLK * 4
+    var slope_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
+    off += ROWS_BLK * 4
+    var lo_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
+    off += ROWS_BLK * 4
+    var hi_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
+    off += ROWS_BLK * 4
+    var pos_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
+    off += ROWS_BLK * 4
+    off = ceil_div(off, 16) * 16
+    var rowoff_s = base.unsafe_offset(off).unsafe_bitcast[Int64]()  # two buffers [kt]
+
+    if tid < ROWS_BLK:
+        var gr = row0 + tid
+        var lo = 0
+        var hi = 0
+        var pos = 0
+        var slope = Float32(0)
+        if gr < row_end:
+            var t = gr // heads
+            var h = gr % heads
+            pos = cache_len + t - o0
+            lo = mask_lo(kind, win, pos)
+            hi = mask_hi(kind, pos, visible)
+            if Int(score_mod) == SCORE_MOD_ALIBI_POS:
+                slope = alibi_slope_gpu(h, heads)
+        lo_s.unsafe_store(tid, Int32(lo))
+        hi_s.unsafe_store(tid, Int32(hi))
+        pos_s.unsafe_store(tid, Int32(pos))
+        slope_s.unsafe_store(tid, slope)
+        m_s.unsafe_store(tid, neg_inf[DType.float32]())
+        l_s.unsafe_store(tid, Float32(0))
+        corr_s.unsafe_store(tid, Float32(1))
+
+    # This lane's q fragments (rows g and g + 8 of its group), split hi + lo.
+    var nks = dim // 16
+    var gr_a = row0 + group * MMA_ROWS + g
+    var gr_b = gr_a + 8
+    var q_h = Array[SIMD[dtype, 8], MMA_KS_MAX](fill=0)
+    var q_l = Array[SIMD[dtype, 8], MMA_KS_MAX](fill=0)
+    comptime for i in range(MMA_KS_MAX):
+        var ks = w + MMA_GROUP_WARPS * i
+        if ks < nks:
+            var d0 = ks * 16 + 2 * t4
+            var x = SIMD[DType.float32, 8](0)
+            if gr_a < row_end:
+                var src = q_full.unsafe_offset(gr_a * dim + d0)
+                var v0 = src.unsafe_load[width=2, alignment=8](0)
+                var v1 = src.unsafe_load[width=2, alignment=8](8)
+                x[0] = v0[0]
+                x[1] = v0[1]
+                x[4] = v1[0]
+                x[5] = v1[1]
+            if gr_b < row_end:
+                var src = q_full.unsafe_offset(gr_b * dim + d0)
+                var v0 = src.unsafe_load[width=2, alignment=8](0)
+                var v1 = src.unsafe_load[width=2, alignment=8](8)
+                x[2] = v0[0]
+                x[3] = v0[1]
+                x[6] = v1[0]
+                x[7] = v1[1]
+            var hl = split_hi_lo[dtype](x)
+            q_h[i] = hl[0]
+            q_l[i] = hl[1]
+    barrier()
+
+    # Keys any row of the block needs in this partition.
+    var kb_lo = k1
+    var kb_hi = k0
+    for r in range(ROWS_BLK):
+        var lo = Int(lo_s.unsafe_load(r))
+        var hi = Int(hi_s.unsafe_load(r))
+        if lo < hi:
+            kb_lo = min(kb_lo, max(lo, k0))
+            kb_hi = max(kb_hi, min(hi, k1))
+
+    var acc = Array[SIMD[DType.float32, 4], MMA_NT_MAX](fill=0)
+    var nt_count = rank // (8 * MMA_GROUP_WARPS)  # value n-tiles of this warp
+    var col_base = w * (rank // MMA_GROUP_WARPS)
+    var vec_per_row = dim // VEC
+    var red_g = red_s.unsafe_offset(group * MMA_GROUP_WARPS * MMA_ROWS * RS)
+    var red_w = red_g.unsafe_offset(w * MMA_ROWS * RS)
+    var p_g = p_s.unsafe_offset(group * MMA_ROWS * RS)
+    var blocks_global = blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+
+    # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used.
+    if tid < kt:
+        var ro = -1
+        if kb_lo + tid < kb_hi:
+            ro = cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + tid)
+        rowoff_s.unsafe_store(tid, Int64(ro))
+    barrier()
+    if kb_lo < kb_hi:
+        copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, tid, stride, vec_per_row)
+    var j0 = kb_lo
+    var cur = 0
+    while j0 < kb_hi:
+        var has_next = j0 + kt < kb_hi
+        var nxt_rowoff = rowoff_s.unsafe_offset((1 - cur) * kt)
+        if has_next and tid < kt:
+            var ro = -1
+            if j0 + kt + tid < kb_hi:
+                ro = cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j0 + kt + tid)
+            nxt_rowoff.unsafe_store(tid, Int64(ro))
+        async_copy_wait_group(0)
+        barrier()
+        var k_s = k_s0 if cur == 0 else k_s1
+        if has_next:
+            copy_key_tile[dtype, kt, THREADS](blocks_global, nxt_rowoff, k_s1 if cur == 0 else k_s0, tid, stride, vec_per_row)
+
+        # Partial scores of this warp's k-steps.
+        var s_acc = Array[SIMD[DType.float32, 4], NSP](fill=0)
+        comptime for i in range(MMA_KS_MAX):
+            var ks = w + MMA_GROUP_WARPS * i
+            if ks < nks:
+                comptime for np in range(NPAIR):
+                    var key = np * 16 + (lane % 8) + 8 * (lane // 16)
+                    var d = ks * 16 + 8 * ((lane // 8) % 2)
+                    var kf = ld_matrix[8](k_s.unsafe_offset(key * stride + d))
+                    var b0 = kf.slice[4, offset=0]()
+                    var b1 = kf.slice[4, offset=4]()
+                    mma_acc(s_acc[2 * np], q_h[i], b0)
+                    mma_acc(s_acc[2 * np], q_l[i], b0)
+                    mma_acc(s_acc[2 * np + 1], q_h[i], b1)
+                    mma_acc(s_acc[2 * np + 1], q_l[i], b1)
+        comptime for nt in range(NSP):
+            var col = nt * 8 + 2 * t4
+            red_w.unsafe_offset(g * RS + col).unsafe_store[alignment=8](0, s_acc[nt].slice[2, offset=0]())
+            red_w.unsafe_offset((g + 8) * RS + col).unsafe_store[alignment=8](0, s_acc[nt].slice[2, offset=2]())
+        barrier()
+
+        # Online softmax: warp w of a group updates rows 4w .. 4w + 3 of the group.
+        comptime for ri in range(MMA_ROWS // MMA_GROUP_WARPS):
+            var r = w * (MMA_ROWS // MMA_GROUP_WARPS) + ri
+            var rb = group * MMA_ROWS + r
+            var lo = Int(lo_s.unsafe_load(rb))
+            var hi = Int(hi_s.unsafe_load(rb))
+            var pos = Int(pos_s.unsafe_load(rb))
+            var slope = slope_s.unsafe_load(rb)
+            var sv = SIMD[DType.float32, KPL](0)
+            comptime for kk in range(KPL):
+                var j = lane + WARP_SIZE * kk
+                var s = Float32(0)
+                comptime for w2 in range(MMA_GROUP_WARPS):
+                    s += red_g.unsafe_load((w2 * MMA_ROWS + r) * RS + j)
+                var key = j0 + j
+                if key < kb_hi and key >= lo and key < hi:
+                    s = s * scale - slope * Float32(pos - key)
+                else:
+                    s = neg_inf[DType.float32]()
+                sv[kk] = s
+            var m_old = m_s.unsafe_load(rb)
+            var m_new = max(m_old, warp.max(sv.reduce_max()))
+            var p = SIMD[DType.float32, KPL](0)
+            var corr = Float32(1)
+            if m_new != neg_inf[DType.float32]():
+                p = exp(sv - m_new)
+                corr = exp(m_old - m_new)
+            var p_sum = warp.sum(p.reduce_add())
+            comptime for kk in range(KPL):
+                p_g.unsafe_store(r * RS + lane + WARP_SIZE * kk, p[kk])
+            if lane == 0:
+                m_s.unsafe_store(rb, m_new)
+                l_s.unsafe_store(rb, l_s.unsafe_load(rb) * corr + p_sum)
+                corr_s.unsafe_store(rb, corr)
+        barrier()
+
+        # O = O * corr + P V on this warp's value columns.
+        var corr_a = corr_s.unsafe_load(group * MMA_ROWS + g)
+        var corr_b = corr_s.unsafe_load(group * MMA_ROWS + g + 8)
+        var corr_v = SIMD[DType.float32, 4](corr_a, corr_a, corr_b, corr_b)
+        comptime for nt in range(MMA_NT_MAX):
+            if nt < nt_count:
+                acc[nt] *= corr_v
+        comptime for ks in range(NPAIR):
+            var kc = ks * 16 + 2 * t4
+            var pa = p_g.unsafe_offset(g * RS + kc)
+            var pb = p_g.unsafe_offset((g + 8) * RS + kc)
+            var x0 = pa.unsafe_load[width=2, alignment=8](0)
+            var x1 = pb.unsafe_load[width=2, alignment=8](0)
+            var x2 = pa.unsafe_load[width=2, alignment=8](8)
+            var x3 = pb.unsafe_load[width=2, alignment=8](8)
+            var x = SIMD[DType.float32, 8](x0[0], x0[1], x1[0], x1[1], x2[0], x2[1], x3[0], x3[1])
+            var hl = split_hi_lo[dtype](x)
+            comptime for ntp in range(MMA_NT_MAX // 2):
+                if 2 * ntp < nt_count:
+                    var key = ks * 16 + (lane % 8) + 8 * ((lane // 8) % 2)
+                    var col = col_base + ntp * 16 + 8 * (lane // 16)
+                    var vf = ld_matrix[8, transpose=True](k_s.unsafe_offset(key * stride + col))
+                    var b0 = vf.slice[4, offset=0]()
+                    var b1 = vf.slice[4, offset=4]()
+                    mma_acc(acc[2 * ntp], hl[0], b0)
+                    mma_acc(acc[2 * ntp], hl[1], b0)
+                    mma_acc(acc[2 * ntp + 1], hl[0], b1)
+                    mma_acc(acc[2 * ntp + 1], hl[1], b1)
+        # No barrier here: the next iteration's first barrier orders this tile's reads of
+        # k_s / p_s / red_s before they are written again.
+        j0 += kt
+        cur = 1 - cur
+
+    # Results: rows g and g + 8 of the group, this warp's columns.
+    var l_a = l_s.unsafe_load(group * MMA_ROWS + g)
+    var l_b = l_s.unsafe_load(group * MMA_ROWS + g + 8)
+    var inv_a = Float32(1) / l_a if l_a > 0 else Float32(0)
+    var inv_b = Float32(1) / l_b if l_b > 0 else Float32(0)
+    comptime for nt in range(MMA_NT_MAX):
+        if nt < nt_count:
+            var col = col_base + nt * 8 + 2 * t4
+            var va = acc[nt].slice[2, offset=0]()
+            var vb = acc[nt].slice[2, offset=2]()
+            if parts == 1:
+                if gr_a < row_end:
+                    raw.unsafe_offset(gr_a * rank + col).unsafe_store[alignment=8](0, va * inv_a)
+                if gr_b < row_end:
+                    raw.unsafe_offset(gr_b * rank + col).unsafe_store[alignment=8](0, vb * inv_b)
+            else:
+                if gr_a < row_end:
+                    part_out.unsafe_offset((part * total_rows + gr_a) * rank + col).unsafe_store[alignment=8](0, va)
+                if gr_b < row_end:
+                    part_out.unsafe_offset((part * total_rows + gr_b) * rank + col).unsafe_store[alignment=8](0, vb)
+    if parts > 1 and tid < ROWS_BLK and row0 + tid < row_end:
+        part_max.unsafe_store(part * total_rows + row0 + tid, m_s.unsafe_load(tid))
+        part_sum.unsafe_store(part * total_rows + row0 + tid, l_s.unsafe_load(tid))

@@ -1,0 +1,99 @@
+"""Device helpers shared by the GPU kernels of `gpu.mojo` and `gpu_attention_mma.mojo`."""
+
+from std.math import exp2
+
+from .common import U32Ptr
+
+comptime MASK_NULL = 0
+comptime MASK_CAUSAL = 1
+comptime MASK_SLIDING_WINDOW_CAUSAL = 2
+comptime MASK_CHUNKED_CAUSAL = 3
+comptime SCORE_MOD_ALIBI_POS = 1
+
+
+def find_request(offsets: U32Ptr, num_requests: Int, t: Int) -> Int:
+    """The request owning query row `t`: the largest `b` with `offsets[b] <= t`.
+
+    Requests without new tokens share their offset with the next one and are
+    never returned (`offsets[num_requests]` is the token count, above `t`).
+    """
+    var lo = 0
+    var hi = num_requests
+    while hi - lo > 1:
+        var mid = (lo + hi) // 2
+        if Int(offsets.unsafe_load(mid)) <= t:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def slot_start(offsets: U32Ptr, b: Int, num_heads: Int, rows_per_block: Int) -> Int:
+    """First attention slot (block) of request `b`.
+
+    Request `b`'s rows `[o[b] H, o[b+1] H)` need `ceil(n_b H / rows_per_block)`
+    blocks, never more than
+    `floor(o[b+1] H / rows_per_block) - floor(o[b] H / rows_per_block) + 1`, so
+    slots `[slot_start(b), slot_start(b + 1))` are enough; in all there are
+    `floor(T H / rows_per_block) + B` slots (`attention_slots`).
+    """
+    return (Int(offsets.unsafe_load(b)) * num_heads) // rows_per_block + b
+
+
+def attention_slots(num_tokens: Int, num_heads: Int, num_requests: Int, rows_per_block: Int) -> Int:
+    """Grid size along x of an attention kernel (host side)."""
+    return (num_tokens * num_heads) // rows_per_block + num_requests
+
+
+def find_slot_request(offsets: U32Ptr, num_requests: Int, num_heads: Int, rows_per_block: Int, slot: Int) -> Int:
+    """The largest `b` with `slot_start(b) <= slot` (strictly increasing in `b`)."""
+    var lo = 0
+    var hi = num_requests
+    while hi - lo > 1:
+        var mid = (lo + hi) // 2
+        if slot_start(offsets, mid, num_heads, rows_per_block) <= slot:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def cache_row_offset(
+    lookup: U32Ptr,
+    pages_per_request: Int,
+    page_size: Int,
+    page_stride: Int,
+    layer_offset: Int,
+    key_dim: Int,
+    b: Int,
+    pos: Int,
+) -> Int:
+    """Element offset in the cache blocks of request `b`'s row at position `pos`."""
+    var page = Int(lookup.unsafe_load(b * pages_per_request + pos // page_size))
+    return page * page_stride + layer_offset + (pos % page_size) * key_dim
+
+
+def alibi_slope_gpu(head: Int, num_heads: Int) -> Float32:
+    """ALiBi slope of `head` (see `pymla.reference.alibi_slopes`)."""
+    var n = 1
+    while n * 2 <= num_heads:
+        n *= 2
+    if head < n:
+        return exp2(Float32(-8.0) * Float32(head + 1) / Float32(n))
+    return exp2(Float32(-8.0) * Float32(2 * (head - n) + 1) / Float32(2 * n))
+
+
+def mask_lo(kind: Int, window: Int, position: Int) -> Int:
+    """First key position a query at `position` attends to."""
+    if kind == MASK_SLIDING_WINDOW_CAUSAL:
+        return max(0, position - window + 1)
+    if kind == MASK_CHUNKED_CAUSAL and window > 0:
+        return (position // window) * window
+    return 0
+
+
+def mask_hi(kind: Int, position: Int, visible: Int) -> Int:
+    """One past the last key position a query at `position` attends to."""
+    if kind == MASK_NULL:
+        return visible
+    return position + 1

@@ -1,0 +1,45 @@
+"""One op call's inputs as raw pointers, sizes and options: what both targets consume."""
+
+from .attention import MaskSpec
+from .common import DPtr, FPtr, U8Ptr
+from .fp8_matmul import Granularity
+from .paged_cache import PagedLatentRows, RaggedBatch
+
+
+@fieldwise_init
+struct DecodeProblem[dtype: DType](TrivialRegisterPassable):
+    """Everything `execute` received, unpacked once.
+
+    Pointers are host memory for the CPU target and device memory for the
+    GPU target (only the sizes and options are always host values).
+    """
+
+    var output: DPtr[Self.dtype]  # [T, H, v_head_dim]
+    var q: DPtr[Self.dtype]  # [T, H, nope_dim + rope_dim]
+    var batch: RaggedBatch  # input_row_offsets, cache_lengths
+    var freqs_cis: DPtr[Self.dtype]  # [max_seq_len, rope_dim]
+    var kv_norm_gamma: DPtr[Self.dtype]  # [kv_lora_rank]
+    var cache: PagedLatentRows[Self.dtype]  # the layer's rows
+    var num_tokens: Int
+    var num_heads: Int
+    var nope_dim: Int
+    var rope_dim: Int
+    var kv_lora_rank: Int
+    var v_head_dim: Int
+    var scale: Float32
+    var epsilon: Float32
+    var mask: MaskSpec
+    var score_mod: Int
+    var granularity: Granularity
+    var w_uk: U8Ptr  # [H, kv_lora_rank, nope_dim] fp8 e4m3 bytes
+    var w_uk_scale: FPtr
+    var w_uv: U8Ptr  # [H, v_head_dim, kv_lora_rank] fp8 e4m3 bytes
+    var w_uv_scale: FPtr
+
+    def key_dim(self) -> Int:
+        """Width of a cache row: the keys; values are its first `kv_lora_rank`."""
+        return self.kv_lora_rank + self.rope_dim
+
+    def max_visible_keys(self) -> Int:
+        """A host-side bound of any request's visible keys: the pages a request can own."""
+        return self.cache.pages_per_request * self.cache.page_size
