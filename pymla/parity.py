@@ -7,16 +7,21 @@ only float32 summation order differs, by a few float32 ulps. Two effects follow:
 
 * the output's rounding to dtype may go the other way for a value near a
   rounding boundary: up to one ulp of dtype, ``ULP[dtype]`` at the top of the
-  range (2^-7 bf16, 2^-10 f16, 2^-23 f32); we allow two;
+  range (2^-7 bf16, 2^-10 f16); we allow two. For float32 output ``ULP`` is
+  2^-21: float32 sums in another order, and the GPU's approximate ``exp``,
+  move values by a few float32 ulps (measured: median 3e-8, 95th percentile
+  2e-7 of max|ref| on the GPU);
 * step 6 re-quantizes the attention output to fp8, and a value within a few
   float32 ulps of an e4m3 rounding boundary may round to the other e4m3
   neighbour: one e4m3 step (up to 2^-3 relative) on one input of one
-  (token, head) row. Such flips hit about 1 in 10^5 quantized values; each
-  moved outputs by at most 0.15% of max|ref| on the parity grid. We allow
-  ``FP8_FLIP`` = 2^-8 (0.39%) for every element, but require that at least
-  ``BULK_FRACTION`` of the elements stay within the ulp bound alone, so that an
-  error touching every row (a wrong key, a wrong scale) cannot hide behind
-  the flip allowance.
+  (token, head) row, which moves that row's outputs. Such flips hit about
+  1 in 10^5 quantized values; each moved outputs by at most 0.17% of
+  max|ref| on the parity grid (CPU and GPU). We allow ``FP8_FLIP`` = 2^-8
+  (0.39%) for every element, but when there are at least ``BULK_MIN_ROWS``
+  (token, head) rows, at least ``BULK_FRACTION`` of them must stay within the
+  ulp bound alone, so that an error touching every row (a wrong key, a wrong
+  scale) cannot hide behind the flip allowance. (With a handful of rows one
+  flip is a large share of them, so only the element bound applies.)
 
 Rotated and normalized cache rows must agree within one ulp of dtype
 (``CACHE_TOLERANCE``; float32: 2^-20 for the different order of the RMSNorm sum).
@@ -28,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-23}
+ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-21}
 FP8_FLIP = 2**-8
 BULK_FRACTION = 0.95
+BULK_MIN_ROWS = 64
 CACHE_TOLERANCE = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}
 
 
@@ -38,7 +44,8 @@ CACHE_TOLERANCE = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 
 class ParityReport:
     max_abs_error: float
     max_reference: float
-    bulk_fraction: float  # share of elements within the ulp bound
+    bulk_fraction: float  # share of (token, head) rows within the ulp bound
+    rows: int
     tolerance: float  # allowed max_abs_error / max_reference
     ulp_bound: float
 
@@ -48,24 +55,27 @@ class ParityReport:
 
     @property
     def passed(self) -> bool:
-        return self.relative_error <= self.tolerance and self.bulk_fraction >= BULK_FRACTION
+        bulk_ok = self.rows < BULK_MIN_ROWS or self.bulk_fraction >= BULK_FRACTION
+        return self.relative_error <= self.tolerance and bulk_ok
 
     def describe(self) -> str:
         return (
             f"max error {self.relative_error:.3g} x max|ref| (allowed {self.tolerance:.3g}); "
-            f"{self.bulk_fraction:.1%} of elements within {self.ulp_bound:.3g} (need {BULK_FRACTION:.0%})"
+            f"{self.bulk_fraction:.1%} of {self.rows} rows within {self.ulp_bound:.3g} "
+            f"(need {BULK_FRACTION:.0%} from {BULK_MIN_ROWS} rows on)"
         )
 
 
 def compare_output(out: torch.Tensor, ref: torch.Tensor) -> ParityReport:
-    """Measures ``out`` against ``ref`` with the output tolerance of this module."""
+    """Measures ``out`` against ``ref`` (``[T, H, Dv]``) with the output tolerance of this module."""
     ulp_bound = 2 * ULP[ref.dtype] + 1e-6
     ref32, out32 = ref.float(), out.float()
     top = ref32.abs().max().item() if ref.numel() else 0.0
     err = (out32 - ref32).abs()
     max_err = err.max().item() if err.numel() else 0.0
-    bulk = (err <= ulp_bound * top).float().mean().item() if err.numel() else 1.0
-    return ParityReport(max_err, top, bulk, ulp_bound + FP8_FLIP, ulp_bound)
+    row_err = err.reshape(-1, err.shape[-1]).amax(dim=-1) if err.numel() else err.reshape(0)
+    bulk = (row_err <= ulp_bound * top).float().mean().item() if row_err.numel() else 1.0
+    return ParityReport(max_err, top, bulk, row_err.numel(), ulp_bound + FP8_FLIP, ulp_bound)
 
 
 @dataclass(frozen=True)

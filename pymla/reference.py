@@ -145,7 +145,9 @@ def mla_decode_branch_fp8_reference(
     nope = w_uk.shape[2]
     offsets = [int(v) for v in input_row_offsets.to(torch.int64).tolist()]
     lengths = [int(v) for v in cache.cache_lengths.to(torch.int64).tolist()]
-    slopes = alibi_slopes(num_heads) if score_mod == "alibi_pos" else torch.zeros(num_heads)
+    slopes = (alibi_slopes(num_heads) if score_mod == "alibi_pos" else torch.zeros(num_heads)).to(
+        q.device
+    )
 
     # Steps 1 and 2 on the cache: the new tokens' rows, in place.
     for b in range(len(offsets) - 1):
@@ -172,7 +174,7 @@ def mla_decode_branch_fp8_reference(
     q_full = torch.cat([q_nope_proj.transpose(0, 1), q_rope], dim=2)  # [T, H, R + Dr]
 
     # Step 5: attention over the paged cache.
-    raw = torch.empty(num_tokens, num_heads, rank, dtype=torch.float32)
+    raw = torch.empty(num_tokens, num_heads, rank, dtype=torch.float32, device=q.device)
     for b in range(len(offsets) - 1):
         start, stop = offsets[b], offsets[b + 1]
         visible = lengths[b] + stop - start
@@ -184,7 +186,7 @@ def mla_decode_branch_fp8_reference(
             lo, hi = key_range(mask, p, visible, local_window_size)
             k = keys[lo:hi]
             scores = scale * (q_full[t] @ k.T)  # [H, hi - lo]
-            dist = (p - torch.arange(lo, hi, dtype=torch.float32))[None, :]
+            dist = (p - torch.arange(lo, hi, dtype=torch.float32, device=q.device))[None, :]
             scores = scores - slopes[:, None] * dist
             raw[t] = torch.softmax(scores, dim=-1) @ k[:, :rank]
 

@@ -17,6 +17,7 @@ def run_op_poisoned(case: Case) -> torch.Tensor:
         (case.q.shape[0], case.q.shape[1], case.weights["w_uv"].shape[1]),
         float("nan"),
         dtype=case.q.dtype,
+        device=case.q.device,
     )
     result = pymla.mla_decode_branch_fp8(*case.args(), **case.options, out=out)
     assert result is out
