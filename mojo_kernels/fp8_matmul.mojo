@@ -10,14 +10,11 @@ exact fp8 products are summed and scaled by `sa * sw`.
 """
 
 from std.math import min
-from std.memory import bitcast
 from max.algorithm import sync_parallelize
 
-from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, U8Ptr, F32_WIDTH, ceil_div, dot_block, scratch
+from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32Vec, U8Ptr, F32_WIDTH, ceil_div, dot_lanes, scratch
+from .fp8 import F32V, FP8_MAX, round_to_e4m3
 
-comptime FP8_MAX: Float32 = 448.0
-comptime F32V = SIMD[DType.float32, F32_WIDTH]
-comptime U32V = SIMD[DType.uint32, F32_WIDTH]
 comptime WEIGHT_ROWS_PER_TASK = 64
 
 
@@ -59,56 +56,22 @@ struct StridedMatrices[dtype: DType](TrivialRegisterPassable):
         return self.ptr.unsafe_offset(g * self.g_stride + m * self.m_stride)
 
 
-def round_to_e4m3(x: F32V) -> F32V:
-    """The e4m3 value nearest to `x` (ties to even), as float32; `|x| <= 448`.
-
-    Normal range (`|x| >= 2^-6`): round the float32 mantissa to 3 bits in
-    integer arithmetic. Subnormal range: the e4m3 quantum is 2^-9, and adding
-    then subtracting 2^14 (whose float32 ulp is 2^-9) rounds to it.
-    """
-    var bits = bitcast[DType.uint32, F32_WIDTH](x)
-    var sign = bits & 0x80000000
-    var magnitude = bits & 0x7FFFFFFF
-    var lsb = (magnitude >> 20) & 1
-    var normal = bitcast[DType.float32, F32_WIDTH]((magnitude + 0x7FFFF + lsb) & 0xFFF00000)
-    var a = bitcast[DType.float32, F32_WIDTH](magnitude)
-    var subnormal = (a + 16384.0) - 16384.0
-    var rounded = a.lt(0.015625).select(subnormal, normal)
-    return bitcast[DType.float32, F32_WIDTH](bitcast[DType.uint32, F32_WIDTH](rounded) | sign)
-
-
-def widen_e4m3(bytes: SIMD[DType.uint8, F32_WIDTH]) -> F32V:
-    """Widens fp8 e4m3fn bytes to float32, exactly (NaN bytes are not expected in weights).
-
-    Normal values: move exponent and mantissa into float32 position and
-    rebias the exponent by 127 - 7; subnormal values are `mantissa * 2^-9`.
-    """
-    var b = bytes.cast[DType.uint32]()
-    var magnitude = b & 0x7F
-    var normal = bitcast[DType.float32, F32_WIDTH]((magnitude << 20) + (120 << 23))
-    var subnormal = (magnitude & 7).cast[DType.float32]() * 0.001953125
-    var value = magnitude.lt(8).select(subnormal, normal)
-    return bitcast[DType.float32, F32_WIDTH](bitcast[DType.uint32, F32_WIDTH](value) | ((b & 0x80) << 24))
-
-
 def quantize_activations[
     dtype: DType
 ](
     a: StridedMatrices[dtype],
     num_groups: Int,
     num_rows: Int,
-    padded_rows: Int,
     depth: Int,
     blocks: BlockShape,
     a_q: FPtr,
     a_scale: FPtr,
 ) raises:
-    """Quantizes `a` into fp8 values kept as float32 in `a_q [G, padded_rows, K]` (padding rows
-    stay zero) with scales in `a_scale [G, MB, KB]`."""
+    """Quantizes `a` into fp8 values kept as float32 in `a_q [G, M, K]`, scales in `a_scale [G, MB, KB]`."""
     var m_blocks = ceil_div(num_rows, blocks.m)
     var k_blocks = ceil_div(depth, blocks.k)
 
-    def block_row_task(i: Int) {var a, var num_rows, var padded_rows, var depth, var blocks, var a_q, var a_scale, var m_blocks, var k_blocks}:
+    def block_row_task(i: Int) {var a, var num_rows, var depth, var blocks, var a_q, var a_scale, var m_blocks, var k_blocks}:
         comptime W = F32_WIDTH
         var g = i // m_blocks
         var mb = i % m_blocks
@@ -131,7 +94,7 @@ def quantize_activations[
             a_scale.unsafe_store((g * m_blocks + mb) * k_blocks + kb, s)
             for m in range(m0, m1):
                 var src = a.row(g, m)
-                var dst = a_q.unsafe_offset((g * padded_rows + m) * depth)
+                var dst = a_q.unsafe_offset((g * num_rows + m) * depth)
                 for k in range(k0, vec_end, W):
                     var x = src.unsafe_load[width=W](k).cast[DType.float32]() / s
                     dst.unsafe_store(k, round_to_e4m3(min(max(x, -FP8_MAX), FP8_MAX)))
@@ -142,17 +105,61 @@ def quantize_activations[
     sync_parallelize(block_row_task, num_groups * m_blocks)
 
 
-def widen_weight_rows(w: U8Ptr, dst: FPtr, num_rows: Int, depth: Int):
-    """Widens `num_rows` consecutive rows of fp8 weight bytes to float32."""
-    comptime W = F32_WIDTH
-    var total = num_rows * depth
-    var i = 0
-    while i + W <= total:
-        dst.unsafe_store(i, widen_e4m3(w.unsafe_load[width=W](i)))
-        i += W
-    while i < total:
-        dst.unsafe_store(i, widen_e4m3(SIMD[DType.uint8, W](w.unsafe_load(i)))[0])
-        i += 1
+@fieldwise_init
+struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
+    """One fp8 batched matmul, its activations already quantized."""
+
+    var a_q: FPtr  # [G, M, K] fp8 values as float32
+    var a_scale: FPtr  # [G, MB, KB]
+    var w: U8Ptr  # [G, N, K] fp8 bytes
+    var w_scale: FPtr  # [G, NB, KB]
+    var c: StridedMatrices[Self.out_dtype]
+    var num_rows: Int
+    var n_out: Int
+    var depth: Int
+    var blocks: BlockShape
+
+    def output_block[rows: Int, cols: Int](self, g: Int, m0: Int, n0: Int):
+        """`c[g, m0 : m0 + rows, n0 : n0 + cols]`: per K block, exact fp8 dot products times `sa * sw`.
+
+        The per-block products stay in vector lanes, scaled lane-wise, and
+        are summed across lanes once at the end.
+        """
+        var m_blocks = ceil_div(self.num_rows, self.blocks.m)
+        var n_blocks = ceil_div(self.n_out, self.blocks.n)
+        var k_blocks = ceil_div(self.depth, self.blocks.k)
+        var a_rows = self.a_q.unsafe_offset((g * self.num_rows + m0) * self.depth)
+        var w_rows = self.w.unsafe_offset((g * self.n_out + n0) * self.depth)
+        var sa = Array[FPtr, rows](fill=self.a_scale)
+        comptime for r in range(rows):
+            sa[r] = self.a_scale.unsafe_offset((g * m_blocks + (m0 + r) // self.blocks.m) * k_blocks)
+        var sw = Array[FPtr, cols](fill=self.w_scale)
+        comptime for cc in range(cols):
+            sw[cc] = self.w_scale.unsafe_offset((g * n_blocks + (n0 + cc) // self.blocks.n) * k_blocks)
+        var total = Array[F32Vec, rows * cols](fill=F32Vec(0))
+        for kb in range(k_blocks):
+            var k0 = kb * self.blocks.k
+            var k1 = min(k0 + self.blocks.k, self.depth)
+            var part = dot_lanes[rows, cols, DType.uint8](
+                a_rows.unsafe_offset(k0), self.depth, w_rows.unsafe_offset(k0), self.depth, k1 - k0
+            )
+            comptime for r in range(rows):
+                var s_a = sa[r].unsafe_load(kb)
+                comptime for cc in range(cols):
+                    total[r * cols + cc] += part[r * cols + cc] * (s_a * sw[cc].unsafe_load(kb))
+        comptime for r in range(rows):
+            comptime for cc in range(cols):
+                self.c.row(g, m0 + r).unsafe_store(n0 + cc, total[r * cols + cc].reduce_add().cast[Self.out_dtype]())
+
+    def output_rows[rows: Int](self, g: Int, m0: Int, n0: Int, n1: Int):
+        """Columns `n0 .. n1 - 1` of `rows` output rows, in blocks of DOT_COLS columns."""
+        var n = n0
+        while n + DOT_COLS <= n1:
+            self.output_block[rows, DOT_COLS](g, m0, n)
+            n += DOT_COLS
+        while n < n1:
+            self.output_block[rows, 1](g, m0, n)
+            n += 1
 
 
 def fp8_batched_matmul[
@@ -170,51 +177,32 @@ def fp8_batched_matmul[
 ) raises:
     """`c[g, m, n] = sum_kb sa[g, m, kb] * sw[g, n, kb] * sum_{k in kb} a_q[g, m, k] * w[g, n, k]`.
 
-    Quantizes `a` first. Each task widens a slice of weight rows of one head
-    once and multiplies it with every token in 4 x 4 register blocks, so the
-    weights are read once per call.
+    Quantizes `a` first. Each task takes a slice of one head's weight rows,
+    widens the fp8 bytes in registers inside the dot products and multiplies
+    them with every token, so the weights are read once per call, as bytes.
     """
     var m_blocks = ceil_div(num_rows, blocks.m)
-    var n_blocks = ceil_div(n_out, blocks.n)
     var k_blocks = ceil_div(depth, blocks.k)
-    var padded_rows = ceil_div(num_rows, DOT_ROWS) * DOT_ROWS
-    var a_q_buf = List[Float32](length=max(num_groups * padded_rows * depth, 1), fill=0)
+    var a_q_buf = List[Float32](length=max(num_groups * num_rows * depth, 1), fill=0)
     var a_scale_buf = List[Float32](length=max(num_groups * m_blocks * k_blocks, 1), fill=0)
-    var a_q = scratch(a_q_buf)
-    var a_scale = scratch(a_scale_buf)
-    quantize_activations[in_dtype](a, num_groups, num_rows, padded_rows, depth, blocks, a_q, a_scale)
+    var mm = QuantizedMatmul[out_dtype](
+        scratch(a_q_buf), scratch(a_scale_buf), w, w_scale, c, num_rows, n_out, depth, blocks
+    )
+    quantize_activations[in_dtype](a, num_groups, num_rows, depth, blocks, mm.a_q, mm.a_scale)
 
     var slices = ceil_div(n_out, WEIGHT_ROWS_PER_TASK)
 
-    def slice_task(i: Int) {var w, var w_scale, var c, var num_rows, var n_out, var depth, var blocks, var a_q, var a_scale, var m_blocks, var n_blocks, var k_blocks, var padded_rows, var slices}:
+    def slice_task(i: Int) {var mm, var num_rows, var n_out, var slices}:
         var g = i // slices
         var n0 = (i % slices) * WEIGHT_ROWS_PER_TASK
-        var rows = min(WEIGHT_ROWS_PER_TASK, n_out - n0)
-        var padded = ceil_div(rows, DOT_COLS) * DOT_COLS
-        var w_buf = List[Float32](length=padded * depth, fill=0)
-        var w_rows = scratch(w_buf)
-        widen_weight_rows(w.unsafe_offset((g * n_out + n0) * depth), w_rows, rows, depth)
-        for m0 in range(0, padded_rows, DOT_ROWS):
-            var a_rows = a_q.unsafe_offset((g * padded_rows + m0) * depth)
-            for j0 in range(0, padded, DOT_COLS):
-                var total = Array[Float32, DOT_ROWS * DOT_COLS](fill=0)
-                for kb in range(k_blocks):
-                    var k0 = kb * blocks.k
-                    var k1 = min(k0 + blocks.k, depth)
-                    var part = dot_block(
-                        a_rows.unsafe_offset(k0), depth, w_rows.unsafe_offset(j0 * depth + k0), depth, k1 - k0
-                    )
-                    comptime for r in range(DOT_ROWS):
-                        var sa = a_scale.unsafe_load((g * m_blocks + min(m0 + r, num_rows - 1) // blocks.m) * k_blocks + kb)
-                        comptime for cc in range(DOT_COLS):
-                            var n = min(n0 + j0 + cc, n_out - 1)
-                            var sw = w_scale.unsafe_load((g * n_blocks + n // blocks.n) * k_blocks + kb)
-                            total[r * DOT_COLS + cc] += part[r * DOT_COLS + cc] * (sa * sw)
-                comptime for r in range(DOT_ROWS):
-                    comptime for cc in range(DOT_COLS):
-                        if m0 + r < num_rows and j0 + cc < rows:
-                            c.row(g, m0 + r).unsafe_store(n0 + j0 + cc, total[r * DOT_COLS + cc].cast[out_dtype]())
-        _ = w_buf^
+        var n1 = min(n0 + WEIGHT_ROWS_PER_TASK, n_out)
+        var m = 0
+        while m + DOT_ROWS <= num_rows:
+            mm.output_rows[DOT_ROWS](g, m, n0, n1)
+            m += DOT_ROWS
+        while m < num_rows:
+            mm.output_rows[1](g, m, n0, n1)
+            m += 1
 
     sync_parallelize(slice_task, num_groups * slices)
     _ = a_q_buf^

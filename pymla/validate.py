@@ -19,6 +19,7 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .cache import UNUSED_PAGE
@@ -451,6 +452,15 @@ def _check_no_overlap(
                 )
 
 
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A small integer tensor as an int64 NumPy array on the host.
+
+    The value checks run in NumPy: torch's own small ops would wake its
+    OpenMP pool, whose spinning threads then compete with the kernel's.
+    """
+    return t.to(torch.int64).cpu().numpy()
+
+
 def _check_values(
     input_row_offsets: torch.Tensor,
     cache_lengths: torch.Tensor,
@@ -464,51 +474,52 @@ def _check_values(
     page_size: int,
 ) -> None:
     for name, scales in (("w_uk_scale", w_uk_scale), ("w_uv_scale", w_uv_scale)):
-        finite = torch.isfinite(scales)
-        if not bool(finite.all()):
-            index = tuple(int(v) for v in torch.nonzero(~finite)[0])
+        values = scales.detach().cpu().numpy()
+        finite = np.isfinite(values)
+        if not finite.all():
+            index = tuple(int(v) for v in np.argwhere(~finite)[0])
             raise ValueError(
-                f"{name}: expected finite scales, got {scales[index].item()} at {list(index)}"
+                f"{name}: expected finite scales, got {values[index]} at {list(index)}"
             )
-    offsets = input_row_offsets.to(torch.int64).cpu()
-    if int(offsets[0]) != 0:
+    offsets = _as_numpy(input_row_offsets)
+    if offsets[0] != 0:
         raise ValueError(f"input_row_offsets: expected to start at 0, got {int(offsets[0])}")
     steps = offsets[1:] - offsets[:-1]  # new tokens per request
-    if bool((steps < 0).any()):
-        b = int(torch.nonzero(steps < 0)[0])
+    if (steps < 0).any():
+        b = int(np.argmax(steps < 0))
         raise ValueError(
             f"input_row_offsets: expected non-decreasing values, got {int(offsets[b])} then "
             f"{int(offsets[b + 1])} at request {b}"
         )
-    if int(offsets[-1]) != num_tokens:
+    if offsets[-1] != num_tokens:
         raise ValueError(
             f"input_row_offsets: expected to end at tot_seq_len = {num_tokens} (q's dim 0), "
             f"got {int(offsets[-1])}"
         )
-    if steps.numel() == 0:
+    if steps.size == 0:
         return
-    lengths = cache_lengths.to(torch.int64).cpu()
+    lengths = _as_numpy(cache_lengths)
     ends = lengths + steps  # one past each request's last position
-    worst = int(torch.argmax(ends))
-    if int(ends[worst]) > max_seq_len:
+    worst = int(np.argmax(ends))
+    if ends[worst] > max_seq_len:
         raise ValueError(
             f"cache_lengths: expected cached + new tokens <= {max_seq_len} (freqs_cis' rows), got "
             f"{int(lengths[worst])} + {int(steps[worst])} = {int(ends[worst])} for request {worst}"
         )
     pages_needed = (ends + page_size - 1) // page_size
     capacity = lookup_table.shape[1]
-    b = int(torch.argmax(pages_needed))
-    if int(pages_needed[b]) > capacity:
+    b = int(np.argmax(pages_needed))
+    if pages_needed[b] > capacity:
         raise ValueError(
             f"lookup_table: expected >= {int(pages_needed[b])} pages per request (request {b} has "
             f"{int(lengths[b])} cached + {int(steps[b])} new tokens in pages of {page_size}), "
             f"got shape {_shape(lookup_table)} (were its new rows appended to the cache?)"
         )
-    table = lookup_table.to(torch.int64).cpu()
-    used = torch.arange(capacity)[None, :] < pages_needed[:, None]
+    table = _as_numpy(lookup_table)
+    used = np.arange(capacity)[None, :] < pages_needed[:, None]
     unowned = used & (table == UNUSED_PAGE)
-    if bool(unowned.any()):
-        b, p = (int(v) for v in torch.nonzero(unowned)[0])
+    if unowned.any():
+        b, p = (int(v) for v in np.argwhere(unowned)[0])
         raise ValueError(
             f"lookup_table: expected a page at [{b}, {p}] (request {b} has {int(lengths[b])} "
             f"cached + {int(steps[b])} new tokens in pages of {page_size}), got the unused-page "
@@ -516,8 +527,8 @@ def _check_values(
             "(were its new rows appended to the cache?)"
         )
     outside = used & (table >= num_blocks)
-    if bool(outside.any()):
-        b, p = (int(v) for v in torch.nonzero(outside)[0])
+    if outside.any():
+        b, p = (int(v) for v in np.argwhere(outside)[0])
         raise ValueError(
             f"lookup_table: expected entries < {num_blocks} (kv_blocks' num_blocks), "
             f"got {int(table[b, p])} at [{b}, {p}]"
@@ -526,21 +537,21 @@ def _check_values(
 
 
 def _check_distinct_new_rows(
-    offsets: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor, page_size: int
+    offsets: np.ndarray, lengths: np.ndarray, table: np.ndarray, page_size: int
 ) -> None:
     """Every new token's cache row belongs to it alone (the op rewrites those rows in place)."""
     steps = offsets[1:] - offsets[:-1]
-    request = torch.repeat_interleave(torch.arange(steps.numel()), steps)
-    if request.numel() < 2:
+    request = np.repeat(np.arange(steps.size), steps)
+    if request.size < 2:
         return
-    position = lengths[request] + torch.arange(request.numel()) - offsets[:-1][request]
+    position = lengths[request] + np.arange(request.size) - offsets[:-1][request]
     block = table[request, position // page_size]
     row = block * page_size + position % page_size
-    _, inverse, counts = torch.unique(row, return_inverse=True, return_counts=True)
-    shared = counts[inverse] > 1
-    if bool(shared.any()):
-        first = int(torch.nonzero(shared)[0])
-        second = int(torch.nonzero(shared & (row == row[first]))[1])
+    _, inverse, counts = np.unique(row, return_inverse=True, return_counts=True)
+    shared = counts[inverse.reshape(-1)] > 1
+    if shared.any():
+        first = int(np.argmax(shared))
+        second = int(np.flatnonzero(shared & (row == row[first]))[1])
         raise ValueError(
             f"lookup_table: expected a cache row of its own for each new token, got request "
             f"{int(request[first])} position {int(position[first])} and request "

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import pymla
-from helpers import make_case
 from pymla import bridge
 from pymla.cache import UNUSED_PAGE
+
+from helpers import make_case
 
 
 @pytest.mark.parametrize(
@@ -38,7 +39,9 @@ def test_to_max_refuses_non_contiguous():
 
 def test_op_updates_the_torch_cache_in_place_without_copies():
     """The op writes the new rows into the very memory torch owns: same pointer, new values."""
-    case = make_case(501, num_heads=4, cache_lengths=(7, 30), new_tokens=(1, 2), num_layers=1, layer_idx=0)
+    case = make_case(
+        501, num_heads=4, cache_lengths=(7, 30), new_tokens=(1, 2), num_layers=1, layer_idx=0
+    )
     blocks = case.cache.blocks
     ptr, before = blocks.data_ptr(), blocks.clone()
     pymla.mla_decode_branch_fp8(*case.args(), **case.options)
@@ -51,7 +54,12 @@ def test_op_updates_the_torch_cache_in_place_without_copies():
 def test_cache_append_writes_rows_at_pending_positions_across_pages():
     g = torch.Generator().manual_seed(5)
     cache = pymla.PagedLatentCache(
-        num_blocks=16, page_size=4, num_layers=2, dtype=torch.float32, shuffle_pages=True, generator=g
+        num_blocks=16,
+        page_size=4,
+        num_layers=2,
+        dtype=torch.float32,
+        shuffle_pages=True,
+        generator=g,
     )
     b = cache.add_request()
     cache.fill(b, 6, generator=g)
