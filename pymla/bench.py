@@ -10,6 +10,11 @@ page size, all measured in the same run, with:
 - ``floor``: ``bytes`` / the machine's memory bandwidth, measured in the same
   run as a large ``copy_`` (read + write);
 - ``bw``: the op's achieved bytes/s as a share of that bandwidth;
+- ``GFLOP/s``: the op's rate of multiply-adds (x2) of attention and both
+  projections, beside a large float32 torch ``mm``'s rate measured in the same
+  run: decode with many heads is compute-bound on a CPU (16 heads do about
+  30 flops per byte of cache, 128 heads 240), so the bandwidth floor is out
+  of reach there;
 - speed-ups of the op over the reference and over plain torch
   (:mod:`pymla.plain_torch`: the faster of its matmul and SDPA attention).
 
@@ -43,6 +48,14 @@ def measure_bandwidth(nbytes: int = 512 * 2**20) -> float:
     dst = torch.empty_like(src)
     seconds = time_call(lambda: dst.copy_(src), warmup=2, repeat=7)
     return 2 * nbytes / seconds
+
+
+def measure_flops(n: int = 2048) -> float:
+    """Float32 flops per second of a large torch matmul (the machine's practical compute peak)."""
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    seconds = time_call(lambda: a @ b, warmup=2, repeat=5)
+    return 2 * n**3 / seconds
 
 
 def bytes_per_call(case: Case) -> int:
@@ -124,6 +137,7 @@ def bench_one(
     torch_kind = min(plain, key=plain.get)
     nbytes = bytes_per_call(case)
     floor_s = nbytes / bandwidth
+    work = flops_per_call(case)
     return {
         "heads": heads,
         "batch": batch,
@@ -136,14 +150,17 @@ def bench_one(
         "floor_ms": floor_s * 1e3,
         "bytes": nbytes,
         "op_bandwidth_fraction": floor_s / op_s,
-        "op_gflops": flops_per_call(case) / op_s / 1e9,
+        "op_gflops": work / op_s / 1e9,
         "speedup_vs_reference": ref_s / op_s,
         "speedup_vs_plain_torch": plain[torch_kind] / op_s,
     }
 
 
-def print_table(rows: list[dict], bandwidth: float) -> None:
-    print(f"\nmemory bandwidth (torch copy, read + write): {bandwidth / 1e9:.1f} GB/s")
+def print_table(rows: list[dict], bandwidth: float, flops: float) -> None:
+    print(
+        f"\nmemory bandwidth (torch copy, read + write): {bandwidth / 1e9:.1f} GB/s; "
+        f"float32 compute (torch mm 2048^3): {flops / 1e9:.0f} GFLOP/s"
+    )
     header = (
         f"{'heads':>5} {'batch':>5} {'ctx':>6} {'page':>4} | {'op ms':>8} {'ref ms':>9} {'torch ms':>9} "
         f"| {'x ref':>6} {'x torch':>7} | {'floor ms':>8} {'%bw':>5} {'GFLOP/s':>7}"
@@ -228,6 +245,7 @@ def run(argv: list[str] | None = None) -> int:
         flush=True,
     )
     bandwidth = measure_bandwidth()
+    flops = measure_flops()
     configs = list(itertools.product(args.heads, args.batch, args.context, args.page_size))
     rows = []
     for i, (heads, batch, context, page_size) in enumerate(configs, 1):
@@ -237,7 +255,7 @@ def run(argv: list[str] | None = None) -> int:
             flush=True,
         )
         rows.append(bench_one(heads, batch, context, page_size, bandwidth, args.repeat))
-    print_table(rows, bandwidth)
+    print_table(rows, bandwidth, flops)
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / args.name
@@ -247,6 +265,7 @@ def run(argv: list[str] | None = None) -> int:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "bandwidth_bytes_per_s": bandwidth,
+        "float32_flops_per_s": flops,
         "dtype": "bfloat16",
         "mask": "causal",
     }
