@@ -22,7 +22,7 @@ from max.graph import DeviceRef
 
 from . import bridge
 from .cache import PagedLatentCache
-from .graph import OpConfig, build_graph, mask_code, score_mod_code
+from .graph import INPUT_NAMES, OpConfig, build_graph, mask_code, score_mod_code
 from .quant import ScaleGranularity
 from .reference import MASKS, SCORE_MODS, KVCacheTensors
 from .validate import as_float, as_int, as_str, as_tensor, check_inputs
@@ -66,6 +66,21 @@ def _scalar(value: int | float, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
+def _check_op_args(*args, check_values: bool = True):
+    """``check_inputs`` on the torch op's positional arguments (granularity as three ints)."""
+    (*tensors, scale, epsilon, gm, gn, gk, mask, score_mod, local_window_size) = args
+    return check_inputs(
+        *tensors,
+        scale=scale,
+        epsilon=epsilon,
+        scale_granularity=ScaleGranularity(gm, gn, gk),
+        mask=mask,
+        score_mod=score_mod,
+        local_window_size=local_window_size,
+        check_values=check_values,
+    )
+
+
 @torch.library.custom_op("pymla::mla_decode_branch_fp8", mutates_args=("out", "kv_blocks"))
 def _mla_decode_branch_fp8_op(
     out: torch.Tensor,
@@ -90,108 +105,36 @@ def _mla_decode_branch_fp8_op(
     score_mod: str,
     local_window_size: int,
 ) -> None:
-    granularity = ScaleGranularity(m_scale_granularity, n_scale_granularity, k_scale_granularity)
-    dims = check_inputs(
-        out,
-        q,
-        input_row_offsets,
-        freqs_cis,
-        kv_norm_gamma,
-        kv_blocks,
-        cache_lengths,
-        lookup_table,
-        layer_idx,
-        w_uk,
-        w_uk_scale,
-        w_uv,
-        w_uv_scale,
-        scale=scale,
-        epsilon=epsilon,
-        scale_granularity=granularity,
-        mask=mask,
-        score_mod=score_mod,
-        local_window_size=local_window_size,
-    )
+    args = locals().copy()  # the parameters above, in signature order
+    dims = _check_op_args(*args.values())
     if dims.num_tokens == 0:
         return
     model = compiled_model(OpConfig(bridge.max_dtype(q.dtype), _device_ref(q.device)), q.device)
-    inputs = [
-        out,
-        q,
-        input_row_offsets,
-        freqs_cis,
-        kv_norm_gamma,
-        kv_blocks,
-        cache_lengths,
-        lookup_table,
-        _scalar(layer_idx, torch.uint32),
-        _scalar(scale, torch.float32),
-        _scalar(epsilon, torch.float32),
-        _scalar(mask_code(mask), torch.int32),
-        _scalar(score_mod_code(score_mod), torch.int32),
-        *(_scalar(v, torch.int32) for v in (local_window_size, *granularity)),
-        w_uk,
-        w_uk_scale,
-        w_uv,
-        w_uv_scale,
-    ]
+    scalars = {
+        "layer_idx": _scalar(layer_idx, torch.uint32),
+        "scale": _scalar(scale, torch.float32),
+        "epsilon": _scalar(epsilon, torch.float32),
+        "mask": _scalar(mask_code(mask), torch.int32),
+        "score_mod": _scalar(score_mod_code(score_mod), torch.int32),
+        "local_window_size": _scalar(local_window_size, torch.int32),
+        "m_scale_granularity": _scalar(m_scale_granularity, torch.int32),
+        "n_scale_granularity": _scalar(n_scale_granularity, torch.int32),
+        "k_scale_granularity": _scalar(k_scale_granularity, torch.int32),
+    }
+    inputs = {**args, "output": out, **scalars}
     on_gpu = q.device.type != "cpu"
     if on_gpu:
         # MAX runs on its own stream: torch's writes of the inputs must be done first,
         # and the op's writes must be done before torch reads them.
         torch.cuda.current_stream(q.device).synchronize()
-    model.execute(*(bridge.to_max(t) for t in inputs))
+    model.execute(*(bridge.to_max(inputs[name]) for name in INPUT_NAMES))
     if on_gpu:
         _session(q.device)[1].synchronize()
 
 
 @_mla_decode_branch_fp8_op.register_fake
-def _(
-    out,
-    q,
-    input_row_offsets,
-    freqs_cis,
-    kv_norm_gamma,
-    kv_blocks,
-    cache_lengths,
-    lookup_table,
-    layer_idx,
-    w_uk,
-    w_uk_scale,
-    w_uv,
-    w_uv_scale,
-    scale,
-    epsilon,
-    m_scale_granularity,
-    n_scale_granularity,
-    k_scale_granularity,
-    mask,
-    score_mod,
-    local_window_size,
-):
-    granularity = ScaleGranularity(m_scale_granularity, n_scale_granularity, k_scale_granularity)
-    check_inputs(
-        out,
-        q,
-        input_row_offsets,
-        freqs_cis,
-        kv_norm_gamma,
-        kv_blocks,
-        cache_lengths,
-        lookup_table,
-        layer_idx,
-        w_uk,
-        w_uk_scale,
-        w_uv,
-        w_uv_scale,
-        scale=scale,
-        epsilon=epsilon,
-        scale_granularity=granularity,
-        mask=mask,
-        score_mod=score_mod,
-        local_window_size=local_window_size,
-        check_values=False,
-    )
+def _(*args):
+    _check_op_args(*args, check_values=False)
 
 
 def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .quant import ScaleGranularity, dequantize_fp8
-from .reference import KVCacheTensors, alibi_slopes
+from .reference import KVCacheTensors, alibi_slopes, rope_interleaved
 
 
 class PlainTorchDecode:
@@ -75,16 +75,16 @@ class PlainTorchDecode:
             * torch.rsqrt(latent.square().mean(-1, keepdim=True) + self.epsilon)
             * kv_norm_gamma.float()
         )
-        rope = _rope(rows[..., rank:], freqs_cis[new_pos].float())
+        rope = rope_interleaved(rows[..., rank:], freqs_cis[new_pos].float())
         blocks[rows_idx[0], 0, layer_idx, rows_idx[1], 0] = torch.cat([latent, rope], -1).to(
             blocks.dtype
         )
 
         # Steps 1, 3, 4 on q.
         qb = q.view(num_requests, per_request, num_heads, -1)
-        q_rope = _rope(qb[..., nope:].float(), freqs_cis[new_pos].float()[:, :, None, :]).to(
-            self.dtype
-        )
+        q_rope = rope_interleaved(
+            qb[..., nope:].float(), freqs_cis[new_pos].float()[:, :, None, :]
+        ).to(self.dtype)
         q_nope = torch.einsum("bthk,hrk->bthr", qb[..., :nope], self.w_uk)
         q_full = torch.cat([q_nope, q_rope], -1)  # [B, n, H, R + Dr]
 
@@ -126,9 +126,3 @@ class PlainTorchDecode:
         # Step 6.
         out = torch.einsum("bthr,hvr->bthv", raw.to(self.dtype), self.w_uv)
         return out.reshape(num_tokens, num_heads, -1)
-
-
-def _rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    cos, sin = freqs[..., 0::2], freqs[..., 1::2]
-    return torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], -1).flatten(-2)
