@@ -701,6 +701,11 @@ def bench(args, runner: Runner | None, results: dict, save) -> None:
     pool_gb = (max_pages + 1) * NUM_LAYERS * PAGE_SIZE * CACHE_DIM * 2 / 1e9
     log(f"bench: heads {heads_list}, batches {batches}, contexts {contexts}; pool {pool_gb:.1f} GB")
     shape = (max_pages + 1, 1, NUM_LAYERS, PAGE_SIZE, 1, CACHE_DIM)
+    if not dry:
+        results["hbm_copy_bytes_per_s"] = measure_copy_bandwidth()
+        log(
+            f"device-to-device copy: {results['hbm_copy_bytes_per_s'] / 1e9:.0f} GB/s (read + write)"
+        )
     pool = torch.empty(shape, dtype=torch.bfloat16, device=dev).normal_()
     freqs = rope_freqs_cis(max(contexts) + 8, ROPE).to(torch.bfloat16).to(dev)
     gamma = (1 + 0.25 * torch.randn(RANK)).to(torch.bfloat16).to(dev)
@@ -744,8 +749,15 @@ def bench(args, runner: Runner | None, results: dict, save) -> None:
                     if pymla_ok:
                         try:
                             pm = time_pymla(inputs, cfg, args)
+                            pk = time_pymla_kernel(inputs, cfg, args)
                             row["pymla_ms"] = round(pm * 1e3, 4)
-                            msg += f"  pymla {pm * 1e3:8.3f} ms"
+                            row["pymla_kernel_ms"] = round(pk * 1e3, 4)
+                            msg += f"  pymla {pm * 1e3:8.3f} ms (kernel {pk * 1e3:8.3f} ms)"
+                            hbm = results.get("hbm_copy_bytes_per_s")
+                            if hbm:
+                                moved = bytes_moved(heads, batch, ctx)
+                                row["builtin_hbm_fraction"] = round(moved / med / hbm, 4)
+                                row["pymla_kernel_hbm_fraction"] = round(moved / pk / hbm, 4)
                         except Exception as exc:  # noqa: BLE001
                             log(f"  pymla op failed, not timing it further: {exc!r}")
                             results["pymla_error"] = repr(exc)[:500]
@@ -756,6 +768,65 @@ def bench(args, runner: Runner | None, results: dict, save) -> None:
                     row["error"] = repr(exc)[:300]
                 rows.append(row)
         save()
+
+
+def measure_copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
+    """Bytes per second of a device-to-device torch copy, counting the read and the write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    seconds = time_it(copy, 3, 10)[0]
+    return 2 * nbytes / seconds
+
+
+def time_pymla_kernel(inputs, cfg, args) -> float:
+    """pymla's compiled model alone on prepared buffers (no input checks), like the built-in."""
+    from pymla import bridge, op
+    from pymla.graph import INPUT_NAMES, OpConfig, mask_code, score_mod_code
+
+    q = inputs["q"]
+    nb = inputs["kv_blocks"].shape[0] - 1
+    lut = inputs["lookup_table"].cpu().to(torch.int64)
+    lut[lut >= nb] = 0
+    tensors = {
+        "output": torch.empty(q.shape[0], q.shape[1], V_HEAD, dtype=q.dtype, device=q.device),
+        "q": q,
+        "input_row_offsets": inputs["input_row_offsets"],
+        "freqs_cis": inputs["freqs_cis"],
+        "kv_norm_gamma": inputs["kv_norm_gamma"],
+        "kv_blocks": inputs["kv_blocks"],
+        "cache_lengths": inputs["cache_lengths"],
+        "lookup_table": lut.to(torch.uint32).to(q.device),
+        "layer_idx": torch.tensor(LAYER_IDX, dtype=torch.uint32),
+        "scale": torch.tensor(cfg.scale, dtype=torch.float32),
+        "epsilon": torch.tensor(cfg.epsilon, dtype=torch.float32),
+        "mask": torch.tensor(mask_code(cfg.mask), dtype=torch.int32),
+        "score_mod": torch.tensor(score_mod_code("no_pos"), dtype=torch.int32),
+        "local_window_size": torch.tensor(0, dtype=torch.int32),
+        "m_scale_granularity": torch.tensor(1, dtype=torch.int32),
+        "n_scale_granularity": torch.tensor(128, dtype=torch.int32),
+        "k_scale_granularity": torch.tensor(128, dtype=torch.int32),
+        "w_uk": inputs["w_uk"].view(torch.uint8),
+        "w_uk_scale": inputs["w_uk_scale"],
+        "w_uv": inputs["w_uv"].view(torch.uint8),
+        "w_uv_scale": inputs["w_uv_scale"],
+    }
+    model = op.compiled_model(
+        OpConfig(bridge.max_dtype(q.dtype), op._device_ref(q.device)), q.device
+    )
+    accel = op._session(q.device)[1]
+    buffers = [bridge.to_max(tensors[name]) for name in INPUT_NAMES]
+    torch.cuda.synchronize()
+
+    def call():
+        model.execute(*buffers)
+        accel.synchronize()
+
+    return time_it(call, args.warmup, args.repeat)[0]
 
 
 def time_pymla(inputs, cfg, args) -> float:
