@@ -8,7 +8,15 @@ import pymla
 from pymla.parity import compare_cache, compare_output
 from pymla.scenario import Case, make_case, run_reference
 
-__all__ = ["DEVICES", "Case", "check_parity", "make_case", "run_op_poisoned", "run_reference"]
+__all__ = [
+    "DEVICES",
+    "Case",
+    "check_parity",
+    "make_case",
+    "run_op_poisoned",
+    "run_reference",
+    "torch_op_args",
+]
 
 
 def run_op_poisoned(case: Case) -> torch.Tensor:
@@ -52,3 +60,35 @@ def check_parity(case: Case, device: str = "cpu") -> None:
         assert not torch.equal(case.cache.blocks[updated], before[updated]), (
             "new rows were not updated"
         )
+
+
+def torch_op_args(case: Case) -> tuple:
+    """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` for a case (fresh ``out``)."""
+    w = case.weights
+    kv = case.cache_tensors()
+    out = torch.empty(case.q.shape[0], case.q.shape[1], w["w_uv"].shape[1], dtype=case.q.dtype)
+    o = case.options
+    g = pymla.ScaleGranularity.parse(o["scale_granularity"])
+    return (
+        out,
+        case.q,
+        case.input_row_offsets,
+        case.freqs_cis,
+        case.kv_norm_gamma,
+        kv.blocks,
+        kv.cache_lengths,
+        kv.lookup_table,
+        case.layer_idx,
+        w["w_uk"].view(torch.uint8),
+        w["w_uk_scale"],
+        w["w_uv"].view(torch.uint8),
+        w["w_uv_scale"],
+        o["scale"],
+        o["epsilon"],
+        g.m,
+        g.n,
+        g.k,
+        o["mask"],
+        o["score_mod"],
+        o["local_window_size"],
+    )

@@ -10,38 +10,7 @@ import torch
 import pymla
 from pymla.parity import compare_output
 
-from helpers import check_parity, make_case, run_reference
-
-
-def _op_args(case):
-    w = case.weights
-    kv = case.cache_tensors()
-    out = torch.empty(case.q.shape[0], case.q.shape[1], w["w_uv"].shape[1], dtype=case.q.dtype)
-    o = case.options
-    g = pymla.ScaleGranularity.parse(o["scale_granularity"])
-    return (
-        out,
-        case.q,
-        case.input_row_offsets,
-        case.freqs_cis,
-        case.kv_norm_gamma,
-        kv.blocks,
-        kv.cache_lengths,
-        kv.lookup_table,
-        case.layer_idx,
-        w["w_uk"].view(torch.uint8),
-        w["w_uk_scale"],
-        w["w_uv"].view(torch.uint8),
-        w["w_uv_scale"],
-        o["scale"],
-        o["epsilon"],
-        g.m,
-        g.n,
-        g.k,
-        o["mask"],
-        o["score_mod"],
-        o["local_window_size"],
-    )
+from helpers import check_parity, make_case, run_reference, torch_op_args
 
 
 def test_torch_compile_fullgraph_matches_reference():
@@ -82,7 +51,7 @@ def test_opcheck():
     case = make_case(
         402, num_heads=4, cache_lengths=(9, 0), new_tokens=(1, 1), num_layers=1, layer_idx=0
     )
-    torch.library.opcheck(torch.ops.pymla.mla_decode_branch_fp8.default, _op_args(case))
+    torch.library.opcheck(torch.ops.pymla.mla_decode_branch_fp8.default, torch_op_args(case))
 
 
 def test_op_is_registered_with_mutations_declared():
@@ -98,7 +67,7 @@ def test_direct_torch_ops_call_matches_reference():
         403, num_heads=2, cache_lengths=(12,), new_tokens=(3,), num_layers=1, layer_idx=0
     )
     ref_out, _ = run_reference(case)
-    args = _op_args(case)
+    args = torch_op_args(case)
     torch.ops.pymla.mla_decode_branch_fp8(*args)
     assert compare_output(args[0], ref_out).passed
 

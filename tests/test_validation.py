@@ -27,7 +27,7 @@ from pymla.cache import UNUSED_PAGE
 from pymla.parity import compare_output
 from pymla.reference import MASKS, SCORE_MODS, KVCacheTensors, mla_decode_branch_fp8_reference
 
-from helpers import check_parity, make_case
+from helpers import check_parity, make_case, torch_op_args
 
 TENSOR_ARGS = (
     "q",
@@ -878,36 +878,13 @@ def test_out_is_written_when_valid():
 def test_torch_op_checks_too():
     """``torch.ops.pymla.mla_decode_branch_fp8`` (no wrapper) runs the same checks."""
     case = small_case()
-    kv = case.cache_tensors()
-    w = case.weights
     before = case.cache.blocks.clone()
-    out = torch.empty(3, 2, 128, dtype=torch.bfloat16)
+    args = list(torch_op_args(case))
+    table = args[7].clone()  # lookup_table
+    table[0, 0] = 12
+    args[7] = table
     with no_kernel(), pytest.raises(ValueError, match=r"^lookup_table: expected entries < 12"):
-        table = kv.lookup_table.clone()
-        table[0, 0] = 12
-        torch.ops.pymla.mla_decode_branch_fp8(
-            out,
-            case.q,
-            case.input_row_offsets,
-            case.freqs_cis,
-            case.kv_norm_gamma,
-            kv.blocks,
-            kv.cache_lengths,
-            table,
-            1,
-            w["w_uk"],
-            w["w_uk_scale"],
-            w["w_uv"],
-            w["w_uv_scale"],
-            case.options["scale"],
-            1e-6,
-            1,
-            128,
-            128,
-            "causal",
-            "no_pos",
-            0,
-        )
+        torch.ops.pymla.mla_decode_branch_fp8(*args)
     assert torch.equal(case.cache.blocks.view(torch.uint8), before.view(torch.uint8))
 
 
