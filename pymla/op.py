@@ -66,9 +66,9 @@ def _scalar(value: int | float, dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
-def _check_op_args(*args, check_values: bool = True):
+def _check_op_args(*args, metadata_only: bool = False):
     """``check_inputs`` on the torch op's positional arguments (granularity as three ints)."""
-    (*tensors, scale, epsilon, gm, gn, gk, mask, score_mod, local_window_size) = args
+    (*tensors, scale, epsilon, gm, gn, gk, mask, score_mod, local_window_size, check_values) = args
     return check_inputs(
         *tensors,
         scale=scale,
@@ -77,7 +77,7 @@ def _check_op_args(*args, check_values: bool = True):
         mask=mask,
         score_mod=score_mod,
         local_window_size=local_window_size,
-        check_values=check_values,
+        check_values=check_values and not metadata_only,
     )
 
 
@@ -104,6 +104,7 @@ def _mla_decode_branch_fp8_op(
     mask: str,
     score_mod: str,
     local_window_size: int,
+    check_values: bool,
 ) -> None:
     args = locals().copy()  # the parameters above, in signature order
     dims = _check_op_args(*args.values())
@@ -134,7 +135,7 @@ def _mla_decode_branch_fp8_op(
 
 @_mla_decode_branch_fp8_op.register_fake
 def _(*args):
-    _check_op_args(*args, check_values=False)
+    _check_op_args(*args, metadata_only=True)
 
 
 def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:
@@ -199,6 +200,7 @@ def mla_decode_branch_fp8(
     score_mod: str = "no_pos",
     local_window_size: int = 0,
     out: torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """The fused MLA decode branch with fp8 weights; the math is in :mod:`pymla.reference`.
 
@@ -224,6 +226,10 @@ def mla_decode_branch_fp8(
         score_mod: ``"no_pos"`` or ``"alibi_pos"``.
         local_window_size: window (sliding) or chunk (chunked) size in tokens.
         out: optional ``[T, H, v_head_dim]`` tensor of q's dtype to write into.
+        check_values: also check the values the kernel indexes with (offsets,
+            cache lengths, lookup table, finite scales). On a GPU these checks
+            copy those tensors to the host each call; a trusted serving loop
+            may turn them off. Types, shapes, dtypes and devices are always checked.
 
     Returns:
         ``[T, H, v_head_dim]`` in q's dtype, on q's device (``out`` when given).
@@ -262,7 +268,7 @@ def mla_decode_branch_fp8(
     local_window_size = as_int("local_window_size", local_window_size)
     mask = as_str("mask", mask, MASKS)
     score_mod = as_str("score_mod", score_mod, SCORE_MODS)
-    if isinstance(cache, PagedLatentCache) and not torch.compiler.is_compiling():
+    if check_values and isinstance(cache, PagedLatentCache) and not torch.compiler.is_compiling():
         _check_pending(cache, input_row_offsets, q.shape[0] if q.dim() else -1)
     if out is None:
         # A malformed q or w_uv gets a placeholder: the op's checks then name the problem.
@@ -290,5 +296,6 @@ def mla_decode_branch_fp8(
         mask,
         score_mod,
         local_window_size,
+        bool(check_values),
     )
     return out

@@ -91,4 +91,5 @@ def torch_op_args(case: Case) -> tuple:
         o["mask"],
         o["score_mod"],
         o["local_window_size"],
+        True,
     )

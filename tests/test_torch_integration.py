@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import pymla
@@ -119,3 +120,22 @@ def test_compile_is_logged_once():
     messages = [r.getMessage() for r in records]
     assert sum("compiling" in m for m in messages) == 1
     assert any("compiled in" in m for m in messages)
+
+
+def test_check_values_false_skips_only_the_value_checks(monkeypatch):
+    """A trusted loop can skip the checks that read tensor values; results are unchanged."""
+    from pymla import validate
+
+    case = make_case(406, num_heads=4, cache_lengths=(20, 3), new_tokens=(1, 1))
+    ref_out, _ = run_reference(case)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("value checks ran")
+
+    monkeypatch.setattr(validate, "_check_values", refuse)
+    out = pymla.mla_decode_branch_fp8(*case.args(), **case.options, check_values=False)
+    assert compare_output(out, ref_out).passed
+    # Shape checks still run.
+    bad_q = case.q[:, :, :100].contiguous()
+    with pytest.raises(ValueError, match="^q: "):
+        pymla.mla_decode_branch_fp8(bad_q, *case.args()[1:], **case.options, check_values=False)
