@@ -13,18 +13,18 @@ stages:
 5. paged MLA decode attention                    (`attend_partitions`, `merge_partitions`)
 6. fp8 output projection                         (`project_output`)
 
-fp8 weights arrive as uint8 (MAX has no fp8 on CPU) and are reinterpreted
-as float8_e4m3fn bit for bit.
+fp8 weights arrive as uint8 (MAX has no fp8 on CPU) and are widened from
+their e4m3 bits exactly (`fp8.mojo`).
 """
 
 import extensibility
 from extensibility import InputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
-from std.memory import Pointer
+from std.sys import num_physical_cores
 
 from .attention import AttentionShape, MaskSpec, PartialResults, attend_partitions, merge_partitions
-from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div, scratch
+from .common import DPtr, FPtr, U8Ptr, ceil_div, scratch
 from .fp8_matmul import Granularity, StridedMatrices, fp8_batched_matmul
 from .gpu import mla_decode_branch_fp8_gpu
 from .paged_cache import PagedLatentRows, RaggedBatch
@@ -96,8 +96,6 @@ def plan_attention(batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_
     partitions = max(1, min(partitions, ceil_div(longest, MIN_KEYS_PER_PARTITION)))
     return AttentionShape(num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group, partitions)
 
-
-from std.sys import num_physical_cores
 
 
 def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
