@@ -46,7 +46,10 @@ def alibi_slope(head: Int, num_heads: Int) -> Float32:
 
 @fieldwise_init
 struct MaskSpec(TrivialRegisterPassable):
-    """Mask variant (one of the MASK_* codes) and its window or chunk size."""
+    """Mask variant (one of the MASK_* codes) and its window or chunk size.
+
+    Shared by the CPU stages and the GPU kernels (`gpu_common.row_attention_meta`).
+    """
 
     var kind: Int
     var window: Int
@@ -57,7 +60,7 @@ struct MaskSpec(TrivialRegisterPassable):
             return (0, visible)
         if self.kind == MASK_SLIDING_WINDOW_CAUSAL:
             return (max(0, position - self.window + 1), position + 1)
-        if self.kind == MASK_CHUNKED_CAUSAL:
+        if self.kind == MASK_CHUNKED_CAUSAL and self.window > 0:
             return ((position // self.window) * self.window, position + 1)
         return (0, position + 1)
 

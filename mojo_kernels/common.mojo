@@ -27,28 +27,6 @@ def ceil_div(a: Int, b: Int) -> Int:
     return (a + b - 1) // b
 
 
-def dot_f32[
-    dtype: DType
-](a: FPtr, b: DPtr[dtype], n: Int) -> Float32:
-    """Sum of a[i] * b[i] in float32, b converted from `dtype`."""
-    comptime W = F32_WIDTH
-    var acc0 = SIMD[DType.float32, W](0)
-    var acc1 = SIMD[DType.float32, W](0)
-    var i = 0
-    while i + 2 * W <= n:
-        acc0 += a.unsafe_load[width=W](i) * b.unsafe_load[width=W](i).cast[DType.float32]()
-        acc1 += a.unsafe_load[width=W](i + W) * b.unsafe_load[width=W](i + W).cast[DType.float32]()
-        i += 2 * W
-    while i + W <= n:
-        acc0 += a.unsafe_load[width=W](i) * b.unsafe_load[width=W](i).cast[DType.float32]()
-        i += W
-    var s = (acc0 + acc1).reduce_add()
-    while i < n:
-        s += a.unsafe_load(i) * b.unsafe_load(i).cast[DType.float32]()
-        i += 1
-    return s
-
-
 comptime DOT_ROWS = 4
 """Rows of `a` per full register block of `dot_block`."""
 comptime DOT_COLS = 4

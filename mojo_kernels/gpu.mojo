@@ -37,23 +37,20 @@ from max.gpu.primitives import warp
 
 from .attention import MaskSpec
 from .gpu_common import (
-    SCORE_MOD_ALIBI_POS,
-    alibi_slope_gpu,
+    row_attention_meta,
     attention_slots,
     cache_row_offset,
     find_request,
     find_slot_request,
-    mask_hi,
-    mask_lo,
     slot_start,
 )
 from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
 from .gpu_attention_mma import MMA_GROUP_THREADS, MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
+from .fp8 import FP8_MAX
 from .fp8_matmul import Granularity
 from .paged_cache import PagedLatentRows
 from .problem import DecodeProblem
 
-comptime FP8_MAX: Float32 = 448.0
 
 # Elementwise kernels: one block of ELEMENTWISE_THREADS per token.
 comptime ELEMENTWISE_THREADS = 128
@@ -499,13 +496,11 @@ def attention_fma_kernel[
         var pos = 0
         var slope = Float32(0)
         if gr < row_end:
-            var t = gr // heads
-            var h = gr % heads
-            pos = cache_len + t - o0
-            lo = mask_lo(kind, win, pos)
-            hi = mask_hi(kind, pos, visible)
-            if Int(score_mod) == SCORE_MOD_ALIBI_POS:
-                slope = alibi_slope_gpu(h, heads)
+            var meta = row_attention_meta(gr, heads, cache_len, o0, visible, MaskSpec(kind, win), Int(score_mod))
+            lo = meta[0]
+            hi = meta[1]
+            pos = meta[2]
+            slope = meta[3]
         lo_s.unsafe_store(tid, Int32(lo))
         hi_s.unsafe_store(tid, Int32(hi))
         pos_s.unsafe_store(tid, Int32(pos))

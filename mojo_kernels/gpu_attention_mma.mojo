@@ -33,14 +33,12 @@ from max.gpu.compute.mma import ld_matrix, mma
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
 from max.gpu.primitives import warp
 
+from .attention import MaskSpec
 from .common import DPtr, FPtr, U32Ptr, ceil_div
 from .gpu_common import (
-    SCORE_MOD_ALIBI_POS,
-    alibi_slope_gpu,
+    row_attention_meta,
     cache_row_offset,
     find_slot_request,
-    mask_hi,
-    mask_lo,
     slot_start,
 )
 
@@ -226,13 +224,11 @@ def attention_mma_kernel[
         var pos = 0
         var slope = Float32(0)
         if gr < row_end:
-            var t = gr // heads
-            var h = gr % heads
-            pos = cache_len + t - o0
-            lo = mask_lo(kind, win, pos)
-            hi = mask_hi(kind, pos, visible)
-            if Int(score_mod) == SCORE_MOD_ALIBI_POS:
-                slope = alibi_slope_gpu(h, heads)
+            var meta = row_attention_meta(gr, heads, cache_len, o0, visible, MaskSpec(kind, win), Int(score_mod))
+            lo = meta[0]
+            hi = meta[1]
+            pos = meta[2]
+            slope = meta[3]
         lo_s.unsafe_store(tid, Int32(lo))
         hi_s.unsafe_store(tid, Int32(hi))
         pos_s.unsafe_store(tid, Int32(pos))

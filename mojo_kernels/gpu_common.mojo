@@ -1,14 +1,7 @@
 """Device helpers shared by the GPU kernels of `gpu.mojo` and `gpu_attention_mma.mojo`."""
 
-from std.math import exp2
-
+from .attention import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from .common import U32Ptr
-
-comptime MASK_NULL = 0
-comptime MASK_CAUSAL = 1
-comptime MASK_SLIDING_WINDOW_CAUSAL = 2
-comptime MASK_CHUNKED_CAUSAL = 3
-comptime SCORE_MOD_ALIBI_POS = 1
 
 
 def find_request(offsets: U32Ptr, num_requests: Int, t: Int) -> Int:
@@ -73,27 +66,16 @@ def cache_row_offset(
     return page * page_stride + layer_offset + (pos % page_size) * key_dim
 
 
-def alibi_slope_gpu(head: Int, num_heads: Int) -> Float32:
-    """ALiBi slope of `head` (see `pymla.reference.alibi_slopes`)."""
-    var n = 1
-    while n * 2 <= num_heads:
-        n *= 2
-    if head < n:
-        return exp2(Float32(-8.0) * Float32(head + 1) / Float32(n))
-    return exp2(Float32(-8.0) * Float32(2 * (head - n) + 1) / Float32(2 * n))
+def row_attention_meta(
+    row: Int, num_heads: Int, cache_length: Int, first_row: Int, visible: Int, mask: MaskSpec, score_mod: Int
+) -> Tuple[Int, Int, Int, Float32]:
+    """Key range `[lo, hi)`, sequence position and ALiBi slope of attention row `row = t * H + h`.
 
-
-def mask_lo(kind: Int, window: Int, position: Int) -> Int:
-    """First key position a query at `position` attends to."""
-    if kind == MASK_SLIDING_WINDOW_CAUSAL:
-        return max(0, position - window + 1)
-    if kind == MASK_CHUNKED_CAUSAL and window > 0:
-        return (position // window) * window
-    return 0
-
-
-def mask_hi(kind: Int, position: Int, visible: Int) -> Int:
-    """One past the last key position a query at `position` attends to."""
-    if kind == MASK_NULL:
-        return visible
-    return position + 1
+    `first_row` is the request's first query row (`input_row_offsets[b]`),
+    `cache_length` its cached tokens; the same mask and slope code as the CPU path.
+    """
+    var t = row // num_heads
+    var position = cache_length + t - first_row
+    var span = mask.key_range(position, visible)
+    var slope = alibi_slope(row % num_heads, num_heads) if score_mod == SCORE_MOD_ALIBI_POS else Float32(0)
+    return (span[0], span[1], position, slope)
