@@ -45,7 +45,7 @@ from .gpu_common import (
     slot_start,
 )
 from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
-from .gpu_attention_mma import MMA_GROUP_THREADS, MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
+from .gpu_attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
 from .fp8 import FP8_MAX
 from .fp8_matmul import Granularity
 from .paged_cache import PagedLatentRows
@@ -82,6 +82,7 @@ comptime MERGE_THREADS = 128
 
 # Tensor-core attention (gpu_attention_mma.mojo) for bf16 / f16 caches; False forces the FMA kernel.
 comptime USE_TENSOR_CORES = True
+comptime MMA_GROUP_WARPS = 4  # warps per 16-row group
 comptime MMA_KT_ONE_GROUP = 32  # keys per tile with 16 rows per block (fewer than 32 heads)
 comptime MMA_KT_TWO_GROUPS = 32  # keys per tile with 32 rows per block
 comptime ATT_MAX_SMEM = 227 * 1024  # opt-in shared memory per block on sm_90
@@ -866,7 +867,7 @@ def gpu_build_q_full[
 
 
 def gpu_attention[
-    dtype: DType
+    dtype: DType, mma_groups: Int = 0, mma_kt: Int = 0, mma_gw: Int = MMA_GROUP_WARPS
 ](
     ctx: DeviceContext,
     q_full: FPtr,
@@ -890,7 +891,10 @@ def gpu_attention[
     Splits every request's keys into `num_partitions` parts (merged by
     log-sum-exp when more than one); `num_partitions <= 0` plans them from
     the grid size and `max_cache_length_hint` (see `plan_partitions`).
-    `force_fma` skips the tensor-core kernel (for tests).
+    `force_fma` skips the tensor-core kernel (for tests). `mma_groups` /
+    `mma_kt` (0 = chosen here) / `mma_gw` pin the tensor-core kernel's row
+    groups per block, keys per tile and warps per group (for benchmarks of
+    the variants).
     """
     if num_tokens == 0 or num_heads == 0:
         return
@@ -900,13 +904,14 @@ def gpu_attention[
     # Kernel choice: tensor cores for bf16 / f16 caches of supported sizes.
     var use_mma = False
     comptime if USE_TENSOR_CORES and (dtype == DType.bfloat16 or dtype == DType.float16):
-        use_mma = mma_supported[dtype](key_dim, kv_lora_rank) and not force_fma
+        use_mma = mma_supported[dtype, mma_gw](key_dim, kv_lora_rank) and not force_fma
     var two_groups = use_mma and num_heads >= 2 * MMA_ROWS
     var rows_per_block = ATT_ROWS
     var blocks_per_sm = 1  # FMA kernel: 256 threads at up to 255 registers
     if use_mma:
-        rows_per_block = 2 * MMA_ROWS if two_groups else MMA_ROWS
-        blocks_per_sm = 1 if two_groups else 2
+        var groups = mma_groups if mma_groups > 0 else (2 if two_groups else 1)
+        rows_per_block = groups * MMA_ROWS
+        blocks_per_sm = max(1, 2 // groups)
     var parts = num_partitions
     if parts <= 0:
         parts = plan_partitions(num_tokens, num_heads, rows_per_block, blocks_per_sm, max_cache_length_hint)
@@ -952,8 +957,8 @@ def gpu_attention[
 
     @always_inline
     def launch_mma[groups: Int, kt: Int]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
-        var smem = attention_mma_smem_bytes[dtype, groups, kt](key_dim)
-        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt]](
+        var smem = attention_mma_smem_bytes[dtype, groups, kt, mma_gw](key_dim)
+        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, mma_gw]](
             q_full,
             cache.blocks,
             cache.lookup_table,
@@ -977,17 +982,20 @@ def gpu_attention[
             part_max,
             part_sum,
             grid_dim=(attention_slots(num_tokens, num_heads, num_requests, MMA_ROWS * groups), parts),
-            block_dim=MMA_GROUP_THREADS * groups,
+            block_dim=WARP_SIZE * mma_gw * groups,
             shared_mem_bytes=smem,
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
         )
 
     if use_mma:
         comptime if dtype == DType.bfloat16 or dtype == DType.float16:
-            if two_groups:
-                launch_mma[2, MMA_KT_TWO_GROUPS]()
+            comptime if mma_groups > 0:
+                launch_mma[mma_groups, mma_kt if mma_kt > 0 else MMA_KT_TWO_GROUPS]()
             else:
-                launch_mma[1, MMA_KT_ONE_GROUP]()
+                if two_groups:
+                    launch_mma[2, MMA_KT_TWO_GROUPS]()
+                else:
+                    launch_mma[1, MMA_KT_ONE_GROUP]()
     elif kv_lora_rank <= 2 * ATT_THREADS:
         launch_fma[2]()
     else:

@@ -7,16 +7,21 @@ float16). The float32 operands (q_full, the probabilities) are split into
 about 16 (bf16) or 21 (f16) bits: close to the float32 math of the
 reference. Accumulation is float32.
 
-Layout of one block: `groups` groups of 4 warps; each group owns 16 (token,
-head) rows of one request; all groups share each key tile in shared memory.
+Layout of one block: `groups` groups of `gw` warps (4 or 8); each group owns
+16 (token, head) rows of one request; all groups share each key tile in
+shared memory.
 
 * Scores `S[16, KT] = Q K^T`: warp `w` of a group takes the k-steps
-  (16 dims) `w, w + 4, ...` of the key dim with its q fragments held in
-  registers, `ldmatrix` for K; partial scores are summed across the 4 warps
-  through shared memory.
-* Softmax: warp `w` updates rows `4w .. 4w + 3` of its group (online max/sum).
-* `O[16, R] += P V`: warp `w` owns value columns `[w R / 4, (w + 1) R / 4)`,
+  (16 dims) `w, w + gw, ...` of the key dim with its q fragments held in
+  registers, `ldmatrix` for K; partial scores are summed across the `gw`
+  warps through shared memory.
+* Softmax: warp `w` updates rows `w 16 / gw ..` of its group (online max/sum).
+* `O[16, R] += P V`: warp `w` owns value columns `[w R / gw, (w + 1) R / gw)`,
   `ldmatrix.trans` for V (the first R columns of the same key tile).
+
+Tensor-core products are issued so that consecutive ones feed different
+accumulators (all hi halves of a k-step, then all lo halves): a product that
+waits on the one just before it stalls the warp for the full mma latency.
 
 Fragment layouts are those of PTX `mma.m16n8k16` (.row.col, f32 accumulate):
 lane = 4 g + t; A: a0,a1 = (g, 2t..2t+1), a2,a3 = (g+8, 2t..), a4,a5 = (g, 2t+8..),
@@ -42,31 +47,41 @@ from .gpu_common import (
     slot_start,
 )
 
-comptime MMA_GROUP_WARPS = 4
-comptime MMA_GROUP_THREADS = MMA_GROUP_WARPS * WARP_SIZE
 comptime MMA_ROWS = 16  # rows per group (the M of one mma)
-comptime MMA_KS_MAX = 9  # k-steps of 16 per warp: key_dim <= 4 * 9 * 16 = 576
-comptime MMA_NT_MAX = 16  # value n-tiles of 8 per warp: kv_lora_rank <= 4 * 16 * 8 = 512
+comptime MMA_KEY_DIM_MAX = 576  # k-steps of 16 per warp: key_dim <= gw * ks_max(gw) * 16
+comptime MMA_RANK_MAX = 512  # value n-tiles of 8 per warp: kv_lora_rank <= gw * nt_max(gw) * 8
 comptime MMA_KEY_PAD = 8  # elements: key rows of (key_dim + 8) keep ldmatrix conflict-free
 comptime MMA_ROW_PAD = 8  # floats: score / probability rows of (KT + 8)
 
 
-def mma_supported[dtype: DType](key_dim: Int, kv_lora_rank: Int) -> Bool:
-    """Whether `attention_mma_kernel` handles these sizes (else use the FMA kernel)."""
+@always_inline
+def mma_ks_max(gw: Int) -> Int:
+    """Key-dim k-steps (16 dims) one of `gw` warps holds q fragments for."""
+    return ceil_div(MMA_KEY_DIM_MAX // 16, gw)
+
+
+@always_inline
+def mma_nt_max(gw: Int) -> Int:
+    """Value n-tiles (8 columns) one of `gw` warps accumulates."""
+    return MMA_RANK_MAX // (8 * gw)
+
+
+def mma_supported[dtype: DType, gw: Int](key_dim: Int, kv_lora_rank: Int) -> Bool:
+    """Whether `attention_mma_kernel` with `gw` warps per group handles these sizes (else use the FMA kernel)."""
     comptime if dtype != DType.bfloat16 and dtype != DType.float16:
         return False
     return (
         key_dim % 16 == 0
-        and key_dim <= MMA_GROUP_WARPS * MMA_KS_MAX * 16
-        and kv_lora_rank % 64 == 0
-        and kv_lora_rank <= MMA_GROUP_WARPS * MMA_NT_MAX * 8
+        and key_dim <= MMA_KEY_DIM_MAX
+        and kv_lora_rank % (16 * gw) == 0  # an even count of 8-column n-tiles per warp
+        and kv_lora_rank <= MMA_RANK_MAX
     )
 
 
-def attention_mma_smem_bytes[dtype: DType, groups: Int, kt: Int](key_dim: Int) -> Int:
+def attention_mma_smem_bytes[dtype: DType, groups: Int, kt: Int, gw: Int](key_dim: Int) -> Int:
     """Dynamic shared memory of `attention_mma_kernel` (regions 16-byte aligned)."""
     var k_bytes = 2 * ceil_div(kt * (key_dim + MMA_KEY_PAD) * size_of[dtype](), 16) * 16
-    var red_bytes = groups * MMA_GROUP_WARPS * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
+    var red_bytes = groups * gw * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
     var p_bytes = groups * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
     var row_bytes = ceil_div(groups * MMA_ROWS * 7 * 4, 16) * 16
     var off_bytes = 2 * kt * 8
@@ -113,7 +128,7 @@ def copy_key_tile[
 
 
 def attention_mma_kernel[
-    dtype: DType, groups: Int, kt: Int
+    dtype: DType, groups: Int, kt: Int, gw: Int
 ](
     q_full: FPtr,
     blocks: DPtr[dtype],
@@ -141,10 +156,14 @@ def attention_mma_kernel[
     """One block per (request, `16 groups` rows, key partition); see the module docstring.
 
     Grid `(attention_slots(T, H, B, 16 groups), num_partitions)`, block
-    `128 groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
+    `32 gw groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
     """
     comptime assert kt % 32 == 0, "kt must be a multiple of 32"
-    comptime THREADS = groups * MMA_GROUP_THREADS
+    comptime assert MMA_ROWS % gw == 0 and (MMA_RANK_MAX // 8) % gw == 0, "gw must divide 16"
+    comptime GROUP_THREADS = gw * WARP_SIZE
+    comptime KS_MAX = mma_ks_max(gw)
+    comptime NT_MAX = mma_nt_max(gw)
+    comptime THREADS = groups * GROUP_THREADS
     comptime ROWS_BLK = groups * MMA_ROWS
     comptime NSP = kt // 8  # score n-tiles
     comptime NPAIR = kt // 16  # score n-tile pairs (one ldmatrix.x4 each); PV k-steps
@@ -153,8 +172,8 @@ def attention_mma_kernel[
     comptime VEC = 16 // size_of[dtype]()  # elements per 16-byte load
 
     var tid = thread_idx.x
-    var group = tid // MMA_GROUP_THREADS
-    var w = (tid % MMA_GROUP_THREADS) // WARP_SIZE
+    var group = tid // GROUP_THREADS
+    var w = (tid % GROUP_THREADS) // WARP_SIZE
     var lane = tid % WARP_SIZE
     var g = lane // 4
     var t4 = lane % 4
@@ -196,8 +215,8 @@ def attention_mma_kernel[
     var k_s0 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # two buffers [kt][stride]
     var k_s1 = base.unsafe_offset(off + k_buf_bytes).unsafe_bitcast[Scalar[dtype]]()
     off += 2 * k_buf_bytes
-    var red_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][4][16][RS]
-    off += groups * MMA_GROUP_WARPS * MMA_ROWS * RS * 4
+    var red_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][gw][16][RS]
+    off += groups * gw * MMA_ROWS * RS * 4
     var p_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][16][RS]
     off += groups * MMA_ROWS * RS * 4
     var m_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [ROWS_BLK] each
@@ -241,10 +260,10 @@ def attention_mma_kernel[
     var nks = dim // 16
     var gr_a = row0 + group * MMA_ROWS + g
     var gr_b = gr_a + 8
-    var q_h = Array[SIMD[dtype, 8], MMA_KS_MAX](fill=0)
-    var q_l = Array[SIMD[dtype, 8], MMA_KS_MAX](fill=0)
-    comptime for i in range(MMA_KS_MAX):
-        var ks = w + MMA_GROUP_WARPS * i
+    var q_h = Array[SIMD[dtype, 8], KS_MAX](fill=0)
+    var q_l = Array[SIMD[dtype, 8], KS_MAX](fill=0)
+    comptime for i in range(KS_MAX):
+        var ks = w + gw * i
         if ks < nks:
             var d0 = ks * 16 + 2 * t4
             var x = SIMD[DType.float32, 8](0)
@@ -279,11 +298,11 @@ def attention_mma_kernel[
             kb_lo = min(kb_lo, max(lo, k0))
             kb_hi = max(kb_hi, min(hi, k1))
 
-    var acc = Array[SIMD[DType.float32, 4], MMA_NT_MAX](fill=0)
-    var nt_count = rank // (8 * MMA_GROUP_WARPS)  # value n-tiles of this warp
-    var col_base = w * (rank // MMA_GROUP_WARPS)
+    var acc = Array[SIMD[DType.float32, 4], NT_MAX](fill=0)
+    var nt_count = rank // (8 * gw)  # value n-tiles of this warp
+    var col_base = w * (rank // gw)
     var vec_per_row = dim // VEC
-    var red_g = red_s.unsafe_offset(group * MMA_GROUP_WARPS * MMA_ROWS * RS)
+    var red_g = red_s.unsafe_offset(group * gw * MMA_ROWS * RS)
     var red_w = red_g.unsafe_offset(w * MMA_ROWS * RS)
     var p_g = p_s.unsafe_offset(group * MMA_ROWS * RS)
     var blocks_global = blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
@@ -313,30 +332,31 @@ def attention_mma_kernel[
         if has_next:
             copy_key_tile[dtype, kt, THREADS](blocks_global, nxt_rowoff, k_s1 if cur == 0 else k_s0, tid, stride, vec_per_row)
 
-        # Partial scores of this warp's k-steps.
+        # Partial scores of this warp's k-steps: the hi products of a k-step, then its lo products.
         var s_acc = Array[SIMD[DType.float32, 4], NSP](fill=0)
-        comptime for i in range(MMA_KS_MAX):
-            var ks = w + MMA_GROUP_WARPS * i
+        comptime for i in range(KS_MAX):
+            var ks = w + gw * i
             if ks < nks:
+                var kf = Array[SIMD[dtype, 8], NPAIR](fill=0)
                 comptime for np in range(NPAIR):
                     var key = np * 16 + (lane % 8) + 8 * (lane // 16)
                     var d = ks * 16 + 8 * ((lane // 8) % 2)
-                    var kf = ld_matrix[8](k_s.unsafe_offset(key * stride + d))
-                    var b0 = kf.slice[4, offset=0]()
-                    var b1 = kf.slice[4, offset=4]()
-                    mma_acc(s_acc[2 * np], q_h[i], b0)
-                    mma_acc(s_acc[2 * np], q_l[i], b0)
-                    mma_acc(s_acc[2 * np + 1], q_h[i], b1)
-                    mma_acc(s_acc[2 * np + 1], q_l[i], b1)
+                    kf[np] = ld_matrix[8](k_s.unsafe_offset(key * stride + d))
+                comptime for np in range(NPAIR):
+                    mma_acc(s_acc[2 * np], q_h[i], kf[np].slice[4, offset=0]())
+                    mma_acc(s_acc[2 * np + 1], q_h[i], kf[np].slice[4, offset=4]())
+                comptime for np in range(NPAIR):
+                    mma_acc(s_acc[2 * np], q_l[i], kf[np].slice[4, offset=0]())
+                    mma_acc(s_acc[2 * np + 1], q_l[i], kf[np].slice[4, offset=4]())
         comptime for nt in range(NSP):
             var col = nt * 8 + 2 * t4
             red_w.unsafe_offset(g * RS + col).unsafe_store[alignment=8](0, s_acc[nt].slice[2, offset=0]())
             red_w.unsafe_offset((g + 8) * RS + col).unsafe_store[alignment=8](0, s_acc[nt].slice[2, offset=2]())
         barrier()
 
-        # Online softmax: warp w of a group updates rows 4w .. 4w + 3 of the group.
-        comptime for ri in range(MMA_ROWS // MMA_GROUP_WARPS):
-            var r = w * (MMA_ROWS // MMA_GROUP_WARPS) + ri
+        # Online softmax: warp w of a group updates rows w 16 / gw .. of the group.
+        comptime for ri in range(MMA_ROWS // gw):
+            var r = w * (MMA_ROWS // gw) + ri
             var rb = group * MMA_ROWS + r
             var lo = Int(lo_s.unsafe_load(rb))
             var hi = Int(hi_s.unsafe_load(rb))
@@ -346,7 +366,7 @@ def attention_mma_kernel[
             comptime for kk in range(KPL):
                 var j = lane + WARP_SIZE * kk
                 var s = Float32(0)
-                comptime for w2 in range(MMA_GROUP_WARPS):
+                comptime for w2 in range(gw):
                     s += red_g.unsafe_load((w2 * MMA_ROWS + r) * RS + j)
                 var key = j0 + j
                 if key < kb_hi and key >= lo and key < hi:
@@ -374,7 +394,7 @@ def attention_mma_kernel[
         var corr_a = corr_s.unsafe_load(group * MMA_ROWS + g)
         var corr_b = corr_s.unsafe_load(group * MMA_ROWS + g + 8)
         var corr_v = SIMD[DType.float32, 4](corr_a, corr_a, corr_b, corr_b)
-        comptime for nt in range(MMA_NT_MAX):
+        comptime for nt in range(NT_MAX):
             if nt < nt_count:
                 acc[nt] *= corr_v
         comptime for ks in range(NPAIR):
@@ -387,17 +407,21 @@ def attention_mma_kernel[
             var x3 = pb.unsafe_load[width=2, alignment=8](8)
             var x = SIMD[DType.float32, 8](x0[0], x0[1], x1[0], x1[1], x2[0], x2[1], x3[0], x3[1])
             var hl = split_hi_lo[dtype](x)
-            comptime for ntp in range(MMA_NT_MAX // 2):
-                if 2 * ntp < nt_count:
-                    var key = ks * 16 + (lane % 8) + 8 * ((lane // 8) % 2)
-                    var col = col_base + ntp * 16 + 8 * (lane // 16)
-                    var vf = ld_matrix[8, transpose=True](k_s.unsafe_offset(key * stride + col))
-                    var b0 = vf.slice[4, offset=0]()
-                    var b1 = vf.slice[4, offset=4]()
-                    mma_acc(acc[2 * ntp], hl[0], b0)
-                    mma_acc(acc[2 * ntp], hl[1], b0)
-                    mma_acc(acc[2 * ntp + 1], hl[0], b1)
-                    mma_acc(acc[2 * ntp + 1], hl[1], b1)
+            # Two 16-column slices at a time: their 4 hi products, then their 4 lo products.
+            comptime for ntq in range(ceil_div(NT_MAX, 4)):
+                if 4 * ntq < nt_count:
+                    var vf = Array[SIMD[dtype, 8], 2](fill=0)
+                    comptime for h in range(2):
+                        if 4 * ntq + 2 * h < nt_count:
+                            var key = ks * 16 + (lane % 8) + 8 * ((lane // 8) % 2)
+                            var col = col_base + (2 * ntq + h) * 16 + 8 * (lane // 16)
+                            vf[h] = ld_matrix[8, transpose=True](k_s.unsafe_offset(key * stride + col))
+                    comptime for half in range(2):
+                        comptime for h in range(2):
+                            comptime nt = 4 * ntq + 2 * h
+                            if nt < nt_count:
+                                mma_acc(acc[nt], hl[half], vf[h].slice[4, offset=0]())
+                                mma_acc(acc[nt + 1], hl[half], vf[h].slice[4, offset=4]())
         # No barrier here: the next iteration's first barrier orders this tile's reads of
         # k_s / p_s / red_s before they are written again.
         j0 += kt
@@ -408,7 +432,7 @@ def attention_mma_kernel[
     var l_b = l_s.unsafe_load(group * MMA_ROWS + g + 8)
     var inv_a = Float32(1) / l_a if l_a > 0 else Float32(0)
     var inv_b = Float32(1) / l_b if l_b > 0 else Float32(0)
-    comptime for nt in range(MMA_NT_MAX):
+    comptime for nt in range(NT_MAX):
         if nt < nt_count:
             var col = col_base + nt * 8 + 2 * t4
             var va = acc[nt].slice[2, offset=0]()

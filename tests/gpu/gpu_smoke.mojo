@@ -3,6 +3,7 @@
 # Run on a machine with an NVIDIA GPU, from the repository root:
 #     mojo run -I . tests/gpu/gpu_smoke.mojo            # correctness cases
 #     mojo run -I . tests/gpu/gpu_smoke.mojo bench      # plus timings of DeepSeek-sized decode steps
+#     mojo run -I . tests/gpu/gpu_smoke.mojo bench-only 64:128:8191:5   # timings only, BATCH:HEADS:CACHE_LEN[:ITERS]
 # Build without a GPU (checks that every kernel compiles for sm_90, emits PTX):
 #     mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/gpu_smoke.mojo -o /tmp/smoke/smoke.s
 #
@@ -781,19 +782,93 @@ def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: I
     )
 
 
+def bench_attention[
+    dtype: DType, groups: Int, kt: Int, gw: Int = 4
+](
+    ctx: DeviceContext, c: Case, d: DeviceCase[dtype], q_full: DeviceBuffer[DType.float32],
+    raw: DeviceBuffer[DType.float32], iters: Int, expected: List[Float32],
+) raises:
+    """Times step 5 alone with the tensor-core kernel pinned to `groups` x `kt` (0 = the op's choice)."""
+    var t0 = 0
+    for it in range(iters + 1):  # the first run is a warm-up
+        if it == 1:
+            ctx.synchronize()
+            t0 = perf_counter_ns()
+        gpu_attention[dtype, groups, kt, gw](
+            ctx, untracked(q_full), d.cache(c), untracked(d.offsets), untracked(d.lengths), c.num_requests,
+            c.num_tokens, c.heads, c.rank, 0, c.pages_per_request * c.page_size, c.scale,
+            MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw),
+        )
+    ctx.synchronize()
+    var us = Float64(perf_counter_ns() - t0) / Float64(iters) / 1000.0
+    var cache_bytes = Float64(c.num_requests * (Int(c.lengths[0]) + 1) * c.key_dim * size_of[dtype]())
+    var got = download[DType.float32](ctx, raw, c.num_tokens * c.heads * c.rank)
+    var diff = Float32(0)
+    var top = Float32(0)
+    for i in range(len(got)):
+        diff = max(diff, abs(got[i] - expected[i]))
+        top = max(top, abs(expected[i]))
+    print(
+        "  attention groups", groups, "kt", kt, "warps/group", gw, ":", us, "us,", cache_bytes / us / 1e3,
+        "GB/s of cache; max |diff| vs the op's kernel", diff / top, "x max|raw|",
+    )
+
+
+def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int) raises:
+    """Step 5 alone, the op's choice and pinned tensor-core variants, on one decode step."""
+    var lengths = List[Int]()
+    var news = List[Int]()
+    for _ in range(batch):
+        lengths.append(cache_len)
+        news.append(1)
+    var c = Case.__init__[dtype](99, heads, lengths, news, page_size=64, num_layers=1, layer=0)
+    var d = DeviceCase[dtype](ctx, c)
+    var rows = c.num_tokens * c.heads
+    var q_host = List[Float32]()
+    var rng = Rng(5)
+    for _ in range(rows * c.key_dim):
+        q_host.append(rng.normal())
+    var q_full = upload[DType.float32](ctx, q_host)
+    var raw = ctx.enqueue_create_buffer[DType.float32](rows * c.rank)
+    print("variants B", batch, "H", heads, "L", cache_len + 1)
+    bench_attention[dtype, 0, 0](ctx, c, d, q_full, raw, iters, List[Float32](length=rows * c.rank, fill=0))
+    var expected = download[DType.float32](ctx, raw, rows * c.rank)
+    # (groups, kt, warps per group): a launch that asks for too many registers is reported, not fatal.
+    comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (1, 64, 4), (2, 64, 4), (1, 32, 8), (2, 32, 8), (1, 64, 8)]
+    comptime for v in VARIANTS:
+        try:
+            bench_attention[dtype, v[0], v[1], v[2]](ctx, c, d, q_full, raw, iters, expected)
+        except e:
+            print("  attention groups", v[0], "kt", v[1], "warps/group", v[2], ": launch failed:", e)
+
+
 def main() raises:
     comptime if not has_accelerator():
         print("gpu_smoke: no GPU in this build (compile with --target-accelerator=sm_90 on a GPU machine)")
         return
     else:
         var ctx = DeviceContext()
-        var ok = correctness(ctx)
         var args = argv()
-        if len(args) > 1 and args[1] == "bench":
-            bench[DType.bfloat16](ctx, 64, 16, 4095, 20)
-            bench[DType.bfloat16](ctx, 64, 128, 4095, 5)
-            bench[DType.bfloat16](ctx, 1, 128, 32767, 20)
-            bench[DType.bfloat16](ctx, 256, 16, 1023, 20)
+        var mode = String(args[1]) if len(args) > 1 else String("")
+        var ok = True
+        if mode != "bench-only" and mode != "variants":
+            ok = correctness(ctx)
+        if mode == "variants":
+            for i in range(2, len(args)):
+                var f = String(args[i]).split(":")
+                bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10)
+        if mode == "bench" or mode == "bench-only":
+            if len(args) > 2:
+                # Configurations BATCH:HEADS:CACHE_LEN[:ITERS], e.g. 64:128:8191:5
+                for i in range(2, len(args)):
+                    var f = String(args[i]).split(":")
+                    var iters = Int(f[3]) if len(f) > 3 else 10
+                    bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters)
+            else:
+                bench[DType.bfloat16](ctx, 64, 16, 4095, 20)
+                bench[DType.bfloat16](ctx, 64, 128, 4095, 5)
+                bench[DType.bfloat16](ctx, 1, 128, 32767, 20)
+                bench[DType.bfloat16](ctx, 256, 16, 1023, 20)
         print("ALL PASS" if ok else "SOME CHECKS FAILED")
         if not ok:
             raise Error("gpu_smoke failed")

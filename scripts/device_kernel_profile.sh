@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs ON the device, with no MAX install: the standalone GPU test binary built here
+#   mojo build --target-accelerator=sm_90 -I . tests/gpu/gpu_smoke.mojo -o .devbin/smoke
+#   mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/gpu_smoke.mojo -o .devbin/smoke.s   (PTX files)
+#   cp .venv/lib/python3.*/site-packages/modular/lib/lib{KGENCompilerRTShared,AsyncRTMojoBindings,MSupportGlobals,AsyncRTRuntimeGlobals}.so .devbin/lib/
+# travels as the carried folder .devbin (about 6 MB). Steps (logs in $OUT):
+#   regs               ptxas -v register / spill report of every attention kernel
+#   variants CFG...    step 5 alone, the op's choice and pinned variants (CFG = BATCH:HEADS:CACHE_LEN[:ITERS])
+#   ncu CFG            Nsight Compute sections of one tensor-core attention launch (if the runtime allows counters)
+#   smoke              the correctness cases
+set -u
+export LD_LIBRARY_PATH=$PWD/.devbin/lib
+out=${OUT:-/tmp/pymla-out}
+mkdir -p "$out"
+step=$1; shift
+case $step in
+  regs)
+    for f in .devbin/*attention*.ptx; do
+      echo "$(basename $f): $(ptxas -arch=sm_90a -v $f -o /dev/null 2>&1 | grep -E 'registers' | sed 's/.*Used/Used/')"
+    done ;;
+  variants) timeout 300 .devbin/smoke variants "$@" ;;
+  bench) timeout 300 .devbin/smoke bench-only "$@" ;;
+  ncu)
+    timeout 300 ncu --clock-control none -k regex:attention_mma --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      .devbin/smoke bench-only "$@" > "$out/ncu.log" 2>&1
+    echo "ncu exit $?"; grep -v "^==PROF==" "$out/ncu.log" | head -150 ;;
+  smoke) timeout 400 .devbin/smoke ;;
+  *) echo "unknown step $step"; exit 2 ;;
+esac
