@@ -867,7 +867,7 @@ def gpu_build_q_full[
 
 
 def gpu_attention[
-    dtype: DType, mma_groups: Int = 0, mma_kt: Int = 0, mma_gw: Int = MMA_GROUP_WARPS
+    dtype: DType, mma_groups: Int = 0, mma_kt: Int = 0, mma_gw: Int = MMA_GROUP_WARPS, mma_split: Bool = True
 ](
     ctx: DeviceContext,
     q_full: FPtr,
@@ -893,8 +893,8 @@ def gpu_attention[
     the grid size and `max_cache_length_hint` (see `plan_partitions`).
     `force_fma` skips the tensor-core kernel (for tests). `mma_groups` /
     `mma_kt` (0 = chosen here) / `mma_gw` pin the tensor-core kernel's row
-    groups per block, keys per tile and warps per group (for benchmarks of
-    the variants).
+    groups per block, keys per tile and warps per group, `mma_split = False`
+    its single-product variant (for benchmarks of the variants).
     """
     if num_tokens == 0 or num_heads == 0:
         return
@@ -958,7 +958,7 @@ def gpu_attention[
     @always_inline
     def launch_mma[groups: Int, kt: Int]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
         var smem = attention_mma_smem_bytes[dtype, groups, kt, mma_gw](key_dim)
-        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, mma_gw]](
+        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, mma_gw, mma_split]](
             q_full,
             cache.blocks,
             cache.lookup_table,

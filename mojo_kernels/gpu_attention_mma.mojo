@@ -110,25 +110,46 @@ def copy_key_tile[
     blocks: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.GLOBAL],
     rowoff: Pointer[Int64, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     k_s: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    tid: Int,
+    first: Tuple[Int, Int],
+    step: Tuple[Int, Int],
     stride: Int,
     vec_per_row: Int,
 ):
-    """Starts the copy of `kt` cache rows (offsets in `rowoff`, -1 = zeros) into `k_s`; one commit group."""
+    """Starts the copy of `kt` cache rows (offsets in `rowoff`, -1 = zeros) into `k_s`; one commit group.
+
+    The thread copies 16-byte vectors `tid, tid + threads, ...` of the tile,
+    `first = divmod(tid, vec_per_row)`, `step = divmod(threads, vec_per_row)`
+    (row, vector) pairs, stepped without divisions.
+    """
     comptime VEC = 16 // size_of[dtype]()
-    for v in range(tid, kt * vec_per_row, threads):
-        var r = v // vec_per_row
-        var c = (v % vec_per_row) * VEC
+    var r = first[0]
+    var c = first[1]
+    while r < kt:
         var ro = Int(rowoff.unsafe_load(r))
-        var src = blocks.unsafe_offset(max(ro, 0) + c)
+        var src = blocks.unsafe_offset(max(ro, 0) + c * VEC)
         async_copy[16, fill=Scalar[dtype](0)](
-            src, k_s.unsafe_offset(r * stride + c), src_size=Int32(16) if ro >= 0 else Int32(0)
+            src, k_s.unsafe_offset(r * stride + c * VEC), src_size=Int32(16) if ro >= 0 else Int32(0)
         )
+        r += step[0]
+        c += step[1]
+        if c >= vec_per_row:
+            c -= vec_per_row
+            r += 1
     async_copy_commit_group()
 
 
+@always_inline
+def tile_row_offset(
+    lookup: U32Ptr, ppr: Int, psize: Int, pstride: Int, loff: Int, dim: Int, b: Int, key: Int, key_end: Int
+) -> Int64:
+    """`cache_row_offset` of request `b`'s key `key`, or -1 (a zero row) from `key_end` on."""
+    if key >= key_end:
+        return -1
+    return Int64(cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, key))
+
+
 def attention_mma_kernel[
-    dtype: DType, groups: Int, kt: Int, gw: Int
+    dtype: DType, groups: Int, kt: Int, gw: Int, split: Bool = True
 ](
     q_full: FPtr,
     blocks: DPtr[dtype],
@@ -154,6 +175,10 @@ def attention_mma_kernel[
     part_sum: FPtr,
 ):
     """One block per (request, `16 groups` rows, key partition); see the module docstring.
+
+    `split = False` drops the lo halves (q and P rounded to `dtype`, one product
+    each, as MAX's built-in kernel does): for measuring what the float32-like
+    products cost; the op always splits.
 
     Grid `(attention_slots(T, H, B, 16 groups), num_partitions)`, block
     `32 gw groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
@@ -307,30 +332,35 @@ def attention_mma_kernel[
     var p_g = p_s.unsafe_offset(group * MMA_ROWS * RS)
     var blocks_global = blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
 
-    # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used.
+    # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used. Thread
+    # `tid < kt` looks up the cache row of key `tid` of a tile one tile ahead of its copy, in a
+    # register, so the lookup-table load is not waited for at the barrier.
+    var copy_first = (tid // vec_per_row, tid % vec_per_row)
+    var copy_step = (THREADS // vec_per_row, THREADS % vec_per_row)
     if tid < kt:
-        var ro = -1
-        if kb_lo + tid < kb_hi:
-            ro = cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + tid)
-        rowoff_s.unsafe_store(tid, Int64(ro))
+        rowoff_s.unsafe_store(tid, tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + tid, kb_hi))
+    var ro_ahead = Int64(-1)
+    if tid < kt:
+        ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + kt + tid, kb_hi)
     barrier()
     if kb_lo < kb_hi:
-        copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, tid, stride, vec_per_row)
+        copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row)
     var j0 = kb_lo
     var cur = 0
     while j0 < kb_hi:
         var has_next = j0 + kt < kb_hi
         var nxt_rowoff = rowoff_s.unsafe_offset((1 - cur) * kt)
-        if has_next and tid < kt:
-            var ro = -1
-            if j0 + kt + tid < kb_hi:
-                ro = cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j0 + kt + tid)
-            nxt_rowoff.unsafe_store(tid, Int64(ro))
+        if tid < kt:
+            nxt_rowoff.unsafe_store(tid, ro_ahead)
         async_copy_wait_group(0)
         barrier()
         var k_s = k_s0 if cur == 0 else k_s1
         if has_next:
-            copy_key_tile[dtype, kt, THREADS](blocks_global, nxt_rowoff, k_s1 if cur == 0 else k_s0, tid, stride, vec_per_row)
+            copy_key_tile[dtype, kt, THREADS](
+                blocks_global, nxt_rowoff, k_s1 if cur == 0 else k_s0, copy_first, copy_step, stride, vec_per_row
+            )
+            if tid < kt:
+                ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j0 + 2 * kt + tid, kb_hi)
 
         # Partial scores of this warp's k-steps: the hi products of a k-step, then its lo products.
         var s_acc = Array[SIMD[DType.float32, 4], NSP](fill=0)
@@ -345,9 +375,10 @@ def attention_mma_kernel[
                 comptime for np in range(NPAIR):
                     mma_acc(s_acc[2 * np], q_h[i], kf[np].slice[4, offset=0]())
                     mma_acc(s_acc[2 * np + 1], q_h[i], kf[np].slice[4, offset=4]())
-                comptime for np in range(NPAIR):
-                    mma_acc(s_acc[2 * np], q_l[i], kf[np].slice[4, offset=0]())
-                    mma_acc(s_acc[2 * np + 1], q_l[i], kf[np].slice[4, offset=4]())
+                comptime if split:
+                    comptime for np in range(NPAIR):
+                        mma_acc(s_acc[2 * np], q_l[i], kf[np].slice[4, offset=0]())
+                        mma_acc(s_acc[2 * np + 1], q_l[i], kf[np].slice[4, offset=4]())
         comptime for nt in range(NSP):
             var col = nt * 8 + 2 * t4
             red_w.unsafe_offset(g * RS + col).unsafe_store[alignment=8](0, s_acc[nt].slice[2, offset=0]())
@@ -416,7 +447,7 @@ def attention_mma_kernel[
                             var key = ks * 16 + (lane % 8) + 8 * ((lane // 8) % 2)
                             var col = col_base + (2 * ntq + h) * 16 + 8 * (lane // 16)
                             vf[h] = ld_matrix[8, transpose=True](k_s.unsafe_offset(key * stride + col))
-                    comptime for half in range(2):
+                    comptime for half in range(2 if split else 1):
                         comptime for h in range(2):
                             comptime nt = 4 * ntq + 2 * h
                             if nt < nt_count:

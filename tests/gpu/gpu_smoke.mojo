@@ -783,7 +783,7 @@ def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: I
 
 
 def bench_attention[
-    dtype: DType, groups: Int, kt: Int, gw: Int = 4
+    dtype: DType, groups: Int, kt: Int, gw: Int = 4, split: Bool = True
 ](
     ctx: DeviceContext, c: Case, d: DeviceCase[dtype], q_full: DeviceBuffer[DType.float32],
     raw: DeviceBuffer[DType.float32], iters: Int, expected: List[Float32],
@@ -794,7 +794,7 @@ def bench_attention[
         if it == 1:
             ctx.synchronize()
             t0 = perf_counter_ns()
-        gpu_attention[dtype, groups, kt, gw](
+        gpu_attention[dtype, groups, kt, gw, split](
             ctx, untracked(q_full), d.cache(c), untracked(d.offsets), untracked(d.lengths), c.num_requests,
             c.num_tokens, c.heads, c.rank, 0, c.pages_per_request * c.page_size, c.scale,
             MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw),
@@ -809,7 +809,7 @@ def bench_attention[
         diff = max(diff, abs(got[i] - expected[i]))
         top = max(top, abs(expected[i]))
     print(
-        "  attention groups", groups, "kt", kt, "warps/group", gw, ":", us, "us,", cache_bytes / us / 1e3,
+        "  attention groups", groups, "kt", kt, "warps/group", gw, "split" if split else "SINGLE bf16 products", ":", us, "us,", cache_bytes / us / 1e3,
         "GB/s of cache; max |diff| vs the op's kernel", diff / top, "x max|raw|",
     )
 
@@ -835,6 +835,10 @@ def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cac
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
     # (groups, kt, warps per group): a launch that asks for too many registers is reported, not fatal.
     comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (1, 64, 4), (2, 64, 4), (1, 32, 8), (2, 32, 8), (1, 64, 8)]
+    if heads >= 32:
+        bench_attention[dtype, 2, 32, 4, False](ctx, c, d, q_full, raw, iters, expected)
+    else:
+        bench_attention[dtype, 1, 32, 4, False](ctx, c, d, q_full, raw, iters, expected)
     comptime for v in VARIANTS:
         try:
             bench_attention[dtype, v[0], v[1], v[2]](ctx, c, d, q_full, raw, iters, expected)
