@@ -82,9 +82,14 @@ comptime MERGE_THREADS = 128
 
 # Tensor-core attention (gpu_attention_mma.mojo) for bf16 / f16 caches; False forces the FMA kernel.
 comptime USE_TENSOR_CORES = True
-comptime MMA_GROUP_WARPS = 4  # warps per 16-row group
-comptime MMA_KT_ONE_GROUP = 32  # keys per tile with 16 rows per block (fewer than 32 heads)
-comptime MMA_KT_TWO_GROUPS = 32  # keys per tile with 32 rows per block
+# Its shapes, (16-row groups per block, keys per tile, warps per group), the fastest of the
+# variants timed on the H200 (benchmarks/results/gpu_variants.log; `gpu_smoke.mojo variants`):
+comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
+comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
+comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64 == 0
+comptime MMA_REGISTERS = 256  # registers per thread the tensor-core kernels use (ptxas: 208-255)
+comptime SM_REGISTERS = 65536
+comptime SM_SHARED_MEMORY = 228 * 1024
 comptime ATT_MAX_SMEM = 227 * 1024  # opt-in shared memory per block on sm_90
 
 
@@ -867,7 +872,7 @@ def gpu_build_q_full[
 
 
 def gpu_attention[
-    dtype: DType, mma_groups: Int = 0, mma_kt: Int = 0, mma_gw: Int = MMA_GROUP_WARPS, mma_split: Bool = True
+    dtype: DType, mma_groups: Int = 0, mma_kt: Int = 32, mma_gw: Int = 4, mma_split: Bool = True
 ](
     ctx: DeviceContext,
     q_full: FPtr,
@@ -891,27 +896,39 @@ def gpu_attention[
     Splits every request's keys into `num_partitions` parts (merged by
     log-sum-exp when more than one); `num_partitions <= 0` plans them from
     the grid size and `max_cache_length_hint` (see `plan_partitions`).
-    `force_fma` skips the tensor-core kernel (for tests). `mma_groups` /
-    `mma_kt` (0 = chosen here) / `mma_gw` pin the tensor-core kernel's row
-    groups per block, keys per tile and warps per group, `mma_split = False`
-    its single-product variant (for benchmarks of the variants).
+    `force_fma` skips the tensor-core kernel (for tests). `mma_groups > 0`
+    pins the tensor-core kernel's shape to (`mma_groups` 16-row groups per
+    block, `mma_kt` keys per tile, `mma_gw` warps per group) and
+    `mma_split = False` its single-product variant (for benchmarks of the
+    variants); by default the shape is one of the `MMA_*` constants.
     """
     if num_tokens == 0 or num_heads == 0:
         return
     var key_dim = cache.head_dim
     var rows = num_tokens * num_heads
 
-    # Kernel choice: tensor cores for bf16 / f16 caches of supported sizes.
-    var use_mma = False
+    # Kernel choice: tensor cores for bf16 / f16 caches of supported sizes, shape by head count.
+    comptime PINNED = (mma_groups, mma_kt, mma_gw)
+    var shape = (0, 0, 0)  # (groups, kt, gw); groups 0 = the FMA kernel
     comptime if USE_TENSOR_CORES and (dtype == DType.bfloat16 or dtype == DType.float16):
-        use_mma = mma_supported[dtype, mma_gw](key_dim, kv_lora_rank) and not force_fma
-    var two_groups = use_mma and num_heads >= 2 * MMA_ROWS
+        if not force_fma:
+            comptime if mma_groups > 0:
+                if mma_supported[dtype, mma_gw](key_dim, kv_lora_rank):
+                    shape = PINNED
+            else:
+                if num_heads >= 2 * MMA_ROWS and mma_supported[dtype, MMA_MANY_HEADS[2]](key_dim, kv_lora_rank):
+                    shape = MMA_MANY_HEADS
+                elif mma_supported[dtype, MMA_FEW_HEADS[2]](key_dim, kv_lora_rank):
+                    shape = MMA_FEW_HEADS
+                elif mma_supported[dtype, MMA_FEW_HEADS_SMALL_RANK[2]](key_dim, kv_lora_rank):
+                    shape = MMA_FEW_HEADS_SMALL_RANK
     var rows_per_block = ATT_ROWS
     var blocks_per_sm = 1  # FMA kernel: 256 threads at up to 255 registers
-    if use_mma:
-        var groups = mma_groups if mma_groups > 0 else (2 if two_groups else 1)
-        rows_per_block = groups * MMA_ROWS
-        blocks_per_sm = max(1, 2 // groups)
+    if shape[0] > 0:
+        rows_per_block = shape[0] * MMA_ROWS
+        var threads = shape[0] * shape[2] * WARP_SIZE
+        var smem = attention_mma_smem_bytes[dtype](shape[0], shape[1], shape[2], key_dim)
+        blocks_per_sm = max(1, min(SM_REGISTERS // (MMA_REGISTERS * threads), SM_SHARED_MEMORY // (smem + 1024)))
     var parts = num_partitions
     if parts <= 0:
         parts = plan_partitions(num_tokens, num_heads, rows_per_block, blocks_per_sm, max_cache_length_hint)
@@ -956,9 +973,9 @@ def gpu_attention[
         )
 
     @always_inline
-    def launch_mma[groups: Int, kt: Int]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
-        var smem = attention_mma_smem_bytes[dtype, groups, kt, mma_gw](key_dim)
-        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, mma_gw, mma_split]](
+    def launch_mma[groups: Int, kt: Int, gw: Int]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
+        var smem = attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim)
+        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, gw, mma_split]](
             q_full,
             cache.blocks,
             cache.lookup_table,
@@ -982,20 +999,22 @@ def gpu_attention[
             part_max,
             part_sum,
             grid_dim=(attention_slots(num_tokens, num_heads, num_requests, MMA_ROWS * groups), parts),
-            block_dim=WARP_SIZE * mma_gw * groups,
+            block_dim=WARP_SIZE * gw * groups,
             shared_mem_bytes=smem,
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
         )
 
-    if use_mma:
+    if shape[0] > 0:
         comptime if dtype == DType.bfloat16 or dtype == DType.float16:
             comptime if mma_groups > 0:
-                launch_mma[mma_groups, mma_kt if mma_kt > 0 else MMA_KT_TWO_GROUPS]()
+                launch_mma[PINNED[0], PINNED[1], PINNED[2]]()
             else:
-                if two_groups:
-                    launch_mma[2, MMA_KT_TWO_GROUPS]()
+                if shape == MMA_MANY_HEADS:
+                    launch_mma[MMA_MANY_HEADS[0], MMA_MANY_HEADS[1], MMA_MANY_HEADS[2]]()
+                elif shape == MMA_FEW_HEADS:
+                    launch_mma[MMA_FEW_HEADS[0], MMA_FEW_HEADS[1], MMA_FEW_HEADS[2]]()
                 else:
-                    launch_mma[1, MMA_KT_ONE_GROUP]()
+                    launch_mma[MMA_FEW_HEADS_SMALL_RANK[0], MMA_FEW_HEADS_SMALL_RANK[1], MMA_FEW_HEADS_SMALL_RANK[2]]()
     elif kv_lora_rank <= 2 * ATT_THREADS:
         launch_fma[2]()
     else:

@@ -78,7 +78,7 @@ def mma_supported[dtype: DType, gw: Int](key_dim: Int, kv_lora_rank: Int) -> Boo
     )
 
 
-def attention_mma_smem_bytes[dtype: DType, groups: Int, kt: Int, gw: Int](key_dim: Int) -> Int:
+def attention_mma_smem_bytes[dtype: DType](groups: Int, kt: Int, gw: Int, key_dim: Int) -> Int:
     """Dynamic shared memory of `attention_mma_kernel` (regions 16-byte aligned)."""
     var k_bytes = 2 * ceil_div(kt * (key_dim + MMA_KEY_PAD) * size_of[dtype](), 16) * 16
     var red_bytes = groups * gw * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
