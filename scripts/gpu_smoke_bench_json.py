@@ -1,0 +1,64 @@
+"""Turns the `bench` lines of `gpu_smoke.mojo bench-only ...` (run on the device) into JSON.
+
+    python scripts/gpu_smoke_bench_json.py benchmarks/results/gpu_op_bench.log \
+        --copy-bytes-per-s 4.2e12 > benchmarks/results/gpu_op_bench.json
+
+`--copy-bytes-per-s` is the device-to-device copy rate the HBM share is taken against
+(measured by benchmarks/gpu_builtin.py on the same kind of machine: gpu_bench.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+LINE = re.compile(
+    r"bench (\w+) B (\d+) H (\d+) L (\d+) : ([\d.]+) us per call, ([\d.]+) GB/s of cache\+weights, "
+    r"([\d.]+) TFLOP/s attention"
+)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log")
+    parser.add_argument("--copy-bytes-per-s", type=float, required=True)
+    args = parser.parse_args()
+    rows = []
+    with open(args.log) as f:
+        for line in f:
+            m = LINE.search(line)
+            if m:
+                dtype, b, h, ctx, us, gbps, tflops = m.groups()
+                rows.append(
+                    {
+                        "dtype": dtype,
+                        "batch": int(b),
+                        "heads": int(h),
+                        "context": int(ctx),
+                        "ms": round(float(us) / 1e3, 4),
+                        "bytes_per_s": float(gbps) * 1e9,
+                        "hbm_fraction": round(float(gbps) * 1e9 / args.copy_bytes_per_s, 4),
+                        "attention_tflops": round(float(tflops), 1),
+                    }
+                )
+    if not rows:
+        print(f"{args.log}: no bench lines", file=sys.stderr)
+        return 1
+    json.dump(
+        {
+            "method": "mla_decode_branch_fp8_gpu called from a Mojo host loop (tests/gpu/gpu_smoke.mojo "
+            "bench-only), one new token per request, page size 64, mean of N calls after one warm-up",
+            "copy_bytes_per_s": args.copy_bytes_per_s,
+            "bench": rows,
+        },
+        sys.stdout,
+        indent=1,
+    )
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
