@@ -1,10 +1,10 @@
 """Turns the `bench` lines of `gpu_smoke.mojo bench-only ...` (run on the device) into JSON.
 
     python scripts/gpu_smoke_bench_json.py benchmarks/results/gpu_op_bench.log \
-        --copy-bytes-per-s 4.2e12 > benchmarks/results/gpu_op_bench.json
+        > benchmarks/results/gpu_op_bench.json
 
-`--copy-bytes-per-s` is the device-to-device copy rate the HBM share is taken against
-(measured by benchmarks/gpu_builtin.py on the same kind of machine: gpu_bench.json).
+The HBM share is taken against the device-to-device copy rate the same run measured (its
+`copy` line); `--copy-bytes-per-s` is for older logs without one.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import re
 import sys
 
+COPY = re.compile(r"^copy ([\d.]+) GB/s")
 LINE = re.compile(
     r"bench (\w+) B (\d+) H (\d+) L (\d+) : ([\d.]+) us per call, ([\d.]+) GB/s of cache\+weights, "
     r"([\d.]+) TFLOP/s attention"
@@ -23,26 +24,35 @@ LINE = re.compile(
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log")
-    parser.add_argument("--copy-bytes-per-s", type=float, required=True)
+    parser.add_argument("--copy-bytes-per-s", type=float, default=None)
     args = parser.parse_args()
     rows = []
     with open(args.log) as f:
-        for line in f:
-            m = LINE.search(line)
-            if m:
-                dtype, b, h, ctx, us, gbps, tflops = m.groups()
-                rows.append(
-                    {
-                        "dtype": dtype,
-                        "batch": int(b),
-                        "heads": int(h),
-                        "context": int(ctx),
-                        "ms": round(float(us) / 1e3, 4),
-                        "bytes_per_s": float(gbps) * 1e9,
-                        "hbm_fraction": round(float(gbps) * 1e9 / args.copy_bytes_per_s, 4),
-                        "attention_tflops": round(float(tflops), 1),
-                    }
-                )
+        lines = f.readlines()
+    copy = args.copy_bytes_per_s
+    for line in lines:
+        m = COPY.search(line)
+        if m:
+            copy = float(m.group(1)) * 1e9
+    if copy is None:
+        print(f"{args.log}: no copy line; pass --copy-bytes-per-s", file=sys.stderr)
+        return 1
+    for line in lines:
+        m = LINE.search(line)
+        if m:
+            dtype, b, h, ctx, us, gbps, tflops = m.groups()
+            rows.append(
+                {
+                    "dtype": dtype,
+                    "batch": int(b),
+                    "heads": int(h),
+                    "context": int(ctx),
+                    "ms": round(float(us) / 1e3, 4),
+                    "bytes_per_s": float(gbps) * 1e9,
+                    "hbm_fraction": round(float(gbps) * 1e9 / copy, 4),
+                    "attention_tflops": round(float(tflops), 1),
+                }
+            )
     if not rows:
         print(f"{args.log}: no bench lines", file=sys.stderr)
         return 1
@@ -50,7 +60,7 @@ def main() -> int:
         {
             "method": "mla_decode_branch_fp8_gpu called from a Mojo host loop (tests/gpu/gpu_smoke.mojo "
             "bench-only), one new token per request, page size 64, mean of N calls after one warm-up",
-            "copy_bytes_per_s": args.copy_bytes_per_s,
+            "copy_bytes_per_s": copy,
             "bench": rows,
         },
         sys.stdout,

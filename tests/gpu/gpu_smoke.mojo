@@ -763,6 +763,22 @@ def correctness(ctx: DeviceContext) raises -> Bool:
     return ok
 
 
+def bench_copy(ctx: DeviceContext, iters: Int) raises:
+    """The device-to-device copy rate (bytes read + written per second): the HBM yardstick."""
+    comptime N = 1 << 28  # 1 GiB of float32
+    var src = ctx.enqueue_create_buffer[DType.float32](N)
+    var dst = ctx.enqueue_create_buffer[DType.float32](N)
+    ctx.enqueue_memset(src, Float32(1))
+    ctx.enqueue_copy(dst_buf=dst, src_buf=src)
+    ctx.synchronize()
+    var t0 = perf_counter_ns()
+    for _ in range(iters):
+        ctx.enqueue_copy(dst_buf=dst, src_buf=src)
+    ctx.synchronize()
+    var s = Float64(perf_counter_ns() - t0) / 1e9 / Float64(iters)
+    print("copy", 2.0 * Float64(N * 4) / s / 1e9, "GB/s (bytes read + written, 1 GiB device-to-device)")
+
+
 def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int) raises:
     """Times the whole op on a DeepSeek-sized decode step (one new token per request)."""
     var lengths = List[Int]()
@@ -869,6 +885,7 @@ def main() raises:
                 var f = String(args[i]).split(":")
                 bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10)
         if mode == "bench" or mode == "bench-only":
+            bench_copy(ctx, 10)
             if len(args) > 2:
                 # Configurations BATCH:HEADS:CACHE_LEN[:ITERS], e.g. 64:128:8191:5
                 for i in range(2, len(args)):
