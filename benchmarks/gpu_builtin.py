@@ -715,6 +715,7 @@ def bench(args, runner: Runner | None, results: dict, save) -> None:
         cfg = BuiltinConfig(num_heads=heads, scale=default_scale())
         w = make_mla_weights(heads, granularity=BLOCKWISE)
         weights = {k: w[k].to(dev) for k in ("w_uk", "w_uk_scale", "w_uv", "w_uv_scale")}
+        plain = plain_torch_formulations(weights, cfg) if args.plain_torch else {}
         if not dry:
             runner.model(cfg)
         for batch in batches:
@@ -734,6 +735,9 @@ def bench(args, runner: Runner | None, results: dict, save) -> None:
                             f"  h{heads} b{batch} ctx{ctx}: inputs {problems if problems else 'OK'}"
                         )
                         row["input_problems"] = problems
+                        for kind, fn in plain.items():  # runs once on the CPU: inputs fit it
+                            fn(*plain_torch_args(inputs))
+                            log(f"  h{heads} b{batch} ctx{ctx}: plain torch ({kind}) ran")
                         rows.append(row)
                         continue
                     bufs = runner.buffers(inputs)
@@ -762,12 +766,66 @@ def bench(args, runner: Runner | None, results: dict, save) -> None:
                             log(f"  pymla op failed, not timing it further: {exc!r}")
                             results["pymla_error"] = repr(exc)[:500]
                             pymla_ok = False
+                    if plain:
+                        kind, seconds = time_plain_torch(plain, inputs, args)
+                        row["plain_torch_ms"] = round(seconds * 1e3, 4)
+                        row["plain_torch_attention"] = kind
+                        msg += f"  plain torch {seconds * 1e3:8.3f} ms ({kind})"
                     log(msg)
                 except Exception as exc:  # noqa: BLE001
                     log(f"  h{heads} b{batch} ctx{ctx}: FAILED {exc!r}")
                     row["error"] = repr(exc)[:300]
                 rows.append(row)
         save()
+
+
+def plain_torch_formulations(weights: dict, cfg: BuiltinConfig) -> dict:
+    """pymla's plain-torch baseline (weights dequantized once), matmul and SDPA attention."""
+    from pymla.plain_torch import PlainTorchDecode
+
+    return {
+        kind: PlainTorchDecode(
+            weights["w_uk"],
+            weights["w_uk_scale"],
+            weights["w_uv"],
+            weights["w_uv_scale"],
+            dtype=torch.bfloat16,
+            scale=cfg.scale,
+            epsilon=cfg.epsilon,
+            attention=kind,
+        )
+        for kind in ("matmul", "sdpa")
+    }
+
+
+def plain_torch_args(inputs: dict) -> tuple:
+    """The positional arguments of a ``PlainTorchDecode`` call on bench inputs."""
+    from pymla.reference import KVCacheTensors
+
+    cache = KVCacheTensors(inputs["kv_blocks"], inputs["cache_lengths"], inputs["lookup_table"])
+    return (
+        inputs["q"],
+        inputs["input_row_offsets"],
+        inputs["freqs_cis"],
+        inputs["kv_norm_gamma"],
+        cache,
+        LAYER_IDX,
+    )
+
+
+def time_plain_torch(plain: dict, inputs: dict, args) -> tuple[str, float]:
+    """The faster plain-torch formulation on ``inputs`` and its median seconds per call."""
+    call_args = plain_torch_args(inputs)
+    seconds = {}
+    for kind, fn in plain.items():
+
+        def call(fn=fn):
+            fn(*call_args)
+            torch.cuda.synchronize()
+
+        seconds[kind] = time_it(call, args.warmup, args.repeat)[0]
+    kind = min(seconds, key=seconds.get)
+    return kind, seconds[kind]
 
 
 def measure_copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
@@ -902,6 +960,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench", action="store_true", help="time the built-in op after parity")
     p.add_argument("--bench-only", action="store_true", help="skip parity")
     p.add_argument("--pymla", action="store_true", help="also run pymla's own op on cuda tensors")
+    p.add_argument(
+        "--plain-torch",
+        action="store_true",
+        help="also time pymla's plain-torch formulation (the faster of matmul and SDPA attention)",
+    )
     p.add_argument("--quick", action="store_true", help="parity cases 0 and 2 only")
     p.add_argument(
         "--cases", default="", help="parity case indices, e.g. 0,1 (16 heads) or 2,3 (128)"

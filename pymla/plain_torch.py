@@ -7,6 +7,7 @@ are batched einsums in that dtype, the paged keys of every request are
 gathered with one indexing op into a padded batch, and attention is either
 two batched matmuls or torch's fused ``scaled_dot_product_attention``
 (whichever is faster is used). Query tokens per request must be equal.
+Tensors may live on any one device (index math runs there too).
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ class PlainTorchDecode:
         self.w_uk = dequantize_fp8(w_uk, w_uk_scale, g.n, g.k).to(dtype)  # [H, R, Dn]
         self.w_uv = dequantize_fp8(w_uv, w_uv_scale, g.n, g.k).to(dtype)  # [H, Dv, R]
         self.scale, self.epsilon, self.dtype = scale, epsilon, dtype
-        self.slopes = alibi_slopes(w_uk.shape[0]) if score_mod == "alibi_pos" else None
+        self.slopes = (
+            alibi_slopes(w_uk.shape[0]).to(w_uk.device) if score_mod == "alibi_pos" else None
+        )
         if attention not in ("matmul", "sdpa"):
             raise ValueError(f"attention: expected 'matmul' or 'sdpa', got {attention!r}")
         self.attention = attention
@@ -62,11 +65,11 @@ class PlainTorchDecode:
         rank = self.w_uk.shape[1]
         nope = self.w_uk.shape[2]
         page_size = blocks.shape[3]
-        lengths = lengths.to(torch.int64)
-        table = table.to(torch.int64)
+        dev = q.device
+        lengths, table = _as_int64(lengths), _as_int64(table)
 
         # Steps 1-2: the new rows, rotated and normalized in place.
-        new_pos = lengths[:, None] + torch.arange(per_request)[None, :]  # [B, n]
+        new_pos = lengths[:, None] + torch.arange(per_request, device=dev)[None, :]  # [B, n]
         rows_idx = (table.gather(1, new_pos // page_size), new_pos % page_size)
         rows = blocks[rows_idx[0], 0, layer_idx, rows_idx[1], 0].float()  # [B, n, R + Dr]
         latent = rows[..., :rank]
@@ -91,7 +94,7 @@ class PlainTorchDecode:
         # Step 5: gather every request's keys into a padded batch, then attend.
         visible = lengths + per_request
         longest = int(visible.max())
-        pos = torch.arange(longest)
+        pos = torch.arange(longest, device=dev)
         pages = table.gather(
             1, (pos // page_size)[None, :].expand(num_requests, -1).clamp(max=table.shape[1] - 1)
         )
@@ -100,7 +103,9 @@ class PlainTorchDecode:
         ]
         qpos = new_pos[:, :, None]  # [B, n, 1]
         allowed = pos[None, None, :] <= qpos  # causal, within the visible keys
-        bias = torch.zeros(num_requests, per_request, longest).masked_fill(~allowed, -math.inf)
+        bias = torch.zeros(num_requests, per_request, longest, device=dev).masked_fill(
+            ~allowed, -math.inf
+        )
         q_rows = q_full.reshape(num_requests, per_request * num_heads, -1)  # rows (t, h)
         bias = bias.repeat_interleave(num_heads, dim=1)
         if self.slopes is not None:
@@ -126,3 +131,8 @@ class PlainTorchDecode:
         # Step 6.
         out = torch.einsum("bthr,hvr->bthv", raw.to(self.dtype), self.w_uv)
         return out.reshape(num_tokens, num_heads, -1)
+
+
+def _as_int64(t: torch.Tensor) -> torch.Tensor:
+    """Index tensor as int64; uint32 through an int32 view (torch's cuda uint32 does copies only)."""
+    return t.view(torch.int32).to(torch.int64) if t.dtype == torch.uint32 else t.to(torch.int64)

@@ -15,7 +15,7 @@ for step in "$@"; do
   case $step in
     smoke)  timeout 420 mojo run -I . tests/gpu/gpu_smoke.mojo ;;
     demo)   timeout 300 python3 -m pymla demo --device cuda ;;
-    parity) timeout 540 python3 -m pytest tests/test_op_parity.py -k cuda -q -rf --maxfail=15 -p no:cacheprovider ;;
+    parity) timeout 540 python3 -m pytest tests/test_op_parity.py tests/test_plain_torch.py -k cuda -q -rf --maxfail=15 -p no:cacheprovider ;;
     *) echo "unknown step $step"; false ;;
   esac > "$out/$step.log" 2>&1
   status=$?

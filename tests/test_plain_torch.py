@@ -6,10 +6,13 @@ from pymla.parity import CACHE_TOLERANCE
 from pymla.plain_torch import PlainTorchDecode
 from pymla.scenario import make_case, run_reference
 
+from helpers import DEVICES
 
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("attention", ["matmul", "sdpa"])
 @pytest.mark.parametrize("score_mod", ["no_pos", "alibi_pos"])
-def test_plain_torch_matches_reference(attention, score_mod):
+def test_plain_torch_matches_reference(attention, score_mod, device):
     case = make_case(
         11,
         num_heads=8,
@@ -21,6 +24,8 @@ def test_plain_torch_matches_reference(attention, score_mod):
         score_mod=score_mod,
     )
     ref_out, ref_blocks = run_reference(case)
+    updated = case.new_rows_mask()
+    case.to(device)
     w = case.weights
     fn = PlainTorchDecode(
         w["w_uk"],
@@ -36,8 +41,9 @@ def test_plain_torch_matches_reference(attention, score_mod):
         case.q, case.input_row_offsets, case.freqs_cis, case.kv_norm_gamma, case.cache_tensors(), 1
     )
     # bf16 intermediates and unquantized activations: agreement to a few percent of the range.
+    assert out.device == case.q.device
+    out, blocks = out.cpu(), case.cache.blocks.cpu()
     err = (out.float() - ref_out.float()).abs().max() / ref_out.float().abs().max()
     assert err < 0.05, f"plain torch differs from the reference by {err:.3g} x max|ref|"
-    updated = case.new_rows_mask()
-    row_err = (case.cache.blocks[updated].float() - ref_blocks[updated].float()).abs().max()
+    row_err = (blocks[updated].float() - ref_blocks[updated].float()).abs().max()
     assert row_err <= CACHE_TOLERANCE[case.q.dtype] * ref_blocks[updated].float().abs().max()
