@@ -77,6 +77,18 @@ def test_public_function_parity_smoke():
     check_parity(make_case(404, num_heads=16))
 
 
+def test_eager_call_bumps_versions_like_the_op():
+    """The public function skips the custom op's dispatch in eager mode; the two mutated
+    tensors still get a new version, as the op's ADInplaceOrView step would give them."""
+    case = make_case(
+        405, num_heads=2, cache_lengths=(7,), new_tokens=(1,), num_layers=1, layer_idx=0
+    )
+    out = torch.empty(1, 2, case.weights["w_uv"].shape[1], dtype=case.q.dtype)
+    before = (out._version, case.cache.blocks._version)
+    pymla.mla_decode_branch_fp8(*case.args(), **case.options, out=out)
+    assert out._version > before[0] and case.cache.blocks._version > before[1]
+
+
 def test_demo_command_succeeds():
     result = subprocess.run(
         [sys.executable, "-m", "pymla", "demo", "--repeat", "3"],
