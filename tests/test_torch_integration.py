@@ -89,6 +89,17 @@ def test_eager_call_bumps_versions_like_the_op():
     assert out._version > before[0] and case.cache.blocks._version > before[1]
 
 
+def test_call_under_inference_mode_matches_reference():
+    case = make_case(
+        406, num_heads=4, cache_lengths=(30,), new_tokens=(2,), num_layers=1, layer_idx=0
+    )
+    ref_out, _ = run_reference(case)
+    with torch.inference_mode():
+        q = case.q.clone()  # an inference tensor
+        out = pymla.mla_decode_branch_fp8(q, *case.args()[1:], **case.options)
+    assert compare_output(out, ref_out).passed
+
+
 def test_demo_command_succeeds():
     result = subprocess.run(
         [sys.executable, "-m", "pymla", "demo", "--repeat", "3"],
