@@ -78,44 +78,17 @@ def _check_op_args(*args, metadata_only: bool = False):
     )
 
 
-_OP_PARAMS = (
-    "out",
-    "q",
-    "input_row_offsets",
-    "freqs_cis",
-    "kv_norm_gamma",
-    "kv_blocks",
-    "cache_lengths",
-    "lookup_table",
-    "layer_idx",
-    "w_uk",
-    "w_uk_scale",
-    "w_uv",
-    "w_uv_scale",
-    "scale",
-    "epsilon",
-    "m_scale_granularity",
-    "n_scale_granularity",
-    "k_scale_granularity",
-    "mask",
-    "score_mod",
-    "local_window_size",
-    "check_values",
-)
-
-
 @functools.lru_cache(maxsize=256)
 def _scalar_buffer(value: int | float, dtype: torch.dtype):
     """A rank-0 MAX buffer holding ``value`` (the op only reads scalars, so one per value)."""
     return bridge.to_max(torch.tensor(value, dtype=dtype))
 
 
-def _run_op(*args) -> None:
-    """Checks and runs the op; ``args`` are the custom op's, in ``_OP_PARAMS`` order."""
-    dims = _check_op_args(*args)
+def _run_op(**inputs) -> None:
+    """Checks and runs the op; ``inputs`` are the custom op's arguments, in its signature order."""
+    dims = _check_op_args(*inputs.values())
     if dims.num_tokens == 0:
         return
-    inputs = dict(zip(_OP_PARAMS, args, strict=True))
     q = inputs["q"]
     model = compiled_model(OpConfig(bridge.max_dtype(q.dtype), _device_ref(q.device)), q.device)
     scalars = {
@@ -169,7 +142,7 @@ def _mla_decode_branch_fp8_op(
     local_window_size: int,
     check_values: bool,
 ) -> None:
-    _run_op(*locals().values())  # the parameters above, in signature order (_OP_PARAMS)
+    _run_op(**locals())  # the parameters above, in signature order
 
 
 @_mla_decode_branch_fp8_op.register_fake
@@ -313,36 +286,36 @@ def mla_decode_branch_fp8(
         # A malformed q or w_uv gets a placeholder: the op's checks then name the problem.
         shaped = q.dim() == 3 and w_uv.dim() == 3
         out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1]) if shaped else q.new_empty(0)
-    op_args = (
-        out,
-        q,
-        input_row_offsets,
-        freqs_cis,
-        kv_norm_gamma,
-        kv.blocks,
-        kv.cache_lengths,
-        kv.lookup_table,
-        layer_idx,
-        w_uk.view(torch.uint8),
-        w_uk_scale,
-        w_uv.view(torch.uint8),
-        w_uv_scale,
-        scale,
-        epsilon,
-        g.m,
-        g.n,
-        g.k,
-        mask,
-        score_mod,
-        local_window_size,
-        bool(check_values),
+    op_args = dict(  # the custom op's arguments, in its signature order
+        out=out,
+        q=q,
+        input_row_offsets=input_row_offsets,
+        freqs_cis=freqs_cis,
+        kv_norm_gamma=kv_norm_gamma,
+        kv_blocks=kv.blocks,
+        cache_lengths=kv.cache_lengths,
+        lookup_table=kv.lookup_table,
+        layer_idx=layer_idx,
+        w_uk=w_uk.view(torch.uint8),
+        w_uk_scale=w_uk_scale,
+        w_uv=w_uv.view(torch.uint8),
+        w_uv_scale=w_uv_scale,
+        scale=scale,
+        epsilon=epsilon,
+        m_scale_granularity=g.m,
+        n_scale_granularity=g.n,
+        k_scale_granularity=g.k,
+        mask=mask,
+        score_mod=score_mod,
+        local_window_size=local_window_size,
+        check_values=bool(check_values),
     )
     if torch.compiler.is_compiling():
-        torch.ops.pymla.mla_decode_branch_fp8(*op_args)
+        torch.ops.pymla.mla_decode_branch_fp8(**op_args)
     else:
         # Eager: the same work without the custom op's Python dispatch (about 0.3 ms a
         # call); the version counters of the two mutated tensors move as the op's would.
-        _run_op(*op_args)
+        _run_op(**op_args)
         torch.autograd.graph.increment_version(out)
         torch.autograd.graph.increment_version(kv.blocks)
     return out
