@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
-# Runs ON the device, with no MAX install: the standalone GPU test binary built here
-#   mojo build --target-accelerator=sm_90 -I . tests/gpu/gpu_smoke.mojo -o .devbin/smoke
-#   mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/gpu_smoke.mojo -o .devbin/smoke.s   (PTX files)
-#   cp .venv/lib/python3.*/site-packages/modular/lib/lib{KGENCompilerRTShared,AsyncRTMojoBindings,MSupportGlobals,AsyncRTRuntimeGlobals}.so .devbin/lib/
-# travels as the carried folder .devbin (about 6 MB). Steps (logs in $OUT):
+# Runs ON the device, with no MAX install: the standalone GPU test binary built here by
+# scripts/build_devbin.sh travels as the carried folder .devbin (about 14 MB). Steps:
 #   regs               ptxas -v register / spill report of every attention kernel
 #   variants CFG...    step 5 alone, the op's choice and pinned variants (CFG = BATCH:HEADS:CACHE_LEN[:ITERS])
 #   ncu CFG            Nsight Compute sections of one tensor-core attention launch (if the runtime allows counters)
