@@ -3,6 +3,7 @@
 # scripts/build_devbin.sh travels as the carried folder .devbin (about 14 MB). Steps:
 #   regs               ptxas -v register / spill report of every attention kernel
 #   variants CFG...    step 5 alone, the op's choice and pinned variants (CFG = BATCH:HEADS:CACHE_LEN[:ITERS])
+#   bench CFG...       the whole op timed, after a device-to-device copy (the HBM yardstick)
 #   ncu CFG            Nsight Compute sections of one tensor-core attention launch (if the runtime allows counters)
 #   smoke              the correctness cases
 set -u
