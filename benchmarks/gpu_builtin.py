@@ -841,15 +841,23 @@ def measure_copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
     return 2 * nbytes / seconds
 
 
+def pymla_lookup_table(inputs: dict) -> torch.Tensor:
+    """The bench lookup table with the built-in's null-page entries (past the pool) set to 0.
+
+    pymla checks only the entries a request uses; the rest are kept in range anyway.
+    """
+    nb = inputs["kv_blocks"].shape[0] - 1
+    lut = inputs["lookup_table"].cpu().to(torch.int64)
+    lut[lut >= nb] = 0
+    return lut.to(torch.uint32).to(inputs["lookup_table"].device)
+
+
 def time_pymla_kernel(inputs, cfg, args) -> float:
     """pymla's compiled model alone on prepared buffers (no input checks), like the built-in."""
     from pymla import bridge, op
     from pymla.graph import INPUT_NAMES, OpConfig, mask_code, score_mod_code
 
     q = inputs["q"]
-    nb = inputs["kv_blocks"].shape[0] - 1
-    lut = inputs["lookup_table"].cpu().to(torch.int64)
-    lut[lut >= nb] = 0
     tensors = {
         "output": torch.empty(q.shape[0], q.shape[1], V_HEAD, dtype=q.dtype, device=q.device),
         "q": q,
@@ -858,7 +866,7 @@ def time_pymla_kernel(inputs, cfg, args) -> float:
         "kv_norm_gamma": inputs["kv_norm_gamma"],
         "kv_blocks": inputs["kv_blocks"],
         "cache_lengths": inputs["cache_lengths"],
-        "lookup_table": lut.to(torch.uint32).to(q.device),
+        "lookup_table": pymla_lookup_table(inputs),
         "layer_idx": torch.tensor(LAYER_IDX, dtype=torch.uint32),
         "scale": torch.tensor(cfg.scale, dtype=torch.float32),
         "epsilon": torch.tensor(cfg.epsilon, dtype=torch.float32),
@@ -890,11 +898,7 @@ def time_pymla_kernel(inputs, cfg, args) -> float:
 def time_pymla(inputs, cfg, args) -> float:
     import pymla
 
-    nb = inputs["kv_blocks"].shape[0] - 1
-    lut = inputs["lookup_table"].cpu().to(torch.int64)
-    lut[lut >= nb] = 0  # pymla checks used entries only; keep the rest in range anyway
-    lut = lut.to(torch.uint32).to(inputs["lookup_table"].device)
-    cache = (inputs["kv_blocks"], inputs["cache_lengths"], lut)
+    cache = (inputs["kv_blocks"], inputs["cache_lengths"], pymla_lookup_table(inputs))
 
     def call():
         pymla.mla_decode_branch_fp8(

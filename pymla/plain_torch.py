@@ -66,7 +66,7 @@ class PlainTorchDecode:
         nope = self.w_uk.shape[2]
         page_size = blocks.shape[3]
         dev = q.device
-        lengths, table = _as_int64(lengths), _as_int64(table)
+        lengths, table = lengths.to(torch.int64), table.to(torch.int64)
 
         # Steps 1-2: the new rows, rotated and normalized in place.
         new_pos = lengths[:, None] + torch.arange(per_request, device=dev)[None, :]  # [B, n]
@@ -131,8 +131,3 @@ class PlainTorchDecode:
         # Step 6.
         out = torch.einsum("bthr,hvr->bthv", raw.to(self.dtype), self.w_uv)
         return out.reshape(num_tokens, num_heads, -1)
-
-
-def _as_int64(t: torch.Tensor) -> torch.Tensor:
-    """Index tensor as int64; uint32 through an int32 view (torch's cuda uint32 does copies only)."""
-    return t.view(torch.int32).to(torch.int64) if t.dtype == torch.uint32 else t.to(torch.int64)
