@@ -527,6 +527,19 @@ struct DeviceCase[dtype: DType](Movable):
             c.num_layers, c.page_size, c.key_dim, c.layer,
         )
 
+    def attention[
+        groups: Int = 0, kt: Int = 32, gw: Int = 4, split: Bool = True
+    ](
+        self, ctx: DeviceContext, c: Case, q_full: DeviceBuffer[DType.float32], raw: DeviceBuffer[DType.float32],
+        parts: Int, force_fma: Bool = False,
+    ) raises:
+        """Step 5 alone on this case's cache (`gpu_attention`'s parameters; `parts` 0 = planned)."""
+        gpu_attention[Self.dtype, groups, kt, gw, split](
+            ctx, untracked(q_full), self.cache(c), untracked(self.offsets), untracked(self.lengths), c.num_requests,
+            c.num_tokens, c.heads, c.rank, parts, c.pages_per_request * c.page_size, c.scale,
+            MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw), force_fma=force_fma,
+        )
+
     def run_op(self, ctx: DeviceContext, c: Case) raises:
         var problem = DecodeProblem[Self.dtype](
             untracked(self.output), untracked(self.q),
@@ -669,34 +682,18 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     var gpu_raw = List[Float32]()
     # 0 = the partitions the op would plan itself (last, so gpu_raw is the op's).
     for parts in [1, 3, 0]:
-        gpu_attention[dtype](
-            ctx, untracked(q_full_buf), cache, untracked(d.offsets), untracked(d.lengths), c.num_requests,
-            c.num_tokens, c.heads, c.rank, parts, c.pages_per_request * c.page_size, c.scale,
-            MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw_buf),
-        )
+        d.attention(ctx, c, q_full_buf, raw_buf, parts)
         gpu_raw = download[DType.float32](ctx, raw_buf, rows * c.rank)
         ok = check_close(String("raw (", "planned" if parts == 0 else String(parts), " partitions)"), gpu_raw, raw_from_gpu, 1e-4) and ok
     comptime if dtype != DType.float32:
         # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow).
-        gpu_attention[dtype](
-            ctx, untracked(q_full_buf), cache, untracked(d.offsets), untracked(d.lengths), c.num_requests,
-            c.num_tokens, c.heads, c.rank, 2, c.pages_per_request * c.page_size, c.scale,
-            MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw_buf), force_fma=True,
-        )
+        d.attention(ctx, c, q_full_buf, raw_buf, 2, force_fma=True)
         ok = check_close("raw (FMA kernel, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, 1e-4) and ok
         # The tensor-core shape for small kv_lora_rank (the op picks it only when the others do not fit).
-        gpu_attention[dtype, 1, 32, 4](
-            ctx, untracked(q_full_buf), cache, untracked(d.offsets), untracked(d.lengths), c.num_requests,
-            c.num_tokens, c.heads, c.rank, 2, c.pages_per_request * c.page_size, c.scale,
-            MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw_buf),
-        )
+        d.attention[1, 32, 4](ctx, c, q_full_buf, raw_buf, 2)
         ok = check_close("raw (tensor cores 1 x 32 x 4, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, 1e-4) and ok
         # Restore the op's own raw for the output stage.
-        gpu_attention[dtype](
-            ctx, untracked(q_full_buf), cache, untracked(d.offsets), untracked(d.lengths), c.num_requests,
-            c.num_tokens, c.heads, c.rank, 0, c.pages_per_request * c.page_size, c.scale,
-            MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw_buf),
-        )
+        d.attention(ctx, c, q_full_buf, raw_buf, 0)
 
     gpu_project_output[dtype](
         ctx, untracked(raw_buf), untracked(d.w_uv), untracked(d.w_uv_scale), untracked(d.output),
@@ -817,11 +814,7 @@ def bench_attention[
         if it == 1:
             ctx.synchronize()
             t0 = perf_counter_ns()
-        gpu_attention[dtype, groups, kt, gw, split](
-            ctx, untracked(q_full), d.cache(c), untracked(d.offsets), untracked(d.lengths), c.num_requests,
-            c.num_tokens, c.heads, c.rank, 0, c.pages_per_request * c.page_size, c.scale,
-            MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw),
-        )
+        d.attention[groups, kt, gw, split](ctx, c, q_full, raw, 0)
     ctx.synchronize()
     var us = Float64(perf_counter_ns() - t0) / Float64(iters) / 1000.0
     var cache_bytes = Float64(c.num_requests * (Int(c.lengths[0]) + 1) * c.key_dim * size_of[dtype]())
