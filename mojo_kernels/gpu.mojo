@@ -973,7 +973,8 @@ def gpu_attention[
         )
 
     @always_inline
-    def launch_mma[groups: Int, kt: Int, gw: Int]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
+    def launch_mma[s: Tuple[Int, Int, Int]]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
+        comptime groups, kt, gw = s[0], s[1], s[2]
         var smem = attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim)
         ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, gw, mma_split]](
             q_full,
@@ -1007,14 +1008,14 @@ def gpu_attention[
     if shape[0] > 0:
         comptime if dtype == DType.bfloat16 or dtype == DType.float16:
             comptime if mma_groups > 0:
-                launch_mma[PINNED[0], PINNED[1], PINNED[2]]()
+                launch_mma[PINNED]()
             else:
                 if shape == MMA_MANY_HEADS:
-                    launch_mma[MMA_MANY_HEADS[0], MMA_MANY_HEADS[1], MMA_MANY_HEADS[2]]()
+                    launch_mma[MMA_MANY_HEADS]()
                 elif shape == MMA_FEW_HEADS:
-                    launch_mma[MMA_FEW_HEADS[0], MMA_FEW_HEADS[1], MMA_FEW_HEADS[2]]()
+                    launch_mma[MMA_FEW_HEADS]()
                 else:
-                    launch_mma[MMA_FEW_HEADS_SMALL_RANK[0], MMA_FEW_HEADS_SMALL_RANK[1], MMA_FEW_HEADS_SMALL_RANK[2]]()
+                    launch_mma[MMA_FEW_HEADS_SMALL_RANK]()
     elif kv_lora_rank <= 2 * ATT_THREADS:
         launch_fma[2]()
     else:
