@@ -26,6 +26,8 @@ from mojo_kernels.attention import MaskSpec
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, U8Ptr
 from mojo_kernels.fp8_matmul import Granularity
 from mojo_kernels.gpu import (
+    MMA_FEW_HEADS,
+    MMA_MANY_HEADS,
     gpu_attention,
     gpu_build_q_full,
     gpu_project_output,
@@ -852,9 +854,13 @@ def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cac
     # (groups, kt, warps per group): a launch that asks for too many registers is reported, not fatal.
     comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8)]
     if heads >= 32:
-        bench_attention[dtype, 2, 64, 4, False](ctx, c, d, q_full, raw, iters, expected)
+        bench_attention[dtype, MMA_MANY_HEADS[0], MMA_MANY_HEADS[1], MMA_MANY_HEADS[2], False](
+            ctx, c, d, q_full, raw, iters, expected
+        )
     else:
-        bench_attention[dtype, 1, 64, 8, False](ctx, c, d, q_full, raw, iters, expected)
+        bench_attention[dtype, MMA_FEW_HEADS[0], MMA_FEW_HEADS[1], MMA_FEW_HEADS[2], False](
+            ctx, c, d, q_full, raw, iters, expected
+        )
     comptime for v in VARIANTS:
         try:
             bench_attention[dtype, v[0], v[1], v[2]](ctx, c, d, q_full, raw, iters, expected)
