@@ -1107,6 +1107,8 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     var w_uv_scale = p.w_uv_scale
     if num_tokens == 0 or num_heads == 0:
         return
+    if p.has_attention_output or p.has_new_rows:
+        raise Error("pymla: attention_output and new_rows are not implemented on the GPU yet")
     check_gpu_shapes[dtype](cache, nope_dim, rope_dim, kv_lora_rank)
     var key_dim = kv_lora_rank + rope_dim
     var rows = num_tokens * num_heads

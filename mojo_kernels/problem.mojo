@@ -12,6 +12,12 @@ struct DecodeProblem[dtype: DType](TrivialRegisterPassable):
 
     Pointers are host memory for the CPU target and device memory for the
     GPU target (only the sizes and options are always host values).
+
+    Two optional tensors (a flag says whether each was given):
+    `attention_output` receives the attention output before step 6 (in
+    dtype); `new_rows` holds each new token's raw latent row, which the op
+    normalizes, rotates and writes into its cache row (without it the rows
+    were appended to the cache beforehand and are updated in place).
     """
 
     var output: DPtr[Self.dtype]  # [T, H, v_head_dim]
@@ -35,6 +41,10 @@ struct DecodeProblem[dtype: DType](TrivialRegisterPassable):
     var w_uk_scale: FPtr
     var w_uv: U8Ptr  # [H, v_head_dim, kv_lora_rank] fp8 e4m3 bytes
     var w_uv_scale: FPtr
+    var attention_output: DPtr[Self.dtype]  # [T, H, kv_lora_rank]: step 5's result, when wanted
+    var has_attention_output: Bool
+    var new_rows: DPtr[Self.dtype]  # [T, kv_lora_rank + rope_dim]: raw new cache rows, when given
+    var has_new_rows: Bool
 
     def key_dim(self) -> Int:
         """Width of a cache row: the keys; values are its first `kv_lora_rank`."""

@@ -119,12 +119,18 @@ def mla_decode_branch_fp8_graph(
     score_mod: str | TensorValue = "no_pos",
     local_window_size: int | TensorValue = 0,
     out: BufferValue | None = None,
+    new_rows: TensorValue | None = None,
+    attention_out: BufferValue | None = None,
 ) -> TensorValue | None:
     """Adds the fused op to the current graph.
 
     Returns ``output [T, H, v_head_dim]`` as a new tensor, or, when ``out``
     (a buffer of that shape and q's dtype) is given, writes it there and
-    returns None.
+    returns None. ``attention_out`` (a buffer ``[T, H, kv_lora_rank]`` of q's
+    dtype, or one with zero tokens) receives the attention output before
+    step 6. ``new_rows`` (``[T, kv_lora_rank + qk_rope_head_dim]``, or zero
+    rows) holds the new tokens' raw latent rows: the op normalizes, rotates
+    and writes them into the cache; without it they must be in the cache already.
 
     Tensor arguments are as in :func:`pymla.mla_decode_branch_fp8`, with fp8
     weights typed ``uint8`` and ``kv_blocks`` a buffer (it is updated in
@@ -149,6 +155,10 @@ def mla_decode_branch_fp8_graph(
         mask = mask_code(mask)
     if isinstance(score_mod, str):
         score_mod = score_mod_code(score_mod)
+    if new_rows is None:
+        new_rows = ops.buffer_load(ops.buffer_create(BufferType(q.dtype, [0, 1], q.device)))
+    if attention_out is None:
+        attention_out = ops.buffer_create(BufferType(q.dtype, [0, 1, 1], q.device))
     result = out
     if result is None:
         result = ops.buffer_create(
@@ -156,10 +166,12 @@ def mla_decode_branch_fp8_graph(
         )
     values = [
         result,
+        attention_out,
         q,
         input_row_offsets,
         freqs_cis,
         kv_norm_gamma,
+        new_rows,
         kv_blocks,
         cache_lengths,
         lookup_table,
@@ -181,10 +193,12 @@ def mla_decode_branch_fp8_graph(
 
 INPUT_NAMES = (
     "output",
+    "attention_output",
     "q",
     "input_row_offsets",
     "freqs_cis",
     "kv_norm_gamma",
+    "new_rows",
     "kv_blocks",
     "cache_lengths",
     "lookup_table",
@@ -213,10 +227,12 @@ def input_types(dtype: DType, device: DeviceRef) -> Sequence[TensorType | Buffer
 
     return [
         BufferType(dtype, ["tokens", "heads", "v_head_dim"], device),
+        BufferType(dtype, ["attention_tokens", "attention_heads", "attention_dim"], device),
         TensorType(dtype, ["tokens", "heads", "q_head_dim"], device),
         TensorType(DType.uint32, ["offsets"], device),
         TensorType(dtype, ["max_seq_len", "rope_dim"], device),
         TensorType(dtype, ["kv_lora_rank"], device),
+        TensorType(dtype, ["new_rows", "new_row_dim"], device),
         BufferType(
             dtype, ["num_blocks", 1, "num_layers", "page_size", 1, "cache_head_dim"], device
         ),
@@ -245,7 +261,7 @@ def build_graph(config: OpConfig) -> Graph:
         custom_extensions=[kernels_path()],
     ) as graph:
         args = dict(zip(INPUT_NAMES, graph.inputs, strict=True))
-        buffers = ("output", "kv_blocks")
+        buffers = ("output", "attention_output", "kv_blocks")
         t = {name: value.tensor for name, value in args.items() if name not in buffers}
         mla_decode_branch_fp8_graph(
             t["q"],
@@ -267,6 +283,8 @@ def build_graph(config: OpConfig) -> Graph:
             score_mod=t["score_mod"],
             local_window_size=t["local_window_size"],
             out=args["output"].buffer,
+            new_rows=t["new_rows"],
+            attention_out=args["attention_output"].buffer,
         )
         graph.output()
     return graph

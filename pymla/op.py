@@ -65,7 +65,10 @@ def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
 
 def _check_op_args(*args, metadata_only: bool = False):
     """``check_inputs`` on the torch op's positional arguments (granularity as three ints)."""
-    (*tensors, scale, epsilon, gm, gn, gk, mask, score_mod, local_window_size, check_values) = args
+    (*tensors, scale, epsilon, gm, gn, gk, mask, score_mod, local_window_size, check_values) = args[
+        :-2
+    ]
+    attention_out, new_rows = args[-2:]
     return check_inputs(
         *tensors,
         scale=scale,
@@ -75,6 +78,8 @@ def _check_op_args(*args, metadata_only: bool = False):
         score_mod=score_mod,
         local_window_size=local_window_size,
         check_values=check_values and not metadata_only,
+        attention_out=attention_out,
+        new_rows=new_rows,
     )
 
 
@@ -103,6 +108,11 @@ def _run_op(**inputs) -> None:
         "k_scale_granularity": (inputs["k_scale_granularity"], torch.int32),
     }
     inputs["output"] = inputs["out"]
+    # Optional tensors that were not given cross as empty tensors of the graph's rank.
+    for name, rank in (("attention_out", 3), ("new_rows", 2)):
+        if inputs[name].numel() == 0:
+            inputs[name] = q.new_empty((0,) * rank)
+    inputs["attention_output"] = inputs["attention_out"]
     buffers = [
         _scalar_buffer(*scalars[name]) if name in scalars else bridge.to_max(inputs[name])
         for name in INPUT_NAMES
@@ -117,7 +127,9 @@ def _run_op(**inputs) -> None:
         _session(q.device)[1].synchronize()
 
 
-@torch.library.custom_op("pymla::mla_decode_branch_fp8", mutates_args=("out", "kv_blocks"))
+@torch.library.custom_op(
+    "pymla::mla_decode_branch_fp8", mutates_args=("out", "kv_blocks", "attention_out")
+)
 def _mla_decode_branch_fp8_op(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -141,6 +153,8 @@ def _mla_decode_branch_fp8_op(
     score_mod: str,
     local_window_size: int,
     check_values: bool,
+    attention_out: torch.Tensor,
+    new_rows: torch.Tensor,
 ) -> None:
     _run_op(**locals())  # the parameters above, in signature order
 
@@ -213,6 +227,8 @@ def mla_decode_branch_fp8(
     local_window_size: int = 0,
     out: torch.Tensor | None = None,
     check_values: bool = True,
+    attention_out: torch.Tensor | None = None,
+    new_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The fused MLA decode branch with fp8 weights; the math is in :mod:`pymla.reference`.
 
@@ -242,6 +258,12 @@ def mla_decode_branch_fp8(
             cache lengths, lookup table, finite scales). On a GPU these checks
             copy those tensors to the host each call; a trusted serving loop
             may turn them off. Types, shapes, dtypes and devices are always checked.
+        attention_out: optional ``[T, H, kv_lora_rank]`` tensor of q's dtype that
+            receives the attention output before step 6 (``raw`` of the reference).
+        new_rows: optional ``[T, kv_lora_rank + qk_rope_head_dim]`` raw latent rows
+            of the new tokens, q's dtype: the op normalizes and rotates them and
+            writes them into the cache at their positions. Without it the rows
+            must have been appended to the cache already.
 
     Returns:
         ``[T, H, v_head_dim]`` in q's dtype, on q's device (``out`` when given).
@@ -280,7 +302,15 @@ def mla_decode_branch_fp8(
     local_window_size = as_int("local_window_size", local_window_size)
     mask = as_str("mask", mask, MASKS)
     score_mod = as_str("score_mod", score_mod, SCORE_MODS)
-    if check_values and isinstance(cache, PagedLatentCache) and not torch.compiler.is_compiling():
+    for name, value in (("attention_out", attention_out), ("new_rows", new_rows)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
+    if (
+        check_values
+        and new_rows is None
+        and isinstance(cache, PagedLatentCache)
+        and not torch.compiler.is_compiling()
+    ):
         _check_pending(cache, input_row_offsets, q.shape[0] if q.dim() else -1)
     if out is None:
         # A malformed q or w_uv gets a placeholder: the op's checks then name the problem.
@@ -309,6 +339,8 @@ def mla_decode_branch_fp8(
         score_mod=score_mod,
         local_window_size=local_window_size,
         check_values=bool(check_values),
+        attention_out=_absent(q) if attention_out is None else attention_out,
+        new_rows=_absent(q) if new_rows is None else new_rows,
     )
     if torch.compiler.is_compiling():
         torch.ops.pymla.mla_decode_branch_fp8(**op_args)
@@ -318,4 +350,11 @@ def mla_decode_branch_fp8(
         _run_op(**op_args)
         torch.autograd.graph.increment_version(out)
         torch.autograd.graph.increment_version(kv.blocks)
+        if attention_out is not None:
+            torch.autograd.graph.increment_version(attention_out)
     return out
+
+
+def _absent(q: torch.Tensor) -> torch.Tensor:
+    """The placeholder of an optional tensor argument that was not given (no elements)."""
+    return q.new_empty(0) if isinstance(q, torch.Tensor) else torch.empty(0)

@@ -294,11 +294,14 @@ def check_inputs(
     score_mod: str,
     local_window_size: int,
     check_values: bool = True,
+    attention_out: torch.Tensor | None = None,
+    new_rows: torch.Tensor | None = None,
 ) -> Dims:
     """Checks every argument of the op; with ``check_values`` also the values it indexes with.
 
     ``check_values=False`` checks only metadata (what torch's fake tensors
-    have), for tracing.
+    have), for tracing. ``attention_out`` and ``new_rows`` are optional: None
+    or an empty rank-1 tensor (the torch op's placeholder) means not given.
     """
     check_options(
         scale=scale,
@@ -415,8 +418,33 @@ def check_inputs(
         "[tot_seq_len of q, num_heads, v_head_dim of w_uv]",
     )
 
+    written = {"out": out, "kv_blocks": kv_blocks}
+    optional = {
+        "attention_out": (
+            attention_out,
+            (num_tokens, num_heads, kv_lora_rank),
+            "[tot_seq_len of q, num_heads, kv_lora_rank]",
+        ),
+        "new_rows": (
+            new_rows,
+            (num_tokens, kv_lora_rank + rope_dim),
+            "[tot_seq_len of q, kv_lora_rank + qk_rope_head_dim]",
+        ),
+    }
+    for name, (t, shape, what) in optional.items():
+        if t is None or (isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == 0):
+            continue  # not given
+        check_tensor(
+            name, t, rank=len(shape), dtypes=(dtype,), device=dev, dtype_note=" (q's dtype)"
+        )
+        check_shape(name, t, shape, what)
+        if name == "attention_out":
+            written[name] = t
+        else:
+            inputs[name] = (t, len(shape), (dtype,))
+
     if check_values:
-        _check_no_overlap(out, kv_blocks, {name: t for name, (t, _, _) in inputs.items()})
+        _check_no_overlap(written, {name: t for name, (t, _, _) in inputs.items()})
         _check_values(
             input_row_offsets,
             cache_lengths,
@@ -439,13 +467,12 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def _check_no_overlap(
-    out: torch.Tensor, kv_blocks: torch.Tensor, inputs: dict[str, torch.Tensor]
-) -> None:
-    """The tensors the op writes (out, the cache blocks) share memory with no other argument."""
-    for name, written in (("out", out), ("kv_blocks", kv_blocks)):
-        for other, t in inputs.items():
-            if t is not written and other != name and _overlaps(written, t):
+def _check_no_overlap(written: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
+    """The tensors the op writes (out, the cache blocks, attention_out) share memory with no other argument."""
+    for name, target in written.items():
+        others = {**inputs, **{k: v for k, v in written.items() if k != name}}
+        for other, t in others.items():
+            if t is not target and other != name and _overlaps(target, t):
                 raise ValueError(
                     f"{name}: expected memory of its own (the op writes it), got a tensor "
                     f"overlapping {other}"

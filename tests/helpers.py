@@ -92,4 +92,6 @@ def torch_op_args(case: Case) -> tuple:
         o["score_mod"],
         o["local_window_size"],
         True,
+        case.q.new_empty(0),  # attention_out: not wanted
+        case.q.new_empty(0),  # new_rows: the rows are in the cache
     )

@@ -60,7 +60,7 @@ def test_op_is_registered_with_mutations_declared():
     mutated = {
         a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
     }
-    assert mutated == {"out", "kv_blocks"}
+    assert mutated == {"out", "kv_blocks", "attention_out"}
 
 
 def test_direct_torch_ops_call_matches_reference():

@@ -1,0 +1,149 @@
+"""The six steps on the CPU, as named stages over host memory.
+
+1. RoPE on q and on the new tokens' cache rows  (`rope_queries_into_q_full`,
+   `rotate_and_normalize_new_rows`)
+2. RMSNorm of those rows' latent part            (`rotate_and_normalize_new_rows`)
+3. fp8 q_nope projection                         (`project_q_nope`)
+4. concat(q_nope_proj, q_rope) into `q_full`     (steps 1 and 3 write its two slices)
+5. paged MLA decode attention                    (`attend_partitions`, `merge_partitions`)
+6. fp8 output projection                         (`project_output`)
+"""
+
+from std.sys import num_physical_cores
+
+from .attention import AttentionShape, PartialResults, attend_partitions, merge_partitions
+from .common import DPtr, FPtr, U8Ptr, ceil_div, scratch
+from .fp8_matmul import Granularity, StridedMatrices, fp8_batched_matmul
+from .paged_cache import RaggedBatch
+from .problem import DecodeProblem
+from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
+
+comptime MIN_KEYS_PER_PARTITION = 256
+comptime TASKS_PER_WORKER = 4
+comptime MAX_HEADS_PER_TASK = 128
+
+
+def project_q_nope[
+    dtype: DType
+](
+    q: DPtr[dtype],
+    w_uk: U8Ptr,
+    w_uk_scale: FPtr,
+    q_full: FPtr,
+    num_tokens: Int,
+    num_heads: Int,
+    nope_dim: Int,
+    rope_dim: Int,
+    kv_lora_rank: Int,
+    granularity: Granularity,
+) raises:
+    """Step 3: `q_full[t, h, :R] = fp8mm(q[t, h, :nope], w_uk[h])`."""
+    var a = StridedMatrices[dtype](q, nope_dim + rope_dim, num_heads * (nope_dim + rope_dim))
+    var c = StridedMatrices[DType.float32](
+        q_full, kv_lora_rank + rope_dim, num_heads * (kv_lora_rank + rope_dim)
+    )
+    var blocks = granularity.resolve(num_tokens, kv_lora_rank, nope_dim)
+    fp8_batched_matmul[dtype, DType.float32](
+        a, w_uk, w_uk_scale, c, num_heads, num_tokens, kv_lora_rank, nope_dim, blocks
+    )
+
+
+def project_output[
+    dtype: DType
+](
+    raw: FPtr,
+    w_uv: U8Ptr,
+    w_uv_scale: FPtr,
+    output: DPtr[dtype],
+    num_tokens: Int,
+    num_heads: Int,
+    kv_lora_rank: Int,
+    v_head_dim: Int,
+    granularity: Granularity,
+) raises:
+    """Step 6: `output[t, h, :] = fp8mm(raw[t, h, :], w_uv[h])`."""
+    var a = StridedMatrices[DType.float32](raw, kv_lora_rank, num_heads * kv_lora_rank)
+    var c = StridedMatrices[dtype](output, v_head_dim, num_heads * v_head_dim)
+    var blocks = granularity.resolve(num_tokens, v_head_dim, kv_lora_rank)
+    fp8_batched_matmul[DType.float32, dtype](
+        a, w_uv, w_uv_scale, c, num_heads, num_tokens, v_head_dim, kv_lora_rank, blocks
+    )
+
+
+def plan_attention(batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_rank: Int, key_dim: Int) -> AttentionShape:
+    """Splits work so every core is busy: head groups, then key partitions for long contexts."""
+    var workers = num_physical_cores()
+    var heads_per_group = min(num_heads, MAX_HEADS_PER_TASK)
+    var head_groups = ceil_div(num_heads, heads_per_group)
+    var longest = 0
+    for b in range(batch.num_requests):
+        longest = max(longest, batch.visible(b))
+    var tasks = max(batch.num_requests * head_groups, 1)
+    var partitions = ceil_div(workers * TASKS_PER_WORKER, tasks)
+    partitions = max(1, min(partitions, ceil_div(longest, MIN_KEYS_PER_PARTITION)))
+    return AttentionShape(num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group, partitions)
+
+
+
+def copy_new_rows_into_cache[dtype: DType](p: DecodeProblem[dtype]):
+    """Stores `new_rows[t]` into the cache row of each new token `t` (before steps 1 and 2 on it)."""
+    var width = p.key_dim()
+    for b in range(p.batch.num_requests):
+        for t in range(p.batch.start(b), p.batch.stop(b)):
+            var dst = p.cache.row(b, p.batch.position(b, t))
+            var src = p.new_rows.unsafe_offset(t * width)
+            for d in range(width):
+                dst.unsafe_store(d, src.unsafe_load(d))
+
+
+def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
+    """The six steps on the CPU, each a parallel stage over host memory."""
+    if p.num_tokens == 0:
+        return
+    var key_dim = p.key_dim()
+
+    # Steps 1 and 2 on the cache: the new rows (from `new_rows` when given), rotated and
+    # normalized in place.
+    if p.has_new_rows:
+        copy_new_rows_into_cache[dtype](p)
+    rotate_and_normalize_new_rows[dtype](
+        p.cache, p.batch, p.freqs_cis, p.kv_norm_gamma, p.epsilon, p.kv_lora_rank, p.rope_dim
+    )
+
+    # Steps 1, 3 and 4 on q: q_full = concat(q_nope @ w_uk, rope(q_rope)).
+    var q_full_buf = List[Float32](length=p.num_tokens * p.num_heads * key_dim, fill=0)
+    var q_full = scratch(q_full_buf)
+    rope_queries_into_q_full[dtype](
+        p.q, p.batch, p.freqs_cis, q_full, p.num_heads, p.nope_dim, p.rope_dim, p.kv_lora_rank
+    )
+    project_q_nope[dtype](
+        p.q, p.w_uk, p.w_uk_scale, q_full, p.num_tokens, p.num_heads, p.nope_dim, p.rope_dim,
+        p.kv_lora_rank, p.granularity,
+    )
+
+    # Step 5: attention, split into partitions, then merged.
+    var shape = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
+    var rows = shape.num_partitions * p.num_tokens * p.num_heads
+    var part_out_buf = List[Float32](length=rows * p.kv_lora_rank, fill=0)
+    var part_max_buf = List[Float32](length=rows, fill=0)
+    var part_sum_buf = List[Float32](length=rows, fill=0)
+    var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
+    attend_partitions[dtype](q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials)
+    var raw_buf = List[Float32](length=p.num_tokens * p.num_heads * p.kv_lora_rank, fill=0)
+    var raw = scratch(raw_buf)
+    merge_partitions(partials, shape, raw)
+    if p.has_attention_output:
+        var count = p.num_tokens * p.num_heads * p.kv_lora_rank
+        for i in range(count):
+            p.attention_output.unsafe_store(i, raw.unsafe_load(i).cast[dtype]())
+
+    # Step 6: output projection.
+    project_output[dtype](
+        raw, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank, p.v_head_dim,
+        p.granularity,
+    )
+    _ = q_full_buf^
+    _ = part_out_buf^
+    _ = part_max_buf^
+    _ = part_sum_buf^
+    _ = raw_buf^
