@@ -1,4 +1,4 @@
-"""Torch reference of ``mla_decode_branch_fp8``, in float32 math.
+"""Torch reference of ``mla_decode_branch_fp8``: float32 math with the op's rounding points.
 
 This docstring is the specification of the op; the Mojo kernel and the
 public function :func:`pymla.mla_decode_branch_fp8` implement exactly this.
@@ -8,35 +8,47 @@ Notation: ``T`` query tokens in all, ``B`` requests, ``H`` heads,
 ``R = kv_lora_rank`` (512), ``Dv = v_head_dim`` (128). Request ``b`` owns
 query rows ``t`` in ``[o[b], o[b+1])`` of ``q`` (``o = input_row_offsets``);
 its ``i``-th query token sits at position ``p = c[b] + i`` of the sequence
-(``c = cache_lengths``) and its latent row for layer ``l`` is already in the
-cache at that position. ``L[b] = c[b] + o[b+1] - o[b]`` keys are visible in all.
-All arithmetic is float32; only the cache rows written back and the output
-are rounded to ``dtype``.
+(``c = cache_lengths``). Its latent row for layer ``l`` is either already in
+the cache at that position or given as ``new_rows[t]``; the op normalizes,
+rotates and stores it there. ``L[b] = c[b] + o[b+1] - o[b]`` keys are visible in all.
+
+Rounding points. Arithmetic is float32. ``D = dtype`` (of q, the cache and
+the output). ``rnd(x)`` rounds to ``D`` (nearest even); for float32 it is the
+identity, so float32 is float32 throughout. For bfloat16 and float16 the op
+follows the original kernel (and FlashMLA, FlashInfer): ``q_full`` and the
+attention output are materialized in ``D``; scores and ``P V`` are products
+of ``D`` values summed in float32; softmax is float32; the probabilities are
+rounded to ``D`` for ``P V`` while their sum stays float32.
 
 1. RoPE, interleaved pairs. With ``f = freqs_cis[p]`` read as pairs
    ``(cos_j, sin_j) = (f[2j], f[2j+1])``, a vector ``x`` of width ``Dr``
    becomes ``y[2j] = x[2j] cos_j - x[2j+1] sin_j`` and
    ``y[2j+1] = x[2j] sin_j + x[2j+1] cos_j``. Applied to ``q[t, h, Dn:]``
-   and, in place, to the rope part ``row[R:]`` of each new token's cache row.
-2. RMSNorm, in place, on the latent part of each new token's cache row:
-   ``row[:R] = row[:R] / sqrt(mean(row[:R]^2) + epsilon) * gamma``.
+   and to the rope part ``row[R:]`` of each new token's cache row, stored as ``rnd(y)``.
+2. RMSNorm of the latent part of each new token's cache row, stored as
+   ``rnd(row[:R] / sqrt(mean(row[:R]^2) + epsilon) * gamma)``.
 3. q_nope projection, an fp8 batched matmul over heads:
-   ``qn[t, h, :] = fp8mm(q[t, h, :Dn], w_uk[h])`` with
+   ``qn[t, h, :] = rnd(fp8mm(q[t, h, :Dn], w_uk[h]))`` with
    ``fp8mm(a, w)[n] = sum_k dq(a)[k] * dq(w)[n, k]``, where ``a`` is quantized
    dynamically and ``dq`` dequantizes (see :mod:`pymla.quant` for the scale
    granularity and the scale rule; per head, the M axis is the tokens).
-4. Concatenation: ``qf[t, h] = concat(qn[t, h], rope(q[t, h, Dn:]))``, width ``R + Dr``.
+4. Concatenation: ``qf[t, h] = concat(qn[t, h], rnd(rope(q[t, h, Dn:])))``, width ``R + Dr``.
 5. MLA decode attention per request and head, with ``K[j] = row_j`` (width
    ``R + Dr``) and ``V[j] = row_j[:R]`` for the visible positions ``j``:
    ``s[j] = scale * <qf[t, h], K[j]> + bias(h, p, j)`` for ``j`` in the mask's
-   key range ``[lo(p), hi(p))``, ``a = softmax(s)``, ``raw[t, h] = sum_j a[j] V[j]``.
+   key range ``[lo(p), hi(p))``; ``e[j] = exp(s[j] - max(s))``;
+   ``raw[t, h] = rnd(sum_j rnd(e[j]) V[j] / sum_j e[j])``.
    Key ranges: ``null`` ``[0, L)``; ``causal`` ``[0, p + 1)``;
    ``sliding_window_causal`` ``[max(0, p - W + 1), p + 1)``;
    ``chunked_causal`` ``[floor(p / W) * W, p + 1)``, with
    ``W = local_window_size``. Biases: ``no_pos`` 0;
    ``alibi_pos`` ``-slope(h) * (p - j)`` with the ALiBi slopes of
    :func:`alibi_slopes`.
-6. Output projection: ``out[t, h, :] = fp8mm(raw[t, h, :], w_uv[h])``, rounded to ``dtype``.
+6. Output projection: ``out[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))``.
+
+A kernel with an online softmax rounds ``exp(s[j] - m)`` for a running max
+``m`` rather than the final one: the same value up to one rounding of ``D``
+per probability. :mod:`pymla.parity` derives the tolerances from this.
 """
 
 from __future__ import annotations
@@ -106,13 +118,147 @@ def rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float) -> torch.Tens
     return x * inv * gamma.to(torch.float32)
 
 
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rnd``: ``x`` rounded to ``dtype`` (nearest even), returned as float32."""
+    return x.to(dtype).to(torch.float32)
+
+
 def _row_index(cache: KVCacheTensors, b: int, positions: torch.Tensor, layer: int) -> tuple:
     page_size = cache.blocks.shape[3]
     pages = cache.lookup_table[b].to(torch.int64)[positions // page_size]
     return pages, 0, layer, positions % page_size, 0
 
 
-def mla_decode_branch_fp8_reference(
+class Batch(NamedTuple):
+    """Where each request's query tokens are: ``offsets`` and ``lengths`` as Python ints."""
+
+    offsets: list[int]
+    lengths: list[int]
+
+    @classmethod
+    def of(cls, input_row_offsets: torch.Tensor, cache_lengths: torch.Tensor) -> Batch:
+        return cls(
+            [int(v) for v in input_row_offsets.to(torch.int64).tolist()],
+            [int(v) for v in cache_lengths.to(torch.int64).tolist()],
+        )
+
+    def new_positions(self, b: int) -> torch.Tensor:
+        """Sequence positions of request ``b``'s new tokens."""
+        start = self.lengths[b]
+        return torch.arange(start, start + self.offsets[b + 1] - self.offsets[b])
+
+    def positions(self) -> torch.Tensor:
+        """The position of every query row ``t``."""
+        return torch.cat(
+            [self.new_positions(b) for b in range(len(self.offsets) - 1)]
+            + [torch.zeros(0, dtype=torch.int64)]
+        )
+
+
+class Stages(NamedTuple):
+    """The reference's intermediate results (float32 tensors holding values of ``dtype``)."""
+
+    q_full: torch.Tensor  # [T, H, R + Dr], step 4
+    attention: torch.Tensor  # [T, H, R], step 5 (``raw``)
+    attention_magnitude: torch.Tensor  # [T, H, R]: sum_j e[j] |V[j]| / sum_j e[j]
+    out: torch.Tensor  # [T, H, Dv] in dtype, step 6
+
+
+def store_new_rows(
+    cache: KVCacheTensors,
+    batch: Batch,
+    layer_idx: int,
+    freqs_cis: torch.Tensor,
+    kv_norm_gamma: torch.Tensor,
+    epsilon: float,
+    new_rows: torch.Tensor | None = None,
+) -> None:
+    """Steps 1 and 2 on the new tokens' cache rows, in place (read from ``new_rows`` when given)."""
+    dtype = cache.blocks.dtype
+    rank = kv_norm_gamma.shape[0]
+    for b in range(len(batch.offsets) - 1):
+        pos = batch.new_positions(b)
+        idx = _row_index(cache, b, pos, layer_idx)
+        if new_rows is None:
+            rows = cache.blocks[idx].to(torch.float32)
+        else:
+            rows = new_rows[batch.offsets[b] : batch.offsets[b + 1]].to(torch.float32, copy=True)
+        rows[:, rank:] = rope_interleaved(rows[:, rank:], freqs_cis[pos])
+        rows[:, :rank] = rms_norm(rows[:, :rank], kv_norm_gamma, epsilon)
+        cache.blocks[idx] = rows.to(dtype)
+
+
+def build_q_full(
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uk_scale: torch.Tensor,
+    granularity: ScaleGranularity,
+) -> torch.Tensor:
+    """Steps 1, 3 and 4 on q: ``qf = concat(rnd(fp8mm(q_nope, w_uk)), rnd(rope(q_rope)))``."""
+    nope = w_uk.shape[2]
+    q32 = q.to(torch.float32)
+    q_rope = rope_interleaved(q32[:, :, nope:], freqs_cis[positions][:, None, :])
+    q_nope_proj = fp8_batched_matmul(
+        q32[:, :, :nope].transpose(0, 1), w_uk, w_uk_scale, granularity
+    ).transpose(0, 1)
+    return rounded(torch.cat([q_nope_proj, q_rope], dim=2), q.dtype)
+
+
+def attend(
+    q_full: torch.Tensor,
+    cache: KVCacheTensors,
+    batch: Batch,
+    layer_idx: int,
+    rank: int,
+    *,
+    scale: float,
+    mask: str,
+    score_mod: str,
+    local_window_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 5: ``raw`` and, for the tolerances, ``sum_j e[j] |V[j]| / sum_j e[j]``."""
+    dtype = cache.blocks.dtype
+    num_tokens, num_heads, _ = q_full.shape
+    slopes = (alibi_slopes(num_heads) if score_mod == "alibi_pos" else torch.zeros(num_heads)).to(
+        q_full.device
+    )
+    raw = torch.empty(num_tokens, num_heads, rank, dtype=torch.float32, device=q_full.device)
+    magnitude = torch.empty_like(raw)
+    for b in range(len(batch.offsets) - 1):
+        start, stop = batch.offsets[b], batch.offsets[b + 1]
+        visible = batch.lengths[b] + stop - start
+        keys = cache.blocks[_row_index(cache, b, torch.arange(visible), layer_idx)].to(
+            torch.float32
+        )
+        for t in range(start, stop):
+            p = batch.lengths[b] + t - start
+            lo, hi = key_range(mask, p, visible, local_window_size)
+            k = keys[lo:hi]
+            scores = scale * (q_full[t] @ k.T)  # [H, hi - lo]
+            dist = (p - torch.arange(lo, hi, dtype=torch.float32, device=q_full.device))[None, :]
+            scores = scores - slopes[:, None] * dist
+            e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+            total = e.sum(dim=-1, keepdim=True)
+            raw[t] = rounded((rounded(e, dtype) @ k[:, :rank]) / total, dtype)
+            magnitude[t] = (e @ k[:, :rank].abs()) / total
+    return raw, magnitude
+
+
+def project_output(
+    raw: torch.Tensor,
+    w_uv: torch.Tensor,
+    w_uv_scale: torch.Tensor,
+    granularity: ScaleGranularity,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Step 6: ``out = rnd(fp8mm(raw, w_uv))``, ``[T, H, Dv]`` in ``dtype``."""
+    out = fp8_batched_matmul(raw.to(torch.float32).transpose(0, 1), w_uv, w_uv_scale, granularity)
+    return out.transpose(0, 1).to(dtype).contiguous()
+
+
+def mla_decode_branch_fp8_stages(
     q: torch.Tensor,
     input_row_offsets: torch.Tensor,
     freqs_cis: torch.Tensor,
@@ -130,69 +276,42 @@ def mla_decode_branch_fp8_reference(
     mask: str = "causal",
     score_mod: str = "no_pos",
     local_window_size: int = 0,
-) -> torch.Tensor:
-    """Runs the six steps of the module docstring; updates ``cache.blocks`` in place.
+    new_rows: torch.Tensor | None = None,
+) -> Stages:
+    """The six steps of the module docstring with their intermediate results.
 
-    Arguments are those of :func:`pymla.mla_decode_branch_fp8` (no input
-    checks here). Returns ``[T, H, Dv]`` in ``q.dtype``.
+    Updates ``cache.blocks`` in place; arguments are those of
+    :func:`pymla.mla_decode_branch_fp8` (no input checks here).
     """
     if score_mod not in SCORE_MODS:
         raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
     granularity = ScaleGranularity.parse(scale_granularity)
-    dtype = q.dtype
-    num_tokens, num_heads, _ = q.shape
-    rank = w_uk.shape[1]
-    nope = w_uk.shape[2]
-    offsets = [int(v) for v in input_row_offsets.to(torch.int64).tolist()]
-    lengths = [int(v) for v in cache.cache_lengths.to(torch.int64).tolist()]
-    slopes = (alibi_slopes(num_heads) if score_mod == "alibi_pos" else torch.zeros(num_heads)).to(
-        q.device
+    batch = Batch.of(input_row_offsets, cache.cache_lengths)
+    store_new_rows(cache, batch, layer_idx, freqs_cis, kv_norm_gamma, epsilon, new_rows)
+    q_full = build_q_full(q, batch.positions(), freqs_cis, w_uk, w_uk_scale, granularity)
+    raw, magnitude = attend(
+        q_full,
+        cache,
+        batch,
+        layer_idx,
+        w_uk.shape[1],
+        scale=scale,
+        mask=mask,
+        score_mod=score_mod,
+        local_window_size=local_window_size,
     )
+    out = project_output(raw, w_uv, w_uv_scale, granularity, q.dtype)
+    return Stages(q_full, raw, magnitude, out)
 
-    # Steps 1 and 2 on the cache: the new tokens' rows, in place.
-    for b in range(len(offsets) - 1):
-        pos = torch.arange(lengths[b], lengths[b] + offsets[b + 1] - offsets[b])
-        idx = _row_index(cache, b, pos, layer_idx)
-        rows = cache.blocks[idx].to(torch.float32)
-        rows[:, rank:] = rope_interleaved(rows[:, rank:], freqs_cis[pos])
-        rows[:, :rank] = rms_norm(rows[:, :rank], kv_norm_gamma, epsilon)
-        cache.blocks[idx] = rows.to(dtype)
 
-    # Steps 1, 3 and 4 on q.
-    positions = torch.cat(
-        [
-            torch.arange(lengths[b], lengths[b] + offsets[b + 1] - offsets[b])
-            for b in range(len(offsets) - 1)
-        ]
-        + [torch.zeros(0, dtype=torch.int64)]
-    )
-    q32 = q.to(torch.float32)
-    q_rope = rope_interleaved(q32[:, :, nope:], freqs_cis[positions][:, None, :])
-    q_nope_proj = fp8_batched_matmul(
-        q32[:, :, :nope].transpose(0, 1), w_uk, w_uk_scale, granularity
-    )
-    q_full = torch.cat([q_nope_proj.transpose(0, 1), q_rope], dim=2)  # [T, H, R + Dr]
+def mla_decode_branch_fp8_reference(*args, **kwargs) -> torch.Tensor:
+    """Runs the six steps of the module docstring; updates ``cache.blocks`` in place.
 
-    # Step 5: attention over the paged cache.
-    raw = torch.empty(num_tokens, num_heads, rank, dtype=torch.float32, device=q.device)
-    for b in range(len(offsets) - 1):
-        start, stop = offsets[b], offsets[b + 1]
-        visible = lengths[b] + stop - start
-        keys = cache.blocks[_row_index(cache, b, torch.arange(visible), layer_idx)].to(
-            torch.float32
-        )
-        for t in range(start, stop):
-            p = lengths[b] + t - start
-            lo, hi = key_range(mask, p, visible, local_window_size)
-            k = keys[lo:hi]
-            scores = scale * (q_full[t] @ k.T)  # [H, hi - lo]
-            dist = (p - torch.arange(lo, hi, dtype=torch.float32, device=q.device))[None, :]
-            scores = scores - slopes[:, None] * dist
-            raw[t] = torch.softmax(scores, dim=-1) @ k[:, :rank]
-
-    # Step 6: output projection.
-    out = fp8_batched_matmul(raw.transpose(0, 1), w_uv, w_uv_scale, granularity)
-    return out.transpose(0, 1).to(dtype).contiguous()
+    Arguments are those of :func:`pymla.mla_decode_branch_fp8` (no input
+    checks here), as in :func:`mla_decode_branch_fp8_stages`. Returns
+    ``[T, H, Dv]`` in ``q.dtype``.
+    """
+    return mla_decode_branch_fp8_stages(*args, **kwargs).out
 
 
 def default_scale(qk_nope_head_dim: int = 128, qk_rope_head_dim: int = 64) -> float:

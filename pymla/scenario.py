@@ -13,7 +13,7 @@ import torch
 
 from .cache import PagedLatentCache
 from .quant import ScaleGranularity, make_mla_weights
-from .reference import KVCacheTensors, default_scale, mla_decode_branch_fp8_reference
+from .reference import KVCacheTensors, Stages, default_scale, mla_decode_branch_fp8_stages
 
 
 def rope_freqs_cis(max_seq_len: int, rope_dim: int = 64, theta: float = 10000.0) -> torch.Tensor:
@@ -71,6 +71,31 @@ class Case:
             page = self.cache.pages_of(b)[pos // page_size]
             touched[page, 0, self.layer_idx, pos % page_size, 0] = True
         return touched
+
+    def take_new_rows(self, seed: int) -> torch.Tensor:
+        """The new tokens' raw rows ``[T, R + Dr]``, as the op's ``new_rows`` input.
+
+        Their cache slots are overwritten with other random values, so only a
+        kernel that stores ``new_rows`` gets them right.
+        """
+        mask = self.new_rows_mask()
+        rows = (
+            torch.stack(
+                [
+                    self.cache.blocks[page, 0, self.layer_idx, pos % self.cache.page_size, 0]
+                    for page, pos in (
+                        (self.cache.pages_of(b)[pos // self.cache.page_size], pos)
+                        for b, pos in self.new_positions()
+                    )
+                ]
+            )
+            if mask.any()
+            else self.cache.blocks.new_empty(0, self.cache.blocks.shape[-1])
+        )
+        g = torch.Generator().manual_seed(seed)
+        noise = torch.randn(self.cache.blocks[mask].shape, generator=g)
+        self.cache.blocks[mask] = noise.to(self.cache.blocks.dtype)
+        return rows.clone()
 
     def new_positions(self) -> list[tuple[int, int]]:
         """(request, position) of every new token."""
@@ -161,10 +186,23 @@ def make_case(
     )
 
 
-def run_reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference output and the reference's cache blocks after the call (the case is untouched)."""
+def reference_stages(
+    case: Case, new_rows: torch.Tensor | None = None, **changes
+) -> tuple[Stages, torch.Tensor]:
+    """The reference's stages and its cache blocks after the call (the case is untouched).
+
+    ``changes`` override options (tests use them to check that a wrong
+    option is caught).
+    """
     kv = KVCacheTensors(
         case.cache.blocks.clone(), case.cache.cache_lengths, case.cache.lookup_table
     )
-    out = mla_decode_branch_fp8_reference(*case.args(cache=kv), **case.options)
-    return out, kv.blocks
+    options = {**case.options, **changes}
+    stages = mla_decode_branch_fp8_stages(*case.args(cache=kv), **options, new_rows=new_rows)
+    return stages, kv.blocks
+
+
+def run_reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference output and the reference's cache blocks after the call (the case is untouched)."""
+    stages, blocks = reference_stages(case)
+    return stages.out, blocks

@@ -1,15 +1,21 @@
-"""Test helpers: run the op into a poisoned output and check it against the reference."""
+"""Test helpers: run the op into poisoned outputs and check each stage against the reference."""
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 
 import pymla
-from pymla.parity import compare_cache, compare_output
-from pymla.scenario import Case, make_case, run_reference
+from pymla.parity import compare_attention, compare_cache, compare_output, compare_projection
+from pymla.quant import ScaleGranularity
+from pymla.reference import project_output
+from pymla.scenario import Case, make_case, reference_stages, run_reference
 
 __all__ = [
     "DEVICES",
+    "TARGETS",
     "Case",
     "check_parity",
     "make_case",
@@ -19,24 +25,34 @@ __all__ = [
 ]
 
 
-def run_op_poisoned(case: Case) -> torch.Tensor:
-    """Runs the op into a NaN-poisoned output and checks every element was written."""
-    out = torch.full(
-        (case.q.shape[0], case.q.shape[1], case.weights["w_uv"].shape[1]),
-        float("nan"),
-        dtype=case.q.dtype,
-        device=case.q.device,
+def _poisoned(case: Case, width: int) -> torch.Tensor:
+    shape = (case.q.shape[0], case.q.shape[1], width)
+    return torch.full(shape, float("nan"), dtype=case.q.dtype, device=case.q.device)
+
+
+def run_op_poisoned(
+    case: Case, *, attention: bool = False, new_rows: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Runs the op into NaN-poisoned outputs and checks every element was written.
+
+    With ``attention`` also returns the attention output (``attention_out``).
+    """
+    out = _poisoned(case, case.weights["w_uv"].shape[1])
+    att = _poisoned(case, case.weights["w_uk"].shape[1]) if attention else None
+    result = pymla.mla_decode_branch_fp8(
+        *case.args(), **case.options, out=out, attention_out=att, new_rows=new_rows
     )
-    result = pymla.mla_decode_branch_fp8(*case.args(), **case.options, out=out)
     assert result is out
-    assert not torch.isnan(out).any(), (
-        f"{int(torch.isnan(out).sum())} output elements were not written"
-    )
-    return out
+    for name, t in (("output", out), ("attention output", att)):
+        if t is not None:
+            assert not torch.isnan(t).any(), (
+                f"{int(torch.isnan(t).sum())} {name} elements not written"
+            )
+    return (out, att) if attention else out
 
 
 def assert_output_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """The output tolerance of :mod:`pymla.parity` (two tiers, justified there)."""
+    """The end-to-end tolerance of :mod:`pymla.parity` (derived there)."""
     report = compare_output(out, ref)
     assert report.passed, f"output: {report.describe()}"
 
@@ -45,17 +61,65 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 """Where the op is tested: the CPU always, a CUDA GPU when there is one."""
 
 
-def check_parity(case: Case, device: str = "cpu") -> None:
-    """Op (on ``device``) vs reference (on the CPU): the output, the updated rows, every other cache byte."""
+def _cpu_paths() -> list[str]:
+    try:
+        from pymla.cpu_paths import available_cpu_paths
+    except ImportError:  # a kernel with one CPU path
+        return ["auto"]
+    return list(available_cpu_paths())
+
+
+TARGETS = [f"cpu:{path}" for path in _cpu_paths()] + DEVICES[1:]
+"""Every CPU code path this machine has (``PYMLA_CPU_PATH``), then the GPU if there is one."""
+
+
+@contextlib.contextmanager
+def on_target(target: str):
+    """Yields the torch device of ``target``, with its CPU path forced for the duration."""
+    device, _, path = target.partition(":")
+    previous = os.environ.get("PYMLA_CPU_PATH")
+    if path:
+        os.environ["PYMLA_CPU_PATH"] = path
+    try:
+        yield device
+    finally:
+        if path:
+            if previous is None:
+                os.environ.pop("PYMLA_CPU_PATH", None)
+            else:
+                os.environ["PYMLA_CPU_PATH"] = previous
+
+
+def check_parity(case: Case, target: str = "cpu", *, via_new_rows: bool = False) -> None:
+    """Op (on ``target``, see :data:`TARGETS`) vs reference (on the CPU), stage by stage.
+
+    Checks the attention output (step 5), the output given the op's own
+    attention output (step 6), the output end to end, the updated cache rows
+    and every other cache byte. ``via_new_rows`` passes the new tokens' rows
+    as ``new_rows`` instead of appending them to the cache first.
+    """
+    new_rows = case.take_new_rows(seed=case.q.shape[0] + 17) if via_new_rows else None
     before = case.cache.blocks.clone()
-    ref_out, ref_blocks = run_reference(case)
-    case.to(device)
-    out = run_op_poisoned(case).cpu()
-    case.to("cpu")
-    assert_output_close(out, ref_out)
+    stages, ref_blocks = reference_stages(case, new_rows=new_rows)
+    with on_target(target) as device:
+        case.to(device)
+        out, att = run_op_poisoned(
+            case, attention=True, new_rows=None if new_rows is None else new_rows.to(device)
+        )
+        out, att = out.cpu(), att.cpu()
+        case.to("cpu")
+    dtype = case.q.dtype
+    report = compare_attention(att, stages.attention, stages.attention_magnitude, dtype)
+    assert report.passed, report.describe()
+    w = case.weights
+    granularity = ScaleGranularity.parse(case.options["scale_granularity"])
+    step6 = project_output(att, w["w_uv"], w["w_uv_scale"], granularity, dtype)
+    report6 = compare_projection(out, step6)
+    assert report6.passed, f"step 6 given the op's attention output: {report6.describe()}"
+    assert_output_close(out, stages.out)
     updated = case.new_rows_mask()
-    report = compare_cache(before, case.cache.blocks, ref_blocks, updated)
-    assert report.passed, f"cache: {report.describe()}"
+    cache_report = compare_cache(before, case.cache.blocks, ref_blocks, updated)
+    assert cache_report.passed, f"cache: {cache_report.describe()}"
     if updated.any():
         assert not torch.equal(case.cache.blocks[updated], before[updated]), (
             "new rows were not updated"
