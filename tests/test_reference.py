@@ -17,6 +17,7 @@ from pymla.reference import (
     rms_norm,
     rope_interleaved,
 )
+from pymla.scenario import reference_stages
 
 from helpers import make_case
 
@@ -247,3 +248,56 @@ def test_reference_updates_only_new_rows():
     torch.testing.assert_close(
         row_after[512:], rope_interleaved(row_before[512:], case.freqs_cis[pos])
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_rounding_points(dtype):
+    """q_full and the attention output hold dtype values; step 5 is the docstring's formula.
+
+    Independent path in float64: ``raw = rnd(sum_j rnd(e_j) V_j / sum_j e_j)``,
+    ``e_j = exp(s_j - max s)``; it may differ from the float32 reference only
+    where float32 sums land on the other side of a rounding boundary.
+    """
+    case = make_case(7, dtype=dtype, num_heads=4, cache_lengths=(50, 3), new_tokens=(2, 1))
+    stages, blocks = reference_stages(case)
+    for name in ("q_full", "attention"):
+        x = getattr(stages, name)
+        assert torch.equal(x, x.to(dtype).float()), f"{name} is not materialized in {dtype}"
+    kv = KVCacheTensors(blocks, case.cache.cache_lengths, case.cache.lookup_table)
+    offsets = case.input_row_offsets.tolist()
+    ulp = 2.0 ** (1 - {torch.bfloat16: 8, torch.float16: 11}[dtype])
+    for b in range(len(offsets) - 1):
+        visible = case.cache.length(b) + offsets[b + 1] - offsets[b]
+        page_of = case.cache.pages_of(b)
+        keys = torch.stack(
+            [
+                kv.blocks[
+                    page_of[j // case.cache.page_size],
+                    0,
+                    case.layer_idx,
+                    j % case.cache.page_size,
+                    0,
+                ]
+                for j in range(visible)
+            ]
+        ).double()
+        for t in range(offsets[b], offsets[b + 1]):
+            p = case.cache.length(b) + t - offsets[b]
+            k = keys[: p + 1]  # causal
+            s = case.options["scale"] * (stages.q_full[t].double() @ k.T)
+            e = torch.exp(s - s.amax(dim=-1, keepdim=True))
+            raw = (e.to(dtype).double() @ k[:, :512]) / e.sum(dim=-1, keepdim=True)
+            expected = raw.to(dtype).double()
+            diff = (stages.attention[t].double() - expected).abs()
+            assert (diff <= ulp * expected.abs() + 1e-30).all()
+            assert (diff > 0).float().mean() < 0.01  # equal but for rare boundary cases
+
+
+def test_reference_new_rows_equal_appended_rows():
+    """Rows given as ``new_rows`` give what the same rows appended to the cache give."""
+    case = make_case(8, dtype=torch.bfloat16, num_heads=2, cache_lengths=(10, 0), new_tokens=(2, 3))
+    appended, appended_blocks = reference_stages(case)
+    rows = case.take_new_rows(seed=9)  # their cache slots now hold other values
+    given, given_blocks = reference_stages(case, new_rows=rows)
+    assert torch.equal(appended.out, given.out)
+    assert torch.equal(appended_blocks, given_blocks)
