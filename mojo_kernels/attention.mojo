@@ -194,8 +194,11 @@ struct TaskRows(Movable):
         return scratch(self.state_buf).unsafe_offset(3 * self.padded)
 
 
-def softmax_update(mut rows: TaskRows, j0: Int, num_keys: Int, scale: Float32):
-    """Turns the tile's scores into probabilities and updates each row's max, sum and correction."""
+def softmax_update[dtype: DType](mut rows: TaskRows, j0: Int, num_keys: Int, scale: Float32):
+    """Turns the tile's scores into probabilities and updates each row's max, sum and correction.
+
+    The row sum takes the float32 probabilities; P V gets them rounded to `dtype`.
+    """
     var lanes = SIMD[DType.int32, KEY_TILE]()
     comptime for i in range(KEY_TILE):
         lanes[i] = Int32(i)
@@ -227,13 +230,13 @@ def softmax_update(mut rows: TaskRows, j0: Int, num_keys: Int, scale: Float32):
         row_sum.unsafe_store(r, row_sum.unsafe_load(r) * corr + p.reduce_add())
         row_max.unsafe_store(r, new_max)
         correction.unsafe_store(r, corr)
-        p_row.unsafe_store(0, p)
+        p_row.unsafe_store(0, p.cast[dtype]().cast[DType.float32]())
 
 
 def attend_partitions[
     dtype: DType
 ](
-    q_full: FPtr,
+    q_full: DPtr[dtype],
     cache: PagedLatentRows[dtype],
     batch: RaggedBatch,
     shape: AttentionShape,
@@ -279,7 +282,7 @@ def attend_partitions[
                 var src = q_full.unsafe_offset((t * shape.num_heads + h) * key_dim)
                 var dst = q_rows.unsafe_offset(r * key_dim)
                 for d in range(key_dim):
-                    dst.unsafe_store(d, src.unsafe_load(d))
+                    dst.unsafe_store(d, src.unsafe_load(d).cast[DType.float32]())
                 rows.meta[5 * r] = lo
                 rows.meta[5 * r + 1] = hi
                 rows.meta[5 * r + 2] = position
@@ -296,7 +299,7 @@ def attend_partitions[
             var j1 = min(j0 + KEY_TILE, k_hi)
             load_key_tile[dtype](cache, b, j0, j1, tile, key_dim)
             tile_scores(q_rows, tile, scratch(rows.scores_buf), rows.padded, key_dim)
-            softmax_update(rows, j0, j1 - j0, scale)
+            softmax_update[dtype](rows, j0, j1 - j0, scale)
             accumulate_values(
                 scratch(rows.scores_buf), tile, scratch(rows.out_buf), rows.correction(), rows.padded, key_dim, rank
             )
@@ -318,8 +321,10 @@ def attend_partitions[
     sync_parallelize(task, batch.num_requests * tasks_per_request)
 
 
-def merge_partitions(partials: PartialResults, shape: AttentionShape, raw: FPtr) raises:
-    """`raw[t, h] = sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p` with `M = max_p m_p`."""
+def merge_partitions[
+    dtype: DType
+](partials: PartialResults, shape: AttentionShape, raw: DPtr[dtype]) raises:
+    """`raw[t, h] = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)` with `M = max_p m_p`."""
     var rows = shape.num_tokens * shape.num_heads
 
     def row_task(row: Int) {var partials, var shape, var raw, var rows}:
@@ -333,21 +338,27 @@ def merge_partitions(partials: PartialResults, shape: AttentionShape, raw: FPtr)
             var m = partials.row_max.unsafe_load(p * rows + row)
             if m > neg_inf[DType.float32]():
                 total += exp(m - top) * partials.row_sum.unsafe_load(p * rows + row)
-        var dst = raw.unsafe_offset(row * rank)
-        for c in range(rank):
-            dst.unsafe_store(c, 0)
+        var weights = List[Float32](length=shape.num_partitions, fill=0)
         for p in range(shape.num_partitions):
             var m = partials.row_max.unsafe_load(p * rows + row)
-            if not m > neg_inf[DType.float32]():
-                continue  # this partition held none of the row's keys
-            var w = exp(m - top) / total
-            var src = partials.out.unsafe_offset((p * rows + row) * rank)
-            var c = 0
-            while c + W <= rank:
-                dst.unsafe_store(c, dst.unsafe_load[width=W](c) + w * src.unsafe_load[width=W](c))
-                c += W
-            while c < rank:
-                dst.unsafe_store(c, dst.unsafe_load(c) + w * src.unsafe_load(c))
-                c += 1
+            if m > neg_inf[DType.float32]():  # else this partition held none of the row's keys
+                weights[p] = exp(m - top) / total
+        var dst = raw.unsafe_offset(row * rank)
+        var c = 0
+        while c < rank:
+            var width = W if c + W <= rank else 1
+            if width == W:
+                var acc = SIMD[DType.float32, W](0)
+                for p in range(shape.num_partitions):
+                    if weights[p] != 0:
+                        acc += weights[p] * partials.out.unsafe_load[width=W]((p * rows + row) * rank + c)
+                dst.unsafe_store(c, acc.cast[dtype]())
+            else:
+                var acc = Float32(0)
+                for p in range(shape.num_partitions):
+                    if weights[p] != 0:
+                        acc += weights[p] * partials.out.unsafe_load((p * rows + row) * rank + c)
+                dst.unsafe_store(c, acc.cast[dtype]())
+            c += width
 
     sync_parallelize(row_task, rows)

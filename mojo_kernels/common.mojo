@@ -23,6 +23,11 @@ def scratch(mut buffer: List[Float32]) -> FPtr:
     return buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
 
+def scratch_of[dtype: DType](mut buffer: List[Scalar[dtype]]) -> DPtr[dtype]:
+    """An untracked pointer into a scratch list of `dtype` (the list keeps ownership)."""
+    return buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
 def ceil_div(a: Int, b: Int) -> Int:
     return (a + b - 1) // b
 

@@ -12,7 +12,7 @@
 from std.sys import num_physical_cores
 
 from .attention import AttentionShape, PartialResults, attend_partitions, merge_partitions
-from .common import DPtr, FPtr, U8Ptr, ceil_div, scratch
+from .common import DPtr, FPtr, U8Ptr, ceil_div, scratch, scratch_of
 from .fp8_matmul import Granularity, StridedMatrices, fp8_batched_matmul
 from .paged_cache import RaggedBatch
 from .problem import DecodeProblem
@@ -29,7 +29,7 @@ def project_q_nope[
     q: DPtr[dtype],
     w_uk: U8Ptr,
     w_uk_scale: FPtr,
-    q_full: FPtr,
+    q_full: DPtr[dtype],
     num_tokens: Int,
     num_heads: Int,
     nope_dim: Int,
@@ -37,13 +37,13 @@ def project_q_nope[
     kv_lora_rank: Int,
     granularity: Granularity,
 ) raises:
-    """Step 3: `q_full[t, h, :R] = fp8mm(q[t, h, :nope], w_uk[h])`."""
+    """Step 3: `q_full[t, h, :R] = rnd(fp8mm(q[t, h, :nope], w_uk[h]))`."""
     var a = StridedMatrices[dtype](q, nope_dim + rope_dim, num_heads * (nope_dim + rope_dim))
-    var c = StridedMatrices[DType.float32](
+    var c = StridedMatrices[dtype](
         q_full, kv_lora_rank + rope_dim, num_heads * (kv_lora_rank + rope_dim)
     )
     var blocks = granularity.resolve(num_tokens, kv_lora_rank, nope_dim)
-    fp8_batched_matmul[dtype, DType.float32](
+    fp8_batched_matmul[dtype, dtype](
         a, w_uk, w_uk_scale, c, num_heads, num_tokens, kv_lora_rank, nope_dim, blocks
     )
 
@@ -51,7 +51,7 @@ def project_q_nope[
 def project_output[
     dtype: DType
 ](
-    raw: FPtr,
+    raw: DPtr[dtype],
     w_uv: U8Ptr,
     w_uv_scale: FPtr,
     output: DPtr[dtype],
@@ -61,11 +61,11 @@ def project_output[
     v_head_dim: Int,
     granularity: Granularity,
 ) raises:
-    """Step 6: `output[t, h, :] = fp8mm(raw[t, h, :], w_uv[h])`."""
-    var a = StridedMatrices[DType.float32](raw, kv_lora_rank, num_heads * kv_lora_rank)
+    """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`."""
+    var a = StridedMatrices[dtype](raw, kv_lora_rank, num_heads * kv_lora_rank)
     var c = StridedMatrices[dtype](output, v_head_dim, num_heads * v_head_dim)
     var blocks = granularity.resolve(num_tokens, v_head_dim, kv_lora_rank)
-    fp8_batched_matmul[DType.float32, dtype](
+    fp8_batched_matmul[dtype, dtype](
         a, w_uv, w_uv_scale, c, num_heads, num_tokens, v_head_dim, kv_lora_rank, blocks
     )
 
@@ -110,9 +110,9 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
         p.cache, p.batch, p.freqs_cis, p.kv_norm_gamma, p.epsilon, p.kv_lora_rank, p.rope_dim
     )
 
-    # Steps 1, 3 and 4 on q: q_full = concat(q_nope @ w_uk, rope(q_rope)).
-    var q_full_buf = List[Float32](length=p.num_tokens * p.num_heads * key_dim, fill=0)
-    var q_full = scratch(q_full_buf)
+    # Steps 1, 3 and 4 on q: q_full = concat(q_nope @ w_uk, rope(q_rope)), in dtype.
+    var q_full_buf = List[Scalar[dtype]](length=p.num_tokens * p.num_heads * key_dim, fill=0)
+    var q_full = scratch_of(q_full_buf)
     rope_queries_into_q_full[dtype](
         p.q, p.batch, p.freqs_cis, q_full, p.num_heads, p.nope_dim, p.rope_dim, p.kv_lora_rank
     )
@@ -129,13 +129,12 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     var part_sum_buf = List[Float32](length=rows, fill=0)
     var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
     attend_partitions[dtype](q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials)
-    var raw_buf = List[Float32](length=p.num_tokens * p.num_heads * p.kv_lora_rank, fill=0)
-    var raw = scratch(raw_buf)
-    merge_partitions(partials, shape, raw)
-    if p.has_attention_output:
-        var count = p.num_tokens * p.num_heads * p.kv_lora_rank
-        for i in range(count):
-            p.attention_output.unsafe_store(i, raw.unsafe_load(i).cast[dtype]())
+    # The attention output, in dtype: into `attention_output` when the caller wants it.
+    var raw_buf = List[Scalar[dtype]](
+        length=0 if p.has_attention_output else p.num_tokens * p.num_heads * p.kv_lora_rank, fill=0
+    )
+    var raw = p.attention_output if p.has_attention_output else scratch_of(raw_buf)
+    merge_partitions[dtype](partials, shape, raw)
 
     # Step 6: output projection.
     project_output[dtype](

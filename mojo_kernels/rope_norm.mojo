@@ -88,7 +88,7 @@ def rope_queries_into_q_full[
     q: DPtr[dtype],
     batch: RaggedBatch,
     freqs_cis: DPtr[dtype],
-    q_full: FPtr,
+    q_full: DPtr[dtype],
     num_heads: Int,
     nope_dim: Int,
     rope_dim: Int,
@@ -108,7 +108,7 @@ def rope_queries_into_q_full[
             var freqs = freqs_cis.unsafe_offset(batch.position(b, t) * rope_dim)
             for h in range(num_heads):
                 var row = t * num_heads + h
-                rope_interleaved[dtype, dtype, DType.float32](
+                rope_interleaved[dtype, dtype, dtype](
                     q.unsafe_offset(row * q_stride + nope_dim),
                     freqs,
                     q_full.unsafe_offset(row * full_stride + kv_lora_rank),
