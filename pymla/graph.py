@@ -53,8 +53,8 @@ def kernels_path() -> pathlib.Path:
     """
     src = _source_dir()
     digest = hashlib.sha256()
-    for f in sorted(src.glob("*.mojo")):
-        digest.update(f.name.encode())
+    for f in sorted(src.rglob("*.mojo")):
+        digest.update(str(f.relative_to(src)).encode())
         digest.update(f.read_bytes())
     target = _cache_dir() / f"mojo_kernels_{digest.hexdigest()[:16]}.mojoc"
     if not target.exists():

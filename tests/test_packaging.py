@@ -1,0 +1,76 @@
+"""A regular (non-editable) wheel carries the Mojo kernels and runs the op from anywhere."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CALL = """
+import pathlib, sys, torch, pymla
+from pymla.scenario import make_case, run_reference
+from pymla.parity import compare_output
+assert pathlib.Path(pymla.__file__).is_relative_to(pathlib.Path(sys.argv[1])), pymla.__file__
+case = make_case(1, dtype=torch.float32, num_heads=2, cache_lengths=(3,), new_tokens=(1,))
+ref, _ = run_reference(case)
+out = pymla.mla_decode_branch_fp8(*case.args(), **case.options)
+report = compare_output(out, ref)
+assert report.passed, report.describe()
+print("wheel OK", pymla.__file__)
+"""
+
+
+def test_wheel_ships_the_kernels_and_runs_from_another_directory(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(ROOT),
+        ],
+        check=True,
+    )
+    (wheel,) = wheels.glob("pymla-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    sources = sorted(p.name for p in (ROOT / "mojo_kernels").rglob("*.mojo"))
+    shipped = sorted(Path(n).name for n in names if n.startswith("pymla/mojo_kernels/"))
+    assert shipped == sources
+    site = tmp_path / "site"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-q",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        check=True,
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site), "PYMLA_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run(
+        [sys.executable, "-c", CALL, str(site)],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "wheel OK" in result.stdout
