@@ -5,7 +5,7 @@ kernels on the stream of the op's `DeviceContext` (entry:
 `mla_decode_branch_fp8_gpu`, given the `DecodeProblem` that `execute` unpacked):
 
 1+2. `rope_norm_cache_kernel`   RMSNorm + RoPE of each new token's cache row, in place
-1+4. `rope_q_kernel`            RoPE of q's rope part into `q_full[:, :, R:]` (float32)
+1+4. `rope_q_kernel`            RoPE of q's rope part into `q_full[:, :, R:]`
 3.   `quantize_kernel`          dynamic fp8 quantization of q_nope (the scale rule of
                                 `pymla/quant.py`, bit for bit), kept dequantized in float32
      `fp8_matmul_kernel`        `q_full[:, :, :R] = a_dq @ dq(w_uk).T` per head, fp8 widened
@@ -16,6 +16,10 @@ kernels on the stream of the op's `DeviceContext` (entry:
                                 of the block share each key tile read from the paged cache
      `merge_kernel`             log-sum-exp merge of the key partitions
 6.   `quantize_kernel` + `fp8_matmul_kernel` again for the output projection.
+
+Rounding points are the reference's: `q_full` and the attention output
+hold dtype values (in float32 buffers), the probabilities enter P V rounded
+to dtype.
 
 Nothing is read back to the host: a block finds its request on the device
 from `input_row_offsets`; sizes the host cannot know (tokens per request,
@@ -122,8 +126,13 @@ def rope_norm_cache_kernel[
     epsilon: Float32,
     kv_lora_rank: Int32,
     rope_dim: Int32,
+    new_rows: DPtr[dtype],
+    has_new_rows: Int32,
 ):
-    """One block per new token: RMSNorm of `row[:R]`, RoPE of `row[R:]`."""
+    """One block per new token: RMSNorm of `row[:R]`, RoPE of `row[R:]`.
+
+    The raw row is `new_rows[t]` when `has_new_rows`, else the cache row itself.
+    """
     var sums = stack_allocation[ELEMENTWISE_THREADS // WARP_SIZE, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
     var t = block_idx.x
@@ -137,9 +146,10 @@ def rope_norm_cache_kernel[
         )
     )
 
+    var src = new_rows.unsafe_offset(t * Int(key_dim)) if has_new_rows != 0 else row
     var sum_sq = Float32(0)
     for i in range(tid, rank, ELEMENTWISE_THREADS):
-        var x = row.unsafe_load(i).cast[DType.float32]()
+        var x = src.unsafe_load(i).cast[DType.float32]()
         sum_sq += x * x
     sum_sq = warp.sum(sum_sq)
     if tid % WARP_SIZE == 0:
@@ -150,15 +160,16 @@ def rope_norm_cache_kernel[
         total += sums.unsafe_load(w)
     var inv = Float32(1.0) / sqrt(total / Float32(rank) + epsilon)
     for i in range(tid, rank, ELEMENTWISE_THREADS):
-        var x = row.unsafe_load(i).cast[DType.float32]()
+        var x = src.unsafe_load(i).cast[DType.float32]()
         var g = gamma.unsafe_load(i).cast[DType.float32]()
         row.unsafe_store(i, (x * inv * g).cast[dtype]())
 
+    var rsrc = src.unsafe_offset(rank)
     var rrow = row.unsafe_offset(rank)
     var freqs = freqs_cis.unsafe_offset(pos * rope)
     for j in range(tid, rope // 2, ELEMENTWISE_THREADS):
-        var x0 = rrow.unsafe_load(2 * j).cast[DType.float32]()
-        var x1 = rrow.unsafe_load(2 * j + 1).cast[DType.float32]()
+        var x0 = rsrc.unsafe_load(2 * j).cast[DType.float32]()
+        var x1 = rsrc.unsafe_load(2 * j + 1).cast[DType.float32]()
         var c = freqs.unsafe_load(2 * j).cast[DType.float32]()
         var s = freqs.unsafe_load(2 * j + 1).cast[DType.float32]()
         rrow.unsafe_store(2 * j, (x0 * c - x1 * s).cast[dtype]())
@@ -206,8 +217,8 @@ def rope_q_kernel[
         var x1 = src.unsafe_load(1).cast[DType.float32]()
         var c = freqs.unsafe_load(2 * j).cast[DType.float32]()
         var s = freqs.unsafe_load(2 * j + 1).cast[DType.float32]()
-        dst.unsafe_store(0, x0 * c - x1 * s)
-        dst.unsafe_store(1, x0 * s + x1 * c)
+        dst.unsafe_store(0, (x0 * c - x1 * s).cast[dtype]().cast[DType.float32]())
+        dst.unsafe_store(1, (x0 * s + x1 * c).cast[dtype]().cast[DType.float32]())
 
 
 # ---------------------------------------------------------------------------
@@ -301,7 +312,7 @@ def fp8_chunk_fma(
 
 
 def fp8_matmul_kernel[
-    out_dtype: DType
+    out_dtype: DType, value_dtype: DType
 ](
     a: FPtr,
     w: U8Ptr,
@@ -320,7 +331,8 @@ def fp8_matmul_kernel[
     """`c[g, m, n] = sum_k a[g, m, k] * w[g, n, k] * s_w[g, n / bn, k / bk]`.
 
     `a [G, M, K]` is the dequantized fp8 activation (float32), `w [G, N, K]`
-    fp8 e4m3 bytes, `s_w [G, ceil(N / bn), ceil(K / bk)]`. Grid
+    fp8 e4m3 bytes, `s_w [G, ceil(N / bn), ceil(K / bk)]`; results are rounded
+    to `value_dtype` and stored as `out_dtype`. Grid
     `(ceil(N / MATMUL_THREADS), G, ceil(M / m_tile))`: each thread widens its
     weight row 16 bytes at a time and applies it to the block's `m_tile`
     activation rows, staged in shared memory.
@@ -378,7 +390,7 @@ def fp8_matmul_kernel[
     var dst = c.unsafe_offset(g * Int(c_g_stride) + m0 * Int(c_m_stride) + n)
     comptime for m in range(MATMUL_M_TILE):
         if m < mt:
-            dst.unsafe_store(m * Int(c_m_stride), acc[m].reduce_add().cast[out_dtype]())
+            dst.unsafe_store(m * Int(c_m_stride), acc[m].reduce_add().cast[value_dtype]().cast[out_dtype]())
 
 
 # ---------------------------------------------------------------------------
@@ -594,7 +606,7 @@ def attention_fma_kernel[
                 p = exp(s - m_new)
                 corr = exp(m_old - m_new)
             var p_sum = warp.sum(p)
-            pT_s.unsafe_store(lane * ATT_ROWS + r, p)
+            pT_s.unsafe_store(lane * ATT_ROWS + r, p.cast[dtype]().cast[DType.float32]())
             if lane == 0:
                 m_s.unsafe_store(r, m_new)
                 l_s.unsafe_store(r, l_s.unsafe_load(r) * corr + p_sum)
@@ -627,7 +639,7 @@ def attention_fma_kernel[
                 if parts == 1:
                     var l = l_s.unsafe_load(r)
                     var inv = Float32(1) / l if l > 0 else Float32(0)
-                    raw.unsafe_offset(gr * rank + c0).unsafe_store(0, v * inv)
+                    raw.unsafe_offset(gr * rank + c0).unsafe_store(0, (v * inv).cast[dtype]().cast[DType.float32]())
                 else:
                     part_out.unsafe_offset((part * total_rows + gr) * rank + c0).unsafe_store(0, v)
     if parts > 1 and tid < ATT_ROWS and row0 + tid < row_end:
@@ -635,7 +647,9 @@ def attention_fma_kernel[
         part_sum.unsafe_store(part * total_rows + row0 + tid, l_s.unsafe_load(tid))
 
 
-def merge_kernel(
+def merge_kernel[
+    dtype: DType
+](
     part_out: FPtr,
     part_max: FPtr,
     part_sum: FPtr,
@@ -644,7 +658,7 @@ def merge_kernel(
     num_partitions: Int32,
     kv_lora_rank: Int32,
 ):
-    """One block per row: `raw = sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p`."""
+    """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`."""
     var tid = thread_idx.x
     var row = block_idx.x
     var rows = Int(total_rows)
@@ -665,7 +679,7 @@ def merge_kernel(
             if m != neg_inf[DType.float32]():
                 var w = exp(m - top) / total
                 acc += w * part_out.unsafe_load((p * rows + row) * rank + c)
-        raw.unsafe_store(row * rank + c, acc)
+        raw.unsafe_store(row * rank + c, acc.cast[dtype]().cast[DType.float32]())
 
 
 # ---------------------------------------------------------------------------
@@ -724,8 +738,10 @@ def gpu_rotate_and_normalize_new_rows[
     epsilon: Float32,
     kv_lora_rank: Int,
     rope_dim: Int,
+    new_rows: DPtr[dtype],
+    has_new_rows: Bool,
 ) raises:
-    """Steps 1 and 2 on the new tokens' cache rows, in place."""
+    """Steps 1 and 2 on the new tokens' cache rows (raw rows from `new_rows` when given)."""
     if num_tokens == 0:
         return
     ctx.enqueue_function[rope_norm_cache_kernel[dtype]](
@@ -744,13 +760,22 @@ def gpu_rotate_and_normalize_new_rows[
         epsilon,
         Int32(kv_lora_rank),
         Int32(rope_dim),
+        new_rows,
+        Int32(1 if has_new_rows else 0),
         grid_dim=num_tokens,
         block_dim=ELEMENTWISE_THREADS,
     )
 
 
+def store_kernel[dtype: DType](src: FPtr, dst: DPtr[dtype], count: Int64):
+    """`dst[i] = src[i]` as dtype (the attention output, whose values are already dtype values)."""
+    var i = block_idx.x * ELEMENTWISE_THREADS + thread_idx.x
+    if i < Int(count):
+        dst.unsafe_store(i, src.unsafe_load(i).cast[dtype]())
+
+
 def gpu_fp8_batched_matmul[
-    in_dtype: DType, out_dtype: DType
+    in_dtype: DType, out_dtype: DType, value_dtype: DType = out_dtype
 ](
     ctx: DeviceContext,
     a: DPtr[in_dtype],
@@ -792,7 +817,7 @@ def gpu_fp8_batched_matmul[
         block_dim=QUANT_WARPS * WARP_SIZE,
     )
     var m_tile = max(1, min(MATMUL_M_TILE, MATMUL_SMEM_FLOATS // max(depth, 1)))
-    ctx.enqueue_function[fp8_matmul_kernel[out_dtype]](
+    ctx.enqueue_function[fp8_matmul_kernel[out_dtype, value_dtype]](
         a_dq,
         w,
         w_scale,
@@ -831,7 +856,7 @@ def gpu_build_q_full[
     q_full: FPtr,
     a_dq: FPtr,
 ) raises:
-    """Steps 1, 3 and 4 on q: `q_full [T, H, R + Dr] = concat(fp8mm(q_nope, w_uk), rope(q_rope))`.
+    """Steps 1, 3 and 4 on q: `q_full [T, H, R + Dr] = rnd(concat(fp8mm(q_nope, w_uk), rope(q_rope)))`.
 
     `a_dq` is a workspace of at least `H T nope_dim` floats.
     """
@@ -852,7 +877,7 @@ def gpu_build_q_full[
         grid_dim=num_tokens,
         block_dim=ELEMENTWISE_THREADS,
     )
-    gpu_fp8_batched_matmul[dtype, DType.float32](
+    gpu_fp8_batched_matmul[dtype, DType.float32, dtype](
         ctx,
         q,
         nope_dim + rope_dim,
@@ -872,7 +897,7 @@ def gpu_build_q_full[
 
 
 def gpu_attention[
-    dtype: DType, mma_groups: Int = 0, mma_kt: Int = 32, mma_gw: Int = 4, mma_split: Bool = True
+    dtype: DType, mma_groups: Int = 0, mma_kt: Int = 32, mma_gw: Int = 4
 ](
     ctx: DeviceContext,
     q_full: FPtr,
@@ -898,8 +923,7 @@ def gpu_attention[
     the grid size and `max_cache_length_hint` (see `plan_partitions`).
     `force_fma` skips the tensor-core kernel (for tests). `mma_groups > 0`
     pins the tensor-core kernel's shape to (`mma_groups` 16-row groups per
-    block, `mma_kt` keys per tile, `mma_gw` warps per group) and
-    `mma_split = False` its single-product variant (for benchmarks of the
+    block, `mma_kt` keys per tile, `mma_gw` warps per group; for timing the
     variants); by default the shape is one of the `MMA_*` constants.
     """
     if num_tokens == 0 or num_heads == 0:
@@ -976,7 +1000,7 @@ def gpu_attention[
     def launch_mma[s: Tuple[Int, Int, Int]]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
         comptime groups, kt, gw = s[0], s[1], s[2]
         var smem = attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim)
-        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, gw, mma_split]](
+        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, gw]](
             q_full,
             cache.blocks,
             cache.lookup_table,
@@ -1021,7 +1045,7 @@ def gpu_attention[
     else:
         launch_fma[4]()
     if parts > 1:
-        ctx.enqueue_function[merge_kernel](
+        ctx.enqueue_function[merge_kernel[dtype]](
             part_out,
             part_max,
             part_sum,
@@ -1107,15 +1131,13 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     var w_uv_scale = p.w_uv_scale
     if num_tokens == 0 or num_heads == 0:
         return
-    if p.has_attention_output or p.has_new_rows:
-        raise Error("pymla: attention_output and new_rows are not implemented on the GPU yet")
     check_gpu_shapes[dtype](cache, nope_dim, rope_dim, kv_lora_rank)
     var key_dim = kv_lora_rank + rope_dim
     var rows = num_tokens * num_heads
 
     gpu_rotate_and_normalize_new_rows[dtype](
         ctx, cache, input_row_offsets, cache_lengths, num_requests, num_tokens,
-        freqs_cis, kv_norm_gamma, epsilon, kv_lora_rank, rope_dim,
+        freqs_cis, kv_norm_gamma, epsilon, kv_lora_rank, rope_dim, p.new_rows, p.has_new_rows,
     )
 
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](rows * key_dim)
@@ -1133,6 +1155,11 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
         ctx, q_full, cache, input_row_offsets, cache_lengths, num_requests, num_tokens, num_heads,
         kv_lora_rank, 0, max_cache_length_hint, scale, mask, score_mod, raw,
     )
+    if p.has_attention_output:
+        ctx.enqueue_function[store_kernel[dtype]](
+            raw, p.attention_output, Int64(rows * kv_lora_rank),
+            grid_dim=ceil_div(rows * kv_lora_rank, ELEMENTWISE_THREADS), block_dim=ELEMENTWISE_THREADS,
+        )
     gpu_project_output[dtype](
         ctx, raw, w_uv, w_uv_scale, output, num_tokens, num_heads, kv_lora_rank, v_head_dim, granularity, a_dq
     )

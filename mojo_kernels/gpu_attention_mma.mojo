@@ -1,11 +1,10 @@
 """Step 5 on tensor cores (bf16 / f16 caches): paged MLA attention with `mma.sync`.
 
 Same contract as `attention_fma_kernel` in `gpu.mojo` (same arguments, same
-outputs), for caches whose values are exact in `dtype` (bfloat16 or
-float16). The float32 operands (q_full, the probabilities) are split into
-`hi + lo` halves in `dtype`, two tensor-core products each, so products keep
-about 16 (bf16) or 21 (f16) bits: close to the float32 math of the
-reference. Accumulation is float32.
+outputs), for bfloat16 or float16 caches. The operands are the op's rounding
+points (`pymla/reference.py`): q_full holds dtype values, the probabilities
+are rounded to dtype for P V (their row sum stays float32), one tensor-core
+product each, accumulated in float32.
 
 Layout of one block: `groups` groups of `gw` warps (4 or 8); each group owns
 16 (token, head) rows of one request; all groups share each key tile in
@@ -20,8 +19,8 @@ shared memory.
   `ldmatrix.trans` for V (the first R columns of the same key tile).
 
 Tensor-core products are issued so that consecutive ones feed different
-accumulators (all hi halves of a k-step, then all lo halves): a product that
-waits on the one just before it stalls the warp for the full mma latency.
+accumulators: a product that waits on the one just before it stalls the
+warp for the full mma latency.
 
 Fragment layouts are those of PTX `mma.m16n8k16` (.row.col, f32 accumulate):
 lane = 4 g + t; A: a0,a1 = (g, 2t..2t+1), a2,a3 = (g+8, 2t..), a4,a5 = (g, 2t+8..),
@@ -96,14 +95,6 @@ def mma_acc[dt: DType](mut acc: SIMD[DType.float32, 4], a: SIMD[dt, 8], b: SIMD[
 
 
 @always_inline
-def split_hi_lo[dt: DType](x: SIMD[DType.float32, 8]) -> Tuple[SIMD[dt, 8], SIMD[dt, 8]]:
-    """`x ~= hi + lo` with both halves in `dt`."""
-    var hi = x.cast[dt]()
-    var lo = (x - hi.cast[DType.float32]()).cast[dt]()
-    return (hi, lo)
-
-
-@always_inline
 def copy_key_tile[
     dtype: DType, kt: Int, threads: Int
 ](
@@ -149,7 +140,7 @@ def tile_row_offset(
 
 
 def attention_mma_kernel[
-    dtype: DType, groups: Int, kt: Int, gw: Int, split: Bool = True
+    dtype: DType, groups: Int, kt: Int, gw: Int
 ](
     q_full: FPtr,
     blocks: DPtr[dtype],
@@ -175,10 +166,6 @@ def attention_mma_kernel[
     part_sum: FPtr,
 ):
     """One block per (request, `16 groups` rows, key partition); see the module docstring.
-
-    `split = False` drops the lo halves (q and P rounded to `dtype`, one product
-    each, as MAX's built-in kernel does): for measuring what the float32-like
-    products cost; the op always splits.
 
     Grid `(attention_slots(T, H, B, 16 groups), num_partitions)`, block
     `32 gw groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
@@ -281,12 +268,11 @@ def attention_mma_kernel[
         l_s.unsafe_store(tid, Float32(0))
         corr_s.unsafe_store(tid, Float32(1))
 
-    # This lane's q fragments (rows g and g + 8 of its group), split hi + lo.
+    # This lane's q fragments (rows g and g + 8 of its group), in dtype.
     var nks = dim // 16
     var gr_a = row0 + group * MMA_ROWS + g
     var gr_b = gr_a + 8
     var q_h = Array[SIMD[dtype, 8], KS_MAX](fill=0)
-    var q_l = Array[SIMD[dtype, 8], KS_MAX](fill=0)
     comptime for i in range(KS_MAX):
         var ks = w + gw * i
         if ks < nks:
@@ -308,9 +294,7 @@ def attention_mma_kernel[
                 x[3] = v0[1]
                 x[6] = v1[0]
                 x[7] = v1[1]
-            var hl = split_hi_lo[dtype](x)
-            q_h[i] = hl[0]
-            q_l[i] = hl[1]
+            q_h[i] = x.cast[dtype]()  # exact: q_full holds dtype values
     barrier()
 
     # Keys any row of the block needs in this partition.
@@ -362,7 +346,7 @@ def attention_mma_kernel[
             if tid < kt:
                 ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j0 + 2 * kt + tid, kb_hi)
 
-        # Partial scores of this warp's k-steps: the hi products of a k-step, then its lo products.
+        # Partial scores of this warp's k-steps.
         var s_acc = Array[SIMD[DType.float32, 4], NSP](fill=0)
         comptime for i in range(KS_MAX):
             var ks = w + gw * i
@@ -375,10 +359,6 @@ def attention_mma_kernel[
                 comptime for np in range(NPAIR):
                     mma_acc(s_acc[2 * np], q_h[i], kf[np].slice[4, offset=0]())
                     mma_acc(s_acc[2 * np + 1], q_h[i], kf[np].slice[4, offset=4]())
-                comptime if split:
-                    comptime for np in range(NPAIR):
-                        mma_acc(s_acc[2 * np], q_l[i], kf[np].slice[4, offset=0]())
-                        mma_acc(s_acc[2 * np + 1], q_l[i], kf[np].slice[4, offset=4]())
         comptime for nt in range(NSP):
             var col = nt * 8 + 2 * t4
             red_w.unsafe_offset(g * RS + col).unsafe_store[alignment=8](0, s_acc[nt].slice[2, offset=0]())
@@ -437,8 +417,8 @@ def attention_mma_kernel[
             var x2 = pa.unsafe_load[width=2, alignment=8](8)
             var x3 = pb.unsafe_load[width=2, alignment=8](8)
             var x = SIMD[DType.float32, 8](x0[0], x0[1], x1[0], x1[1], x2[0], x2[1], x3[0], x3[1])
-            var hl = split_hi_lo[dtype](x)
-            # Two 16-column slices at a time: their 4 hi products, then their 4 lo products.
+            var pf = x.cast[dtype]()  # the probabilities rounded to dtype
+            # Two 16-column slices at a time: 4 products on 4 accumulators.
             comptime for ntq in range(ceil_div(NT_MAX, 4)):
                 if 4 * ntq < nt_count:
                     var vf = Array[SIMD[dtype, 8], 2](fill=0)
@@ -447,12 +427,11 @@ def attention_mma_kernel[
                             var key = ks * 16 + (lane % 8) + 8 * ((lane // 8) % 2)
                             var col = col_base + (2 * ntq + h) * 16 + 8 * (lane // 16)
                             vf[h] = ld_matrix[8, transpose=True](k_s.unsafe_offset(key * stride + col))
-                    comptime for half in range(2 if split else 1):
-                        comptime for h in range(2):
-                            comptime nt = 4 * ntq + 2 * h
-                            if nt < nt_count:
-                                mma_acc(acc[nt], hl[half], vf[h].slice[4, offset=0]())
-                                mma_acc(acc[nt + 1], hl[half], vf[h].slice[4, offset=4]())
+                    comptime for h in range(2):
+                        comptime nt = 4 * ntq + 2 * h
+                        if nt < nt_count:
+                            mma_acc(acc[nt], pf, vf[h].slice[4, offset=0]())
+                            mma_acc(acc[nt + 1], pf, vf[h].slice[4, offset=4]())
         # No barrier here: the next iteration's first barrier orders this tile's reads of
         # k_s / p_s / red_s before they are written again.
         j0 += kt
@@ -470,9 +449,9 @@ def attention_mma_kernel[
             var vb = acc[nt].slice[2, offset=2]()
             if parts == 1:
                 if gr_a < row_end:
-                    raw.unsafe_offset(gr_a * rank + col).unsafe_store[alignment=8](0, va * inv_a)
+                    raw.unsafe_offset(gr_a * rank + col).unsafe_store[alignment=8](0, (va * inv_a).cast[dtype]().cast[DType.float32]())
                 if gr_b < row_end:
-                    raw.unsafe_offset(gr_b * rank + col).unsafe_store[alignment=8](0, vb * inv_b)
+                    raw.unsafe_offset(gr_b * rank + col).unsafe_store[alignment=8](0, (vb * inv_b).cast[dtype]().cast[DType.float32]())
             else:
                 if gr_a < row_end:
                     part_out.unsafe_offset((part * total_rows + gr_a) * rank + col).unsafe_store[alignment=8](0, va)

@@ -79,3 +79,4 @@ def row_attention_meta(
     var span = mask.key_range(position, visible)
     var slope = alibi_slope(row % num_heads, num_heads) if score_mod == SCORE_MOD_ALIBI_POS else Float32(0)
     return (span[0], span[1], position, slope)
+

@@ -23,10 +23,12 @@ def instantiate[dtype: DType, target: StaticString](ctx: DeviceContext) raises:
     var f = Pointer[Float32, MutUntrackedOrigin](unsafe_from_address=256)
     MLADecodeBranchFP8.execute[dtype, target](
         MutableInputTensor[static_spec=_get_unknown_tensor_spec[dtype, 3]()](p, IndexList[3](4, 16, 128)),
+        MutableInputTensor[static_spec=_get_unknown_tensor_spec[dtype, 3]()](p, IndexList[3](4, 16, 512)),
         InputTensor[static_spec=_get_unknown_tensor_spec[dtype, 3]()](p, IndexList[3](4, 16, 192)),
         InputTensor[static_spec=_get_unknown_tensor_spec[DType.uint32, 1]()](u, IndexList[1](3)),
         InputTensor[static_spec=_get_unknown_tensor_spec[dtype, 2]()](p, IndexList[2](100, 64)),
         InputTensor[static_spec=_get_unknown_tensor_spec[dtype, 1]()](p, IndexList[1](512)),
+        InputTensor[static_spec=_get_unknown_tensor_spec[dtype, 2]()](p, IndexList[2](4, 576)),
         MutableInputTensor[static_spec=_get_unknown_tensor_spec[dtype, 6]()](p, IndexList[6](10, 1, 2, 16, 1, 576)),
         InputTensor[static_spec=_get_unknown_tensor_spec[DType.uint32, 1]()](u, IndexList[1](2)),
         InputTensor[static_spec=_get_unknown_tensor_spec[DType.uint32, 2]()](u, IndexList[2](2, 5)),
