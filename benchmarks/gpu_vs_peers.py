@@ -1,0 +1,141 @@
+"""pymla beside FlashMLA and vLLM's Triton MLA, from logs of ONE device call (H200).
+
+Inputs, all written by the same `run` on the device (scripts/README.md):
+  * `gpu_op_bench.log`  - `scripts/device_kernel_profile.sh bench CFG...`: the whole op
+    (all six steps) per call, from a Mojo host loop of back-to-back calls (GPU-bound: the
+    launches queue ahead), with a device-to-device copy measured first;
+  * `gpu_variants.log`  - `... variants CFG...`: step 5 (attention) alone; the op's own
+    kernel choice is the `groups 0` line;
+  * `peers.json`        - `.peers/peers.py` (`../shared/peers`): FlashMLA and Triton
+    attention alone, `triton.testing.do_bench` medians (CUDA events, L2 flushed).
+
+    python benchmarks/gpu_vs_peers.py benchmarks/results/h200-2026-12-03
+
+prints the table (ratios to FlashMLA) and writes `gpu_vs_peers.json` and `.png` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+OP = re.compile(r"bench \w+ B (\d+) H (\d+) L (\d+) : ([\d.]+) us per call")
+VARIANTS = re.compile(r"^variants B (\d+) H (\d+) L (\d+)")
+OWN = re.compile(r"attention groups 0 kt 0 .*: ([\d.]+) us")
+COPY = re.compile(r"^copy ([\d.]+) GB/s")
+
+
+def parse(folder: Path) -> dict:
+    op, attention, copy = {}, {}, None
+    for line in (folder / "gpu_op_bench.log").read_text().splitlines():
+        if m := COPY.match(line):
+            copy = float(m[1])
+        if m := OP.search(line):
+            b, h, keys = int(m[1]), int(m[2]), int(m[3])
+            op[(h, b, keys)] = float(m[4]) / 1e3
+    shape = None
+    for line in (folder / "gpu_variants.log").read_text().splitlines():
+        if m := VARIANTS.match(line):
+            shape = (int(m[2]), int(m[1]), int(m[3]))
+        elif (m := OWN.search(line)) and shape:
+            attention[shape] = float(m[1]) / 1e3
+    peers = json.loads((folder / "peers.json").read_text())
+    rows = []
+    for p in peers["bench"]:
+        key = (
+            p["h"],
+            p["b"],
+            p["keys"] - 1,
+        )  # peers count the new token; the bench's L is the cache
+        key = key if key in op or key in attention else (p["h"], p["b"], p["keys"])
+        row = {
+            "heads": p["h"],
+            "batch": p["b"],
+            "context": p["ctx"],
+            "cache_bytes": p["cache_bytes"],
+            "flops": p["flops"],
+            "flashmla_ms": p["flashmla_bench_ms"],
+            "triton_ms": min(p["triton_s4_bench_ms"], p["triton_s32_bench_ms"]),
+            "pymla_attention_ms": attention.get(key),
+            "pymla_op_ms": op.get(key),
+        }
+        rows.append(row)
+    return {"copy_gb_per_s": copy, "gpu": peers["env"].get("gpu"), "rows": rows}
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _ratio(x, ceiling):
+    return "-" if x is None else f"{x / ceiling:.2f}x"
+
+
+def table(data: dict) -> str:
+    head = (
+        "| heads | batch | context | FlashMLA ms | Triton ms | pymla attention ms | x FlashMLA "
+        "| pymla whole op ms | x FlashMLA | pymla attention TFLOP/s | TB/s of cache |\n"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    )
+    lines = []
+    for r in data["rows"]:
+        att, op, f = r["pymla_attention_ms"], r["pymla_op_ms"], r["flashmla_ms"]
+        if att is None and op is None:
+            continue
+        lines.append(
+            f"| {r['heads']} | {r['batch']} | {r['context'] // 1024}k | {f:.3f} | {r['triton_ms']:.3f} "
+            f"| {_fmt(att)} | {_ratio(att, f)} | {_fmt(op)} | {_ratio(op, f)} "
+            f"| {_fmt(att and r['flops'] / att / 1e9, '.0f')} "
+            f"| {_fmt(att and r['cache_bytes'] / att / 1e9, '.2f')} |"
+        )
+    return head + "\n".join(lines)
+
+
+def plot(data: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG")
+        return
+    rows = [r for r in data["rows"] if r["pymla_attention_ms"] or r["pymla_op_ms"]]
+    labels = [f"{r['heads']}h b{r['batch']} {r['context'] // 1024}k" for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    w = 0.2
+    for i, (key, name) in enumerate(
+        [
+            ("flashmla_ms", "FlashMLA (attention)"),
+            ("triton_ms", "vLLM Triton (attention)"),
+            ("pymla_attention_ms", "pymla attention"),
+            ("pymla_op_ms", "pymla whole op"),
+        ]
+    ):
+        ax.bar([v + (i - 1.5) * w for v in x], [r[key] or 0 for r in rows], w, label=name)
+    ax.set_xticks(list(x), labels, rotation=20)
+    ax.set_ylabel("ms per call (lower is better)")
+    ax.set_yscale("log")
+    ax.set_title(f"MLA decode on {data['gpu']}, one device call (bf16, page 64, 1 new token)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path)
+    args = parser.parse_args()
+    data = parse(args.folder)
+    print(f"{data['gpu']}, device-to-device copy {data['copy_gb_per_s']:.0f} GB/s in the same call")
+    print(table(data))
+    (args.folder / "gpu_vs_peers.json").write_text(json.dumps(data, indent=1) + "\n")
+    plot(data, args.folder / "gpu_vs_peers.png")
+
+
+if __name__ == "__main__":
+    main()
