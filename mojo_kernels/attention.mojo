@@ -18,6 +18,7 @@ from std.utils.numerics import neg_inf
 from max.algorithm import sync_parallelize
 
 from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32_WIDTH, ceil_div, dot_block, scratch
+from .cpu_bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16
 from .paged_cache import PagedLatentRows, RaggedBatch
 
 comptime KEY_TILE = F32_WIDTH  # keys per tile: one score vector per row
@@ -233,6 +234,52 @@ def softmax_update[dtype: DType](mut rows: TaskRows, j0: Int, num_keys: Int, sca
         p_row.unsafe_store(0, p.cast[dtype]().cast[DType.float32]())
 
 
+def attend_tiles_f32[
+    dtype: DType
+](mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, key_dim: Int, rank: Int):
+    """The task's keys `k_lo .. k_hi - 1`, tile by tile, widened to float32 once per tile."""
+    var tile_buf = List[Float32](length=KEY_TILE * key_dim, fill=0)
+    var tile = scratch(tile_buf)
+    var j0 = k_lo
+    while j0 < k_hi:
+        var j1 = min(j0 + KEY_TILE, k_hi)
+        load_key_tile[dtype](cache, b, j0, j1, tile, key_dim)
+        tile_scores(scratch(rows.q_buf), tile, scratch(rows.scores_buf), rows.padded, key_dim)
+        softmax_update[dtype](rows, j0, j1 - j0, scale)
+        accumulate_values(
+            scratch(rows.scores_buf), tile, scratch(rows.out_buf), rows.correction(), rows.padded, key_dim, rank
+        )
+        j0 = j1
+    _ = tile_buf^
+
+
+def attend_tiles_bf16[
+    dtype: DType
+](mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, key_dim: Int, rank: Int):
+    """The task's keys tile by tile on the AVX512-BF16 unit, reading the bf16 cache rows in place.
+
+    Keys past the tile's end point at its last key: their probabilities are 0.
+    """
+    var q_buf = List[BFloat16](length=rows.padded * key_dim, fill=0)
+    var q_f32 = scratch(rows.q_buf)
+    for i in range(rows.num_rows * key_dim):
+        q_buf[i] = q_f32.unsafe_load(i).cast[DType.bfloat16]()  # exact: q_full holds bf16 values
+    var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var keys = Array[BF16Ptr, KEY_TILE](fill=cache.row(b, k_lo).unsafe_bitcast[BFloat16]())
+    var j0 = k_lo
+    while j0 < k_hi:
+        var j1 = min(j0 + KEY_TILE, k_hi)
+        comptime for c in range(KEY_TILE):
+            keys[c] = cache.row(b, min(j0 + c, j1 - 1)).unsafe_bitcast[BFloat16]()
+        tile_scores_bf16[KEY_TILE](q, keys, scratch(rows.scores_buf), rows.padded, key_dim)
+        softmax_update[dtype](rows, j0, j1 - j0, scale)
+        accumulate_values_bf16[KEY_TILE](
+            scratch(rows.scores_buf), keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
+        )
+        j0 = j1
+    _ = q_buf^
+
+
 def attend_partitions[
     dtype: DType
 ](
@@ -244,12 +291,17 @@ def attend_partitions[
     mask: MaskSpec,
     score_mod: Int,
     partials: PartialResults,
+    use_bf16_units: Bool,
 ) raises:
-    """Runs every (request, head group, key partition) task into `partials`."""
+    """Runs every (request, head group, key partition) task into `partials`.
+
+    `use_bf16_units` takes the AVX512-BF16 products (`cpu_bf16.mojo`) for a
+    bfloat16 cache on a CPU that has them; otherwise keys are widened to float32.
+    """
     var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
     var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var cache, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request}:
+    def task(i: Int) {var q_full, var cache, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var use_bf16_units}:
         var b = i // tasks_per_request
         var hg = (i % tasks_per_request) // shape.num_partitions
         var part = i % shape.num_partitions
@@ -292,18 +344,13 @@ def attend_partitions[
                     slopes.unsafe_store(r, alibi_slope(h, shape.num_heads))
                 r += 1
 
-        var tile_buf = List[Float32](length=KEY_TILE * key_dim, fill=0)
-        var tile = scratch(tile_buf)
-        var j0 = k_lo
-        while j0 < k_hi:
-            var j1 = min(j0 + KEY_TILE, k_hi)
-            load_key_tile[dtype](cache, b, j0, j1, tile, key_dim)
-            tile_scores(q_rows, tile, scratch(rows.scores_buf), rows.padded, key_dim)
-            softmax_update[dtype](rows, j0, j1 - j0, scale)
-            accumulate_values(
-                scratch(rows.scores_buf), tile, scratch(rows.out_buf), rows.correction(), rows.padded, key_dim, rank
-            )
-            j0 = j1
+        comptime if dtype == DType.bfloat16 and HAS_AVX512_BF16:
+            if use_bf16_units:
+                attend_tiles_bf16[dtype](rows, cache, b, k_lo, k_hi, scale, key_dim, rank)
+            else:
+                attend_tiles_f32[dtype](rows, cache, b, k_lo, k_hi, scale, key_dim, rank)
+        else:
+            attend_tiles_f32[dtype](rows, cache, b, k_lo, k_hi, scale, key_dim, rank)
 
         # Hand the rows' state to the merge.
         var out_rows = scratch(rows.out_buf)
@@ -315,7 +362,6 @@ def attend_partitions[
             var src = out_rows.unsafe_offset(r * rank)
             for c in range(rank):
                 dst.unsafe_store(c, src.unsafe_load(c))
-        _ = tile_buf^
         _ = rows^
 
     sync_parallelize(task, batch.num_requests * tasks_per_request)

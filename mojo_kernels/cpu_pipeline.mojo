@@ -9,9 +9,11 @@
 6. fp8 output projection                         (`project_output`)
 """
 
+from std.os import getenv
 from std.sys import num_physical_cores
 
 from .attention import AttentionShape, PartialResults, attend_partitions, merge_partitions
+from .cpu_bf16 import HAS_AVX512_BF16
 from .common import DPtr, FPtr, U8Ptr, ceil_div, scratch, scratch_of
 from .fp8_matmul import Granularity, StridedMatrices, fp8_batched_matmul
 from .paged_cache import RaggedBatch
@@ -85,6 +87,24 @@ def plan_attention(batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_
 
 
 
+def use_bf16_units[dtype: DType]() raises -> Bool:
+    """Whether step 5 runs on the AVX512-BF16 unit: `PYMLA_CPU_PATH` (`auto`, `f32`, `avx512bf16`).
+
+    `auto` (or unset) takes the unit for bfloat16 caches where the CPU has it
+    (MAX compiles the op on the machine that runs it); `f32` widens keys to
+    float32 (same results up to summation order); `avx512bf16` insists and
+    fails on a CPU without the unit. float16 and float32 caches always take
+    the float32 path.
+    """
+    var path = getenv("PYMLA_CPU_PATH", "auto")
+    if path == "avx512bf16":
+        if not HAS_AVX512_BF16:
+            raise Error("PYMLA_CPU_PATH=avx512bf16: this CPU has no AVX512-BF16 unit")
+    elif path != "auto" and path != "f32" and path != "":
+        raise Error("PYMLA_CPU_PATH: expected auto, f32 or avx512bf16, got ", path)
+    return dtype == DType.bfloat16 and HAS_AVX512_BF16 and path != "f32"
+
+
 def copy_new_rows_into_cache[dtype: DType](p: DecodeProblem[dtype]):
     """Stores `new_rows[t]` into the cache row of each new token `t` (before steps 1 and 2 on it)."""
     var width = p.key_dim()
@@ -128,7 +148,9 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     var part_max_buf = List[Float32](length=rows, fill=0)
     var part_sum_buf = List[Float32](length=rows, fill=0)
     var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
-    attend_partitions[dtype](q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials)
+    attend_partitions[dtype](
+        q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, use_bf16_units[dtype]()
+    )
     # The attention output, in dtype: into `attention_output` when the caller wants it.
     var raw_buf = List[Scalar[dtype]](
         length=0 if p.has_attention_output else p.num_tokens * p.num_heads * p.kv_lora_rank, fill=0
