@@ -288,3 +288,6 @@ def build_graph(config: OpConfig) -> Graph:
         )
         graph.output()
     return graph
+
+
+from .max_native import mla_decode_graph  # noqa: E402, F401
