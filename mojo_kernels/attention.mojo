@@ -18,7 +18,7 @@ from std.utils.numerics import neg_inf
 from max.algorithm import sync_parallelize
 
 from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32_WIDTH, ceil_div, dot_block, scratch
-from .cpu_bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16
+from .cpu_bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16, unpermute_value_columns
 from .paged_cache import PagedLatentRows, RaggedBatch
 
 comptime KEY_TILE = F32_WIDTH  # keys per tile: one score vector per row
@@ -260,12 +260,16 @@ def attend_tiles_bf16[
 
     Keys past the tile's end point at its last key: their probabilities are 0.
     """
+    if k_lo >= k_hi:
+        return
     var q_buf = List[BFloat16](length=rows.padded * key_dim, fill=0)
     var q_f32 = scratch(rows.q_buf)
     for i in range(rows.num_rows * key_dim):
         q_buf[i] = q_f32.unsafe_load(i).cast[DType.bfloat16]()  # exact: q_full holds bf16 values
     var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var keys = Array[BF16Ptr, KEY_TILE](fill=cache.row(b, k_lo).unsafe_bitcast[BFloat16]())
+    var probs_buf = List[BFloat16](length=rows.padded * KEY_TILE, fill=0)
+    var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var j0 = k_lo
     while j0 < k_hi:
         var j1 = min(j0 + KEY_TILE, k_hi)
@@ -274,10 +278,12 @@ def attend_tiles_bf16[
         tile_scores_bf16[KEY_TILE](q, keys, scratch(rows.scores_buf), rows.padded, key_dim)
         softmax_update[dtype](rows, j0, j1 - j0, scale)
         accumulate_values_bf16[KEY_TILE](
-            scratch(rows.scores_buf), keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
+            scratch(rows.scores_buf), probs, keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
         )
         j0 = j1
     _ = q_buf^
+    unpermute_value_columns(scratch(rows.out_buf), rows.num_rows, rank)
+    _ = probs_buf^
 
 
 def attend_partitions[

@@ -31,8 +31,8 @@ comptime BF16x32 = SIMD[DType.bfloat16, 32]
 comptime STEP = 32  # bf16 values per 512-bit register
 comptime SCORE_ROWS = 4  # register block of the scores: rows x keys
 comptime SCORE_KEYS = 4
-comptime PV_ROWS = 4  # register block of P V: rows x 16-column groups
-comptime PV_GROUPS = 4
+comptime PV_ROWS = 8  # register block of P V: rows x 32 columns
+comptime PV_ROWS_TAIL = 4  # rows of the last block (task rows are padded to a multiple of 4)
 
 
 @always_inline
@@ -41,11 +41,48 @@ def dpbf16(acc: F32x16, a: BF16x32, b: BF16x32) -> F32x16:
     return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", F32x16](acc, a, b)
 
 
+@always_inline
+def sum_lanes_of_16(v: Array[F32x16, 16]) -> F32x16:
+    """`out[i] = v[i].reduce_add()`: a transposing tree of 15 adds (8 + 4 + 2 + 1 vectors).
+
+    Level by level, pairs of vectors are split into their even and odd
+    blocks of 8, 4, 2, 1 lanes and added, so that each output vector holds
+    the partial sums of twice as many inputs in half as many lanes.
+    """
+    var l8 = Array[F32x16, 8](fill=F32x16(0))
+    comptime for i in range(8):
+        var x = v[2 * i]
+        var y = v[2 * i + 1]
+        l8[i] = x.shuffle[0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23](y) + x.shuffle[
+            8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+        ](y)
+    var l4 = Array[F32x16, 4](fill=F32x16(0))
+    comptime for i in range(4):
+        var x = l8[2 * i]
+        var y = l8[2 * i + 1]
+        l4[i] = x.shuffle[0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27](y) + x.shuffle[
+            4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+        ](y)
+    var l2 = Array[F32x16, 2](fill=F32x16(0))
+    comptime for i in range(2):
+        var x = l4[2 * i]
+        var y = l4[2 * i + 1]
+        l2[i] = x.shuffle[0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29](y) + x.shuffle[
+            2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+        ](y)
+    var x = l2[0]
+    var y = l2[1]
+    return x.shuffle[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30](y) + x.shuffle[
+        1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+    ](y)
+
+
 def tile_scores_bf16[
     tile: Int
 ](q: BF16Ptr, keys: Array[BF16Ptr, tile], scores: FPtr, num_rows: Int, key_dim: Int):
     """`scores[r, j] = <q[r], keys[j]>` for `num_rows` (a multiple of SCORE_ROWS) rows of `q [rows, key_dim]`."""
     comptime assert tile % SCORE_KEYS == 0
+    comptime assert SCORE_ROWS * SCORE_KEYS == 16
     var main = key_dim - key_dim % STEP
     for r0 in range(0, num_rows, SCORE_ROWS):
         comptime for j0 in range(0, tile, SCORE_KEYS):
@@ -58,59 +95,133 @@ def tile_scores_bf16[
                     var kv = keys[j0 + c].unsafe_load[width=STEP](d)
                     comptime for r in range(SCORE_ROWS):
                         acc[r * SCORE_KEYS + c] = dpbf16(acc[r * SCORE_KEYS + c], qv[r], kv)
+            var dots = sum_lanes_of_16(acc)  # lane r * SCORE_KEYS + c
+            for d in range(main, key_dim):  # key_dim past the last whole step
+                comptime for r in range(SCORE_ROWS):
+                    comptime for c in range(SCORE_KEYS):
+                        dots[r * SCORE_KEYS + c] += q.unsafe_load((r0 + r) * key_dim + d).cast[
+                            DType.float32
+                        ]() * keys[j0 + c].unsafe_load(d).cast[DType.float32]()
             comptime for r in range(SCORE_ROWS):
-                comptime for c in range(SCORE_KEYS):
-                    var s = acc[r * SCORE_KEYS + c].reduce_add()
-                    for d in range(main, key_dim):
-                        s += q.unsafe_load((r0 + r) * key_dim + d).cast[DType.float32]() * keys[
-                            j0 + c
-                        ].unsafe_load(d).cast[DType.float32]()
-                    scores.unsafe_store((r0 + r) * tile + j0 + c, s)
+                scores.unsafe_store(
+                    (r0 + r) * tile + j0, dots.slice[SCORE_KEYS, offset=r * SCORE_KEYS]()
+                )
+
+
+@always_inline
+def pair_low(a: BF16x32, b: BF16x32) -> BF16x32:
+    """`(a[8L + i], b[8L + i])` for `i < 4` in each 128-bit lane `L` (`vpunpcklwd`)."""
+    return a.shuffle[
+        0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43,
+        16, 48, 17, 49, 18, 50, 19, 51, 24, 56, 25, 57, 26, 58, 27, 59,
+    ](b)
+
+
+@always_inline
+def pair_high(a: BF16x32, b: BF16x32) -> BF16x32:
+    """`(a[8L + 4 + i], b[8L + 4 + i])` for `i < 4` in each 128-bit lane `L` (`vpunpckhwd`)."""
+    return a.shuffle[
+        4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47,
+        20, 52, 21, 53, 22, 54, 23, 55, 28, 60, 29, 61, 30, 62, 31, 63,
+    ](b)
+
+
+def stored_column(m: Int) -> Int:
+    """The value column held at offset `m < 32` of a 32-column chunk of the P V accumulators.
+
+    `pair_low` feeds offsets 0-15 (lane `4L + i` <- column `8L + i`),
+    `pair_high` offsets 16-31 (column `8L + 4 + i`).
+    """
+    var k = m % 16
+    return 8 * (k // 4) + k % 4 + (4 if m >= 16 else 0)
+
+
+def unpermute_value_columns(rows: FPtr, num_rows: Int, rank: Int):
+    """Puts the columns of `rows [num_rows, rank]` kept by `accumulate_values_bf16` back in order."""
+    var main = rank - rank % STEP
+    for r in range(num_rows):
+        var row = rows.unsafe_offset(r * rank)
+        for c in range(0, main, STEP):
+            var chunk = row.unsafe_load[width=STEP](c)
+            for m in range(STEP):
+                row.unsafe_store(c + stored_column(m), chunk[m])
+
+
+@always_inline
+def values_row_block[
+    tile: Int, rows: Int
+](
+    r0: Int,
+    probs: FPtr,
+    words: Pointer[Int32, MutUntrackedOrigin],
+    keys: Array[BF16Ptr, tile],
+    acc_out: FPtr,
+    correction: FPtr,
+    rank: Int,
+):
+    """Rows `r0 .. r0 + rows - 1` of `accumulate_values_bf16`: `rows x 2` accumulators per 32 columns."""
+    comptime PAIRS = tile // 2
+    var main = rank - rank % STEP
+    var c0 = 0
+    while c0 < main:
+        var acc = Array[F32x16, rows * 2](fill=F32x16(0))
+        comptime for r in range(rows):
+            var corr = correction.unsafe_load(r0 + r)
+            comptime for g in range(2):
+                acc[r * 2 + g] = acc_out.unsafe_load[width=16]((r0 + r) * rank + c0 + 16 * g) * corr
+        comptime for p in range(PAIRS):
+            var a = keys[2 * p].unsafe_load[width=STEP](c0)
+            var b = keys[2 * p + 1].unsafe_load[width=STEP](c0)
+            var lo = pair_low(a, b)
+            var hi = pair_high(a, b)
+            comptime for r in range(rows):
+                var pb = bitcast[DType.bfloat16, STEP](SIMD[DType.int32, 16](words.unsafe_load((r0 + r) * PAIRS + p)))
+                acc[r * 2] = dpbf16(acc[r * 2], pb, lo)
+                acc[r * 2 + 1] = dpbf16(acc[r * 2 + 1], pb, hi)
+        comptime for r in range(rows):
+            comptime for g in range(2):
+                acc_out.unsafe_store((r0 + r) * rank + c0 + 16 * g, acc[r * 2 + g])
+        c0 += STEP
+    # Columns past the last whole chunk (a kv_lora_rank that is not a multiple of 32), in order.
+    for r in range(r0, r0 + rows):
+        for c in range(main, rank):
+            var acc = acc_out.unsafe_load(r * rank + c) * correction.unsafe_load(r)
+            for j in range(tile):
+                acc += probs.unsafe_load(r * tile + j) * keys[j].unsafe_load(c).cast[DType.float32]()
+            acc_out.unsafe_store(r * rank + c, acc)
 
 
 def accumulate_values_bf16[
     tile: Int
-](probs: FPtr, keys: Array[BF16Ptr, tile], acc_out: FPtr, correction: FPtr, num_rows: Int, rank: Int):
-    """`acc_out[r] = acc_out[r] * correction[r] + sum_j probs[r, j] keys[j][:rank]`.
+](
+    probs: FPtr,
+    probs_bf16: BF16Ptr,
+    keys: Array[BF16Ptr, tile],
+    acc_out: FPtr,
+    correction: FPtr,
+    num_rows: Int,
+    rank: Int,
+):
+    """`acc_out[r] = acc_out[r] * correction[r] + sum_j probs[r, j] keys[j][:rank]`, columns permuted.
 
     `probs [rows, tile]` hold bf16 values (the probabilities rounded for P V);
-    `num_rows` is a multiple of PV_ROWS.
+    `probs_bf16 [rows, tile]` is scratch for them as bf16; `num_rows` is a
+    multiple of PV_ROWS_TAIL. Keys are taken in pairs: `pair_low` and
+    `pair_high` interleave two keys' values within 128-bit lanes, so one
+    `vdpbf16ps` with the broadcast probability pair `(P[r, 2p], P[r, 2p + 1])`
+    (one 32-bit word from memory, an embedded broadcast) adds both keys to 16
+    columns. The columns of each 32-column chunk of `acc_out` are therefore
+    kept in the order of `stored_column`; `unpermute_value_columns` restores
+    it once, after the last tile.
     """
     comptime assert tile % 2 == 0
-    comptime SPAN = 16 * PV_GROUPS
-    comptime PAIRS = tile // 2
-    var main = rank - rank % SPAN
-    for r0 in range(0, num_rows, PV_ROWS):
-        # Each row's probabilities as bf16 pairs (P[r, 2p], P[r, 2p + 1]), one 32-bit word per pair.
-        var pairs = Array[SIMD[DType.int32, PAIRS], PV_ROWS](fill=SIMD[DType.int32, PAIRS](0))
-        comptime for r in range(PV_ROWS):
-            var p = probs.unsafe_load[width=tile]((r0 + r) * tile).cast[DType.bfloat16]()
-            pairs[r] = bitcast[DType.int32, PAIRS](p)
-        var c0 = 0
-        while c0 < main:
-            var acc = Array[F32x16, PV_ROWS * PV_GROUPS](fill=F32x16(0))
-            comptime for r in range(PV_ROWS):
-                var corr = correction.unsafe_load(r0 + r)
-                comptime for g in range(PV_GROUPS):
-                    acc[r * PV_GROUPS + g] = acc_out.unsafe_load[width=16]((r0 + r) * rank + c0 + 16 * g) * corr
-            comptime for p in range(PAIRS):
-                var vv = Array[BF16x32, PV_GROUPS](fill=BF16x32(0))
-                comptime for g in range(PV_GROUPS):
-                    var a = keys[2 * p].unsafe_load[width=16](c0 + 16 * g)
-                    var b = keys[2 * p + 1].unsafe_load[width=16](c0 + 16 * g)
-                    vv[g] = a.interleave(b)
-                comptime for r in range(PV_ROWS):
-                    var pb = bitcast[DType.bfloat16, STEP](SIMD[DType.int32, 16](pairs[r][p]))
-                    comptime for g in range(PV_GROUPS):
-                        acc[r * PV_GROUPS + g] = dpbf16(acc[r * PV_GROUPS + g], pb, vv[g])
-            comptime for r in range(PV_ROWS):
-                comptime for g in range(PV_GROUPS):
-                    acc_out.unsafe_store((r0 + r) * rank + c0 + 16 * g, acc[r * PV_GROUPS + g])
-            c0 += SPAN
-        # Columns past the last whole span (a kv_lora_rank that is not a multiple of 64).
-        for r in range(r0, r0 + PV_ROWS):
-            for c in range(main, rank):
-                var acc = acc_out.unsafe_load(r * rank + c) * correction.unsafe_load(r)
-                for j in range(tile):
-                    acc += probs.unsafe_load(r * tile + j) * keys[j].unsafe_load(c).cast[DType.float32]()
-                acc_out.unsafe_store(r * rank + c, acc)
+    for r in range(num_rows):
+        probs_bf16.unsafe_store(r * tile, probs.unsafe_load[width=tile](r * tile).cast[DType.bfloat16]())
+    var words = probs_bf16.unsafe_bitcast[Int32]()  # word r * (tile / 2) + p: (P[r, 2p], P[r, 2p + 1])
+    var r0 = 0
+    while r0 + PV_ROWS <= num_rows:
+        values_row_block[tile, PV_ROWS](r0, probs, words, keys, acc_out, correction, rank)
+        r0 += PV_ROWS
+    while r0 < num_rows:
+        values_row_block[tile, PV_ROWS_TAIL](r0, probs, words, keys, acc_out, correction, rank)
+        r0 += PV_ROWS_TAIL
