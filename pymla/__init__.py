@@ -4,14 +4,22 @@
                                       cache, layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
                                       scale=scale)
 
+A serving loop plans each decode step once and runs it per layer:
+
+    weights = pymla.LayerWeights(w_uk, w_uk_scale, w_uv, w_uv_scale, kv_norm_gamma)
+    step = pymla.plan(cache, input_row_offsets, freqs_cis, pymla.DecodeOptions(scale=scale))
+    out = step.run(q, layer_idx, weights)
+
 The math is specified in :mod:`pymla.reference`.
 """
 
 import logging as _logging
 import os as _os
 
+from .args import Mask, ScoreMod
 from .cache import PagedLatentCache
 from .op import mla_decode_branch_fp8
+from .plan import DecodeOptions, DecodePlan, LayerWeights, plan
 from .quant import (
     BLOCKWISE,
     PER_CHANNEL,
@@ -21,9 +29,17 @@ from .quant import (
     quantize_fp8,
 )
 from .reference import KVCacheTensors, mla_decode_branch_fp8_reference
+from .validate import StaleCacheRowsError
 
 __all__ = [
     "BLOCKWISE",
+    "DecodeOptions",
+    "DecodePlan",
+    "LayerWeights",
+    "Mask",
+    "ScoreMod",
+    "StaleCacheRowsError",
+    "plan",
     "PER_CHANNEL",
     "PER_TENSOR",
     "KVCacheTensors",

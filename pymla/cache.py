@@ -139,6 +139,20 @@ class PagedLatentCache:
         self._sync_tables()
         self.write(request, layer, start, rows)
 
+    def reserve(self, request: int, n: int) -> None:
+        """Makes room for ``n`` new tokens of ``request`` without writing their rows.
+
+        For steps whose rows reach the op as ``new_rows`` (the op writes them
+        into these slots); they count as pending until :meth:`advance`.
+        """
+        if self._pending[request] not in (0, n):
+            raise ValueError(
+                f"n: request {request} already has {self._pending[request]} pending tokens, got {n}"
+            )
+        self._pending[request] = n
+        self._reserve(request, self._lengths[request] + n)
+        self._sync_tables()
+
     def write(self, request: int, layer: int, start: int, rows: torch.Tensor) -> None:
         """Writes ``rows`` at positions ``start ..`` of pages the request already owns."""
         pages = self._pages[request]

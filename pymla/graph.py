@@ -21,8 +21,20 @@ from dataclasses import dataclass
 from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, Graph, TensorType, TensorValue, ops
 
+from .args import ACTIVATION, ARGS, INPUT_NAMES, Mask, ScoreMod
 from .quant import ScaleGranularity
 from .reference import MASKS, SCORE_MODS
+
+__all__ = [
+    "INPUT_NAMES",
+    "OpConfig",
+    "build_graph",
+    "input_types",
+    "kernels_path",
+    "mask_code",
+    "mla_decode_branch_fp8_graph",
+    "score_mod_code",
+]
 
 OP_NAME = "pymla.mla_decode_branch_fp8"
 FP8_BYTES = DType.uint8  # fp8 weights cross as raw bytes (see pymla.bridge)
@@ -62,7 +74,11 @@ def kernels_path() -> pathlib.Path:
         cmd = [str(mojo) if mojo.exists() else "mojo", "precompile", str(src), "-o"]
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             staged = pathlib.Path(tmp) / target.name
-            result = subprocess.run(cmd + [str(staged)], capture_output=True, text=True)
+            # env: importing max.nn putenv()s PYTHONEXECUTABLE (a Python outside this venv)
+            # into the C environment; os.environ never saw it, so pass os.environ.
+            result = subprocess.run(
+                cmd + [str(staged)], capture_output=True, text=True, env=dict(os.environ)
+            )
             if result.returncode != 0:
                 raise RuntimeError(f"pymla: building the Mojo kernels failed:\n{result.stderr}")
             staged.replace(target)
@@ -81,18 +97,22 @@ class OpConfig:
     device: DeviceRef
 
 
-def mask_code(mask: str) -> int:
-    """The kernel's code for a mask name (its index in :data:`pymla.reference.MASKS`)."""
+def mask_code(mask: str | Mask) -> int:
+    """The kernel's code for a mask (:class:`pymla.Mask` or its name)."""
+    if isinstance(mask, Mask):
+        return int(mask)
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
-    return MASKS.index(mask)
+    return int(Mask[mask.upper()])
 
 
-def score_mod_code(score_mod: str) -> int:
-    """The kernel's code for a score_mod name (its index in :data:`pymla.reference.SCORE_MODS`)."""
+def score_mod_code(score_mod: str | ScoreMod) -> int:
+    """The kernel's code for a score mod (:class:`pymla.ScoreMod` or its name)."""
+    if isinstance(score_mod, ScoreMod):
+        return int(score_mod)
     if score_mod not in SCORE_MODS:
         raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
-    return SCORE_MODS.index(score_mod)
+    return int(ScoreMod[score_mod.upper()])
 
 
 def mla_decode_branch_fp8_graph(
@@ -151,9 +171,9 @@ def mla_decode_branch_fp8_graph(
         scale_granularity[0], TensorValue
     ):
         scale_granularity = ScaleGranularity.parse(scale_granularity)
-    if isinstance(mask, str):
+    if isinstance(mask, (str, Mask)):
         mask = mask_code(mask)
-    if isinstance(score_mod, str):
+    if isinstance(score_mod, (str, ScoreMod)):
         score_mod = score_mod_code(score_mod)
     if new_rows is None:
         new_rows = ops.buffer_load(ops.buffer_create(BufferType(q.dtype, [0, 1], q.device)))
@@ -164,89 +184,49 @@ def mla_decode_branch_fp8_graph(
         result = ops.buffer_create(
             BufferType(q.dtype, [q.shape[0], q.shape[1], w_uv.shape[1]], q.device)
         )
-    values = [
-        result,
-        attention_out,
-        q,
-        input_row_offsets,
-        freqs_cis,
-        kv_norm_gamma,
-        new_rows,
-        kv_blocks,
-        cache_lengths,
-        lookup_table,
-        layer_idx,
-        scalar(scale, DType.float32),
-        scalar(epsilon, DType.float32),
-        scalar(mask, DType.int32),
-        scalar(score_mod, DType.int32),
-        scalar(local_window_size, DType.int32),
-        *(scalar(g, DType.int32) for g in scale_granularity),
-        w_uk,
-        w_uk_scale,
-        w_uv,
-        w_uv_scale,
-    ]
+    given = {
+        "output": result,
+        "attention_output": attention_out,
+        "q": q,
+        "input_row_offsets": input_row_offsets,
+        "freqs_cis": freqs_cis,
+        "kv_norm_gamma": kv_norm_gamma,
+        "new_rows": new_rows,
+        "kv_blocks": kv_blocks,
+        "cache_lengths": cache_lengths,
+        "lookup_table": lookup_table,
+        "layer_idx": layer_idx,
+        "scale": scale,
+        "epsilon": epsilon,
+        "mask": mask,
+        "score_mod": score_mod,
+        "local_window_size": local_window_size,
+        **{
+            f"{axis}_scale_granularity": g for axis, g in zip("mnk", scale_granularity, strict=True)
+        },
+        "w_uk": w_uk,
+        "w_uk_scale": w_uk_scale,
+        "w_uv": w_uv,
+        "w_uv_scale": w_uv_scale,
+    }
+    values = [scalar(given[a.name], a.dtype) if a.is_scalar else given[a.name] for a in ARGS]
     ops.inplace_custom(OP_NAME, device=q.device, values=values)
     return ops.buffer_load(result) if out is None else None
 
 
-INPUT_NAMES = (
-    "output",
-    "attention_output",
-    "q",
-    "input_row_offsets",
-    "freqs_cis",
-    "kv_norm_gamma",
-    "new_rows",
-    "kv_blocks",
-    "cache_lengths",
-    "lookup_table",
-    "layer_idx",
-    "scale",
-    "epsilon",
-    "mask",
-    "score_mod",
-    "local_window_size",
-    "m_scale_granularity",
-    "n_scale_granularity",
-    "k_scale_granularity",
-    "w_uk",
-    "w_uk_scale",
-    "w_uv",
-    "w_uv_scale",
-)
-
-
 def input_types(dtype: DType, device: DeviceRef) -> Sequence[TensorType | BufferType]:
-    """Graph inputs with symbolic sizes: one compiled model serves every batch and cache shape."""
-    cpu = DeviceRef.CPU()
+    """Graph inputs (:data:`pymla.args.ARGS`) with symbolic sizes: one model serves every shape.
 
-    def scalar(dt: DType) -> TensorType:
-        return TensorType(dt, [], cpu)
-
-    return [
-        BufferType(dtype, ["tokens", "heads", "v_head_dim"], device),
-        BufferType(dtype, ["attention_tokens", "attention_heads", "attention_dim"], device),
-        TensorType(dtype, ["tokens", "heads", "q_head_dim"], device),
-        TensorType(DType.uint32, ["offsets"], device),
-        TensorType(dtype, ["max_seq_len", "rope_dim"], device),
-        TensorType(dtype, ["kv_lora_rank"], device),
-        TensorType(dtype, ["new_rows", "new_row_dim"], device),
-        BufferType(
-            dtype, ["num_blocks", 1, "num_layers", "page_size", 1, "cache_head_dim"], device
-        ),
-        TensorType(DType.uint32, ["requests"], device),
-        TensorType(DType.uint32, ["requests", "pages_per_request"], device),
-        scalar(DType.uint32),
-        scalar(DType.float32),
-        scalar(DType.float32),
-        *(scalar(DType.int32) for _ in range(6)),
-        TensorType(FP8_BYTES, ["heads", "kv_lora_rank", "nope_dim"], device),
-        TensorType(DType.float32, ["heads", "uk_n_blocks", "uk_k_blocks"], device),
-        TensorType(FP8_BYTES, ["heads", "v_head_dim", "kv_lora_rank"], device),
-        TensorType(DType.float32, ["heads", "uv_n_blocks", "uv_k_blocks"], device),
-    ]
+    Scalars live on the host; the tensors the op writes are buffers.
+    """
+    types = []
+    for a in ARGS:
+        dt = dtype if a.dtype == ACTIVATION else a.dtype
+        if a.is_scalar:
+            types.append(TensorType(dt, [], DeviceRef.CPU()))
+        else:
+            types.append((BufferType if a.mutable else TensorType)(dt, list(a.dims), device))
+    return types
 
 
 def build_graph(config: OpConfig) -> Graph:
@@ -261,8 +241,7 @@ def build_graph(config: OpConfig) -> Graph:
         custom_extensions=[kernels_path()],
     ) as graph:
         args = dict(zip(INPUT_NAMES, graph.inputs, strict=True))
-        buffers = ("output", "attention_output", "kv_blocks")
-        t = {name: value.tensor for name, value in args.items() if name not in buffers}
+        t = {a.name: args[a.name].tensor for a in ARGS if not a.mutable}
         mla_decode_branch_fp8_graph(
             t["q"],
             t["input_row_offsets"],

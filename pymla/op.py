@@ -1,210 +1,158 @@
 """The public op: ``pymla.mla_decode_branch_fp8`` on torch tensors.
 
-The call is registered as the torch custom op ``pymla::mla_decode_branch_fp8``
-(the cache blocks declared as mutated, with a fake implementation for
-tracing), so ``torch.compile(fullgraph=True)`` can trace through it. Its
-real implementation validates the inputs, then runs a MAX model compiled
-once per (device, dtype) and kept in this process: sizes are symbolic and
-the options (granularity, mask, score_mod, scalars) are runtime inputs, so
-nothing else recompiles.
+The one-shot call checks every input, then runs :func:`pymla.plan` and
+:meth:`~pymla.DecodePlan.run` on them (a serving loop calls those two itself:
+plan once per step, run per layer). The call is also registered as the torch
+custom op ``pymla::mla_decode_branch_fp8`` (its schema derives from
+:data:`pymla.args.ARGS`; the tensors the kernel writes declared mutated, with
+a fake implementation for tracing), which is what ``torch.compile(fullgraph=True)``
+traces. A compiled MAX model per (device, dtype) serves every call
+(:mod:`pymla.runtime`): sizes are symbolic and the options runtime inputs.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-import logging
-import threading
-import time
-
 import torch
-from max import engine
-from max.graph import DeviceRef
 
-from . import bridge
+from . import bridge, runtime
+from .args import (
+    ARGS,
+    INPUT_NAMES,
+    TORCH_SCALAR_DTYPES,
+    Mask,
+    ScoreMod,
+    mutated_names,
+    torch_schema,
+)
 from .cache import PagedLatentCache
-from .graph import INPUT_NAMES, OpConfig, build_graph, mask_code, score_mod_code
+from .plan import DecodeOptions, DecodePlan, LayerWeights, cache_tensors
 from .quant import ScaleGranularity
-from .reference import MASKS, SCORE_MODS, KVCacheTensors
-from .validate import as_float, as_int, as_str, as_tensor, check_inputs
+from .reference import KVCacheTensors
+from .validate import _as_numpy, as_int, as_tensor, check_inputs, check_pending_rows
 
-log = logging.getLogger("pymla")
+# Names kept for callers of the earlier module layout (benchmarks/gpu_builtin.py).
+compiled_model = runtime.compiled_model
+_device_ref = runtime.device_ref
+_session = runtime.session
 
-_models: dict[OpConfig, engine.Model] = {}
-_sessions: dict[str, tuple[engine.InferenceSession, object]] = {}
-_lock = threading.Lock()
-
-
-def _device_ref(device: torch.device) -> DeviceRef:
-    return DeviceRef.CPU() if device.type == "cpu" else DeviceRef.GPU(device.index or 0)
+__all__ = ["cache_tensors", "mla_decode_branch_fp8", "torch_op_args"]
 
 
-def _session(device: torch.device) -> tuple[engine.InferenceSession, object]:
-    """The MAX session and MAX device for a torch device, made once per process."""
-    key = str(device)
-    if key not in _sessions:
-        max_device = bridge.max_device(device)
-        _sessions[key] = (engine.InferenceSession(devices=[max_device]), max_device)
-    return _sessions[key]
+def _code_label(name: str, code: int, kind: type) -> str:
+    try:
+        return kind(code).label
+    except ValueError:
+        codes = {m.label: int(m) for m in kind}
+        raise ValueError(f"{name}: expected one of the codes {codes}, got {code}") from None
 
 
-def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
-    """The compiled model of ``config``, compiling it on first use (logged with its time)."""
-    with _lock:
-        model = _models.get(config)
-        if model is not None:
-            return model
-        session, _ = _session(device)
-        log.info("pymla: compiling mla_decode_branch_fp8 for %s, %s ...", device, config.dtype)
-        start = time.perf_counter()
-        model = session.load(build_graph(config))
-        log.info("pymla: compiled in %.1f s", time.perf_counter() - start)
-        _models[config] = model
-        return model
-
-
-def _check_op_args(*args, metadata_only: bool = False):
-    """``check_inputs`` on the torch op's positional arguments (granularity as three ints)."""
-    (*tensors, scale, epsilon, gm, gn, gk, mask, score_mod, local_window_size, check_values) = args[
-        :-2
-    ]
-    attention_out, new_rows = args[-2:]
+def _check_op_args(args: dict, *, metadata_only: bool = False):
+    """``check_inputs`` on the torch op's arguments (named as in :data:`pymla.args.ARGS`)."""
+    a = args
     return check_inputs(
-        *tensors,
-        scale=scale,
-        epsilon=epsilon,
-        scale_granularity=ScaleGranularity(gm, gn, gk),
-        mask=mask,
-        score_mod=score_mod,
-        local_window_size=local_window_size,
-        check_values=check_values and not metadata_only,
-        attention_out=attention_out,
-        new_rows=new_rows,
+        a["output"],
+        a["q"],
+        a["input_row_offsets"],
+        a["freqs_cis"],
+        a["kv_norm_gamma"],
+        a["kv_blocks"],
+        a["cache_lengths"],
+        a["lookup_table"],
+        a["layer_idx"],
+        a["w_uk"],
+        a["w_uk_scale"],
+        a["w_uv"],
+        a["w_uv_scale"],
+        scale=a["scale"],
+        epsilon=a["epsilon"],
+        scale_granularity=ScaleGranularity(
+            a["m_scale_granularity"], a["n_scale_granularity"], a["k_scale_granularity"]
+        ),
+        mask=_code_label("mask", a["mask"], Mask),
+        score_mod=_code_label("score_mod", a["score_mod"], ScoreMod),
+        local_window_size=a["local_window_size"],
+        check_values=a["check_values"] and not metadata_only,
+        attention_out=a["attention_output"],
+        new_rows=a["new_rows"],
     )
 
 
-@functools.lru_cache(maxsize=256)
-def _scalar_buffer(value: int | float, dtype: torch.dtype):
-    """A rank-0 MAX buffer holding ``value`` (the op only reads scalars, so one per value)."""
-    return bridge.to_max(torch.tensor(value, dtype=dtype))
-
-
-def _run_op(**inputs) -> None:
-    """Checks and runs the op; ``inputs`` are the custom op's arguments, in its signature order."""
-    dims = _check_op_args(*inputs.values())
+def _torch_op_impl(*values) -> None:
+    """The torch op's body: checks, then wraps every argument and launches."""
+    args = dict(zip((*INPUT_NAMES, "check_values"), values, strict=True))
+    dims = _check_op_args(args)
     if dims.num_tokens == 0:
         return
-    q = inputs["q"]
-    model = compiled_model(OpConfig(bridge.max_dtype(q.dtype), _device_ref(q.device)), q.device)
-    scalars = {
-        "layer_idx": (inputs["layer_idx"], torch.uint32),
-        "scale": (inputs["scale"], torch.float32),
-        "epsilon": (inputs["epsilon"], torch.float32),
-        "mask": (mask_code(inputs["mask"]), torch.int32),
-        "score_mod": (score_mod_code(inputs["score_mod"]), torch.int32),
-        "local_window_size": (inputs["local_window_size"], torch.int32),
-        "m_scale_granularity": (inputs["m_scale_granularity"], torch.int32),
-        "n_scale_granularity": (inputs["n_scale_granularity"], torch.int32),
-        "k_scale_granularity": (inputs["k_scale_granularity"], torch.int32),
-    }
-    inputs["output"] = inputs["out"]
-    # Optional tensors that were not given cross as empty tensors of the graph's rank.
-    for name, rank in (("attention_out", 3), ("new_rows", 2)):
-        if inputs[name].numel() == 0:
-            inputs[name] = q.new_empty((0,) * rank)
-    inputs["attention_output"] = inputs["attention_out"]
-    buffers = [
-        _scalar_buffer(*scalars[name]) if name in scalars else bridge.to_max(inputs[name])
-        for name in INPUT_NAMES
-    ]
-    on_gpu = q.device.type != "cpu"
-    if on_gpu:
-        # MAX runs on its own stream: torch's writes of the inputs must be done first,
-        # and the op's writes must be done before torch reads them.
-        torch.cuda.current_stream(q.device).synchronize()
-    model.execute(*buffers)
-    if on_gpu:
-        _session(q.device)[1].synchronize()
+    q = args["q"]
+    buffers = []
+    for a in ARGS:
+        value = args[a.name]
+        if a.is_scalar:
+            buffers.append(runtime.scalar_buffer(value, TORCH_SCALAR_DTYPES[a.dtype]))
+        elif a.optional and value.numel() == 0:
+            buffers.append(runtime.empty_buffer(a.rank, q.dtype, q.device))
+        else:
+            buffers.append(bridge.to_max(value))
+    runtime.launch(runtime.model_for(q.dtype, q.device), q.device, buffers)
 
 
-@torch.library.custom_op(
-    "pymla::mla_decode_branch_fp8", mutates_args=("out", "kv_blocks", "attention_out")
+_torch_op = torch.library.custom_op(
+    "pymla::mla_decode_branch_fp8",
+    _torch_op_impl,
+    mutates_args=mutated_names(),
+    schema=torch_schema(),
 )
-def _mla_decode_branch_fp8_op(
+
+
+@_torch_op.register_fake
+def _(*values):
+    _check_op_args(
+        dict(zip((*INPUT_NAMES, "check_values"), values, strict=True)), metadata_only=True
+    )
+
+
+def torch_op_args(
+    *,
     out: torch.Tensor,
     q: torch.Tensor,
     input_row_offsets: torch.Tensor,
     freqs_cis: torch.Tensor,
-    kv_norm_gamma: torch.Tensor,
-    kv_blocks: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
+    kv: KVCacheTensors,
     layer_idx: int,
-    w_uk: torch.Tensor,
-    w_uk_scale: torch.Tensor,
-    w_uv: torch.Tensor,
-    w_uv_scale: torch.Tensor,
-    scale: float,
-    epsilon: float,
-    m_scale_granularity: int,
-    n_scale_granularity: int,
-    k_scale_granularity: int,
-    mask: str,
-    score_mod: str,
-    local_window_size: int,
-    check_values: bool,
-    attention_out: torch.Tensor,
-    new_rows: torch.Tensor,
-) -> None:
-    _run_op(**locals())  # the parameters above, in signature order
+    options: DecodeOptions,
+    granularity: ScaleGranularity,
+    weights: dict[str, torch.Tensor],
+    attention_out: torch.Tensor | None = None,
+    new_rows: torch.Tensor | None = None,
+    check_values: bool = True,
+) -> tuple:
+    """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` (:data:`INPUT_NAMES` order).
+
+    ``weights``: a :class:`LayerWeights`' ``tensors`` (fp8 weights as float8_e4m3fn).
+    """
+    values = {
+        "output": out,
+        "attention_output": _absent(q) if attention_out is None else attention_out,
+        "q": q,
+        "input_row_offsets": input_row_offsets,
+        "freqs_cis": freqs_cis,
+        "new_rows": _absent(q) if new_rows is None else new_rows,
+        "kv_blocks": kv.blocks,
+        "cache_lengths": kv.cache_lengths,
+        "lookup_table": kv.lookup_table,
+        "layer_idx": layer_idx,
+        **options.scalars(),
+        "m_scale_granularity": granularity.m,
+        "n_scale_granularity": granularity.n,
+        "k_scale_granularity": granularity.k,
+        **{k: t.view(torch.uint8) if k in ("w_uk", "w_uv") else t for k, t in weights.items()},
+    }
+    return (*(values[n] for n in INPUT_NAMES), bool(check_values))
 
 
-@_mla_decode_branch_fp8_op.register_fake
-def _(*args):
-    _check_op_args(*args, metadata_only=True)
-
-
-def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:
-    """The (blocks, cache_lengths, lookup_table) of a cache object or triple."""
-    if isinstance(cache, PagedLatentCache):
-        return KVCacheTensors(cache.blocks, cache.cache_lengths, cache.lookup_table)
-    if isinstance(cache, tuple) and len(cache) == 3:
-        if not all(isinstance(t, torch.Tensor) for t in cache):
-            types = ", ".join(type(t).__name__ for t in cache)
-            raise TypeError(
-                f"cache: expected a (blocks, cache_lengths, lookup_table) tuple of tensors, got ({types})"
-            )
-        return KVCacheTensors(*cache)
-    raise TypeError(
-        f"cache: expected a PagedLatentCache or a (blocks, cache_lengths, lookup_table) tuple, got {type(cache).__name__}"
-    )
-
-
-def _check_pending(
-    cache: PagedLatentCache, input_row_offsets: torch.Tensor, num_tokens: int
-) -> None:
-    """The new tokens of each request are the rows appended to the cache since the last advance."""
-    if (
-        input_row_offsets.dtype != torch.uint32
-        or input_row_offsets.dim() != 1
-        or input_row_offsets.shape[0] != cache.num_requests + 1
-        or input_row_offsets.device != cache.blocks.device
-    ):
-        return  # the op's checks name the problem
-    offsets = input_row_offsets.to(torch.int64).cpu().tolist()
-    if (
-        offsets[0] != 0
-        or offsets[-1] != num_tokens
-        or any(a > b for a, b in itertools.pairwise(offsets))
-    ):
-        return
-    for b in range(cache.num_requests):
-        new, pending = offsets[b + 1] - offsets[b], cache.pending(b)
-        if pending and new != pending:
-            raise ValueError(
-                f"input_row_offsets: expected {pending} new tokens for request {b} (the rows "
-                f"appended to the cache since its last advance()), got {new}"
-            )
+def call_torch_op(**values) -> None:
+    """``torch.ops.pymla.mla_decode_branch_fp8`` on named values (see :func:`torch_op_args`)."""
+    torch.ops.pymla.mla_decode_branch_fp8(*torch_op_args(**values))
 
 
 def mla_decode_branch_fp8(
@@ -294,64 +242,80 @@ def mla_decode_branch_fp8(
     for name, weight in (("w_uk", w_uk), ("w_uv", w_uv)):
         if weight.dtype != torch.float8_e4m3fn:
             raise TypeError(f"{name}: expected dtype {torch.float8_e4m3fn}, got {weight.dtype}")
-    if out is not None and not isinstance(out, torch.Tensor):
-        raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
-    layer_idx = as_int("layer_idx", layer_idx)
-    scale = as_float("scale", scale)
-    epsilon = as_float("epsilon", epsilon)
-    local_window_size = as_int("local_window_size", local_window_size)
-    mask = as_str("mask", mask, MASKS)
-    score_mod = as_str("score_mod", score_mod, SCORE_MODS)
-    for name, value in (("attention_out", attention_out), ("new_rows", new_rows)):
+    for name, value in (("out", out), ("attention_out", attention_out), ("new_rows", new_rows)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
-    if (
-        check_values
-        and new_rows is None
-        and isinstance(cache, PagedLatentCache)
-        and not torch.compiler.is_compiling()
-    ):
-        _check_pending(cache, input_row_offsets, q.shape[0] if q.dim() else -1)
-    if out is None:
-        # A malformed q or w_uv gets a placeholder: the op's checks then name the problem.
-        shaped = q.dim() == 3 and w_uv.dim() == 3
-        out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1]) if shaped else q.new_empty(0)
-    op_args = dict(  # the custom op's arguments, in its signature order
-        out=out,
-        q=q,
-        input_row_offsets=input_row_offsets,
-        freqs_cis=freqs_cis,
-        kv_norm_gamma=kv_norm_gamma,
-        kv_blocks=kv.blocks,
-        cache_lengths=kv.cache_lengths,
-        lookup_table=kv.lookup_table,
-        layer_idx=layer_idx,
-        w_uk=w_uk.view(torch.uint8),
-        w_uk_scale=w_uk_scale,
-        w_uv=w_uv.view(torch.uint8),
-        w_uv_scale=w_uv_scale,
+    layer_idx = as_int("layer_idx", layer_idx)
+    options = DecodeOptions(
         scale=scale,
         epsilon=epsilon,
-        m_scale_granularity=g.m,
-        n_scale_granularity=g.n,
-        k_scale_granularity=g.k,
         mask=mask,
         score_mod=score_mod,
         local_window_size=local_window_size,
-        check_values=bool(check_values),
-        attention_out=_absent(q) if attention_out is None else attention_out,
-        new_rows=_absent(q) if new_rows is None else new_rows,
     )
+    if out is None:
+        # A malformed q or w_uv gets a placeholder: the checks then name the problem.
+        shaped = q.dim() == 3 and w_uv.dim() == 3
+        out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1]) if shaped else q.new_empty(0)
+    weight_tensors = {
+        "kv_norm_gamma": kv_norm_gamma,
+        "w_uk": w_uk,
+        "w_uk_scale": w_uk_scale,
+        "w_uv": w_uv,
+        "w_uv_scale": w_uv_scale,
+    }
     if torch.compiler.is_compiling():
-        torch.ops.pymla.mla_decode_branch_fp8(**op_args)
-    else:
-        # Eager: the same work without the custom op's Python dispatch (about 0.3 ms a
-        # call); the version counters of the two mutated tensors move as the op's would.
-        _run_op(**op_args)
-        torch.autograd.graph.increment_version(out)
-        torch.autograd.graph.increment_version(kv.blocks)
-        if attention_out is not None:
-            torch.autograd.graph.increment_version(attention_out)
+        # Traced: the torch op (its fake implementation checks the metadata).
+        call_torch_op(
+            out=out,
+            attention_out=attention_out,
+            q=q,
+            new_rows=new_rows,
+            input_row_offsets=input_row_offsets,
+            freqs_cis=freqs_cis,
+            kv=kv,
+            layer_idx=layer_idx,
+            options=options,
+            granularity=g,
+            weights=weight_tensors,
+            check_values=bool(check_values),
+        )
+        return out
+    dims = check_inputs(
+        out,
+        q,
+        input_row_offsets,
+        freqs_cis,
+        kv_norm_gamma,
+        *kv,
+        layer_idx,
+        w_uk,
+        w_uk_scale,
+        w_uv,
+        w_uv_scale,
+        scale=options.scale,
+        epsilon=options.epsilon,
+        scale_granularity=g,
+        mask=options.mask.label,
+        score_mod=options.score_mod.label,
+        local_window_size=options.local_window_size,
+        check_values=bool(check_values),
+        attention_out=attention_out,
+        new_rows=new_rows,
+    )
+    if check_values and isinstance(cache, PagedLatentCache):
+        offsets = _as_numpy(input_row_offsets)  # checked by check_inputs
+        check_pending_rows(cache, offsets, new_rows_given=new_rows is not None)
+    weights = LayerWeights(**weight_tensors, scale_granularity=g, _checked=True)
+    step = DecodePlan(
+        kv,
+        input_row_offsets,
+        freqs_cis,
+        options,
+        num_tokens=dims.num_tokens,
+        new_rows=new_rows is not None,
+    )
+    step._launch(q, layer_idx, weights, out, attention_out, new_rows)
     return out
 
 

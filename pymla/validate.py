@@ -22,15 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cache import UNUSED_PAGE
+from .args import BY_NAME
+from .cache import UNUSED_PAGE, PagedLatentCache
 from .quant import PRESETS, ScaleGranularity, scale_shape
 from .reference import MASKS, SCORE_MODS
 
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FP8_DTYPE = torch.float8_e4m3fn
-# The torch op takes fp8 weights as their uint8 bytes (how they cross into MAX, and
-# what torch can compare); the public function checks the fp8 dtype before viewing.
-WEIGHT_DTYPES = (FP8_DTYPE, torch.uint8)
 INDEX_DTYPE = torch.uint32
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -313,19 +310,22 @@ def check_inputs(
     )
     layer_idx = as_int("layer_idx", layer_idx)
 
-    # Each input on its own: type, dtype, rank, contiguity.
+    # Each input on its own: type, dtype, rank, contiguity (ranks and dtypes: pymla.args).
     inputs = {
-        "q": (q, 3, ACTIVATION_DTYPES),
-        "input_row_offsets": (input_row_offsets, 1, (INDEX_DTYPE,)),
-        "freqs_cis": (freqs_cis, 2, ACTIVATION_DTYPES),
-        "kv_norm_gamma": (kv_norm_gamma, 1, ACTIVATION_DTYPES),
-        "kv_blocks": (kv_blocks, 6, ACTIVATION_DTYPES),
-        "cache_lengths": (cache_lengths, 1, (INDEX_DTYPE,)),
-        "lookup_table": (lookup_table, 2, (INDEX_DTYPE,)),
-        "w_uk": (w_uk, 3, WEIGHT_DTYPES),
-        "w_uk_scale": (w_uk_scale, 3, (torch.float32,)),
-        "w_uv": (w_uv, 3, WEIGHT_DTYPES),
-        "w_uv_scale": (w_uv_scale, 3, (torch.float32,)),
+        name: (t, BY_NAME[name].rank, BY_NAME[name].torch_dtypes())
+        for name, t in (
+            ("q", q),
+            ("input_row_offsets", input_row_offsets),
+            ("freqs_cis", freqs_cis),
+            ("kv_norm_gamma", kv_norm_gamma),
+            ("kv_blocks", kv_blocks),
+            ("cache_lengths", cache_lengths),
+            ("lookup_table", lookup_table),
+            ("w_uk", w_uk),
+            ("w_uk_scale", w_uk_scale),
+            ("w_uv", w_uv),
+            ("w_uv_scale", w_uv_scale),
+        )
     }
     for name, (t, rank, dtypes) in inputs.items():
         check_tensor(name, t, rank=rank, dtypes=dtypes)
@@ -445,12 +445,11 @@ def check_inputs(
 
     if check_values:
         _check_no_overlap(written, {name: t for name, (t, _, _) in inputs.items()})
-        _check_values(
+        check_finite_scales(w_uk_scale, w_uv_scale)
+        check_positions(
             input_row_offsets,
             cache_lengths,
             lookup_table,
-            w_uk_scale,
-            w_uv_scale,
             num_tokens=num_tokens,
             max_seq_len=freqs_cis.shape[0],
             num_blocks=num_blocks,
@@ -488,18 +487,8 @@ def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.to(torch.int64).cpu().numpy()
 
 
-def _check_values(
-    input_row_offsets: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    w_uk_scale: torch.Tensor,
-    w_uv_scale: torch.Tensor,
-    *,
-    num_tokens: int,
-    max_seq_len: int,
-    num_blocks: int,
-    page_size: int,
-) -> None:
+def check_finite_scales(w_uk_scale: torch.Tensor, w_uv_scale: torch.Tensor) -> None:
+    """Every weight scale is finite."""
     for name, scales in (("w_uk_scale", w_uk_scale), ("w_uv_scale", w_uv_scale)):
         values = scales.detach().cpu().numpy()
         finite = np.isfinite(values)
@@ -508,6 +497,22 @@ def _check_values(
             raise ValueError(
                 f"{name}: expected finite scales, got {values[index]} at {list(index)}"
             )
+
+
+def check_positions(
+    input_row_offsets: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    lookup_table: torch.Tensor,
+    *,
+    num_tokens: int | None,
+    max_seq_len: int,
+    num_blocks: int,
+    page_size: int,
+) -> np.ndarray:
+    """The values the kernel indexes with: offsets, positions, pages; returns the offsets.
+
+    ``num_tokens`` None takes the offsets' last value as the token count (a plan's).
+    """
     offsets = _as_numpy(input_row_offsets)
     if offsets[0] != 0:
         raise ValueError(f"input_row_offsets: expected to start at 0, got {int(offsets[0])}")
@@ -518,13 +523,15 @@ def _check_values(
             f"input_row_offsets: expected non-decreasing values, got {int(offsets[b])} then "
             f"{int(offsets[b + 1])} at request {b}"
         )
+    if num_tokens is None:
+        num_tokens = int(offsets[-1])
     if offsets[-1] != num_tokens:
         raise ValueError(
             f"input_row_offsets: expected to end at tot_seq_len = {num_tokens} (q's dim 0), "
             f"got {int(offsets[-1])}"
         )
     if steps.size == 0:
-        return
+        return offsets
     lengths = _as_numpy(cache_lengths)
     ends = lengths + steps  # one past each request's last position
     worst = int(np.argmax(ends))
@@ -561,6 +568,7 @@ def _check_values(
             f"got {int(table[b, p])} at [{b}, {p}]"
         )
     _check_distinct_new_rows(offsets, lengths, table, page_size)
+    return offsets
 
 
 def _check_distinct_new_rows(
@@ -585,3 +593,34 @@ def _check_distinct_new_rows(
             f"{int(request[second])} position {int(position[second])} both in block "
             f"{int(block[first])} row {int(position[first]) % page_size}"
         )
+
+
+class StaleCacheRowsError(ValueError):
+    """A request has new tokens, but no rows were appended to the cache since its last advance().
+
+    The op would rotate and normalize whatever the cache holds at the new
+    positions (stale rows of an earlier step, or nothing written at all).
+    Append the rows (:meth:`pymla.PagedLatentCache.append`), or pass them as
+    ``new_rows`` (and reserve their slots with :meth:`~pymla.PagedLatentCache.reserve`).
+    """
+
+
+def check_pending_rows(
+    cache: PagedLatentCache, offsets: np.ndarray, *, new_rows_given: bool
+) -> None:
+    """Each request's new tokens are the rows appended (or reserved) since its last advance()."""
+    steps = offsets[1:] - offsets[:-1]
+    for b in range(min(cache.num_requests, steps.size)):
+        new, pending = int(steps[b]), cache.pending(b)
+        if pending and new != pending:
+            raise ValueError(
+                f"input_row_offsets: expected {pending} new token{'s' if pending != 1 else ''} "
+                f"for request {b} (the rows appended to the cache since its last advance()), "
+                f"got {new}"
+            )
+        if new and not pending and not new_rows_given:
+            raise StaleCacheRowsError(
+                f"cache: request {b} has {new} new token{'s' if new != 1 else ''} but no rows "
+                "appended since its last advance() (call cache.append(...) for this step, or "
+                "pass new_rows= with slots from cache.reserve(...))"
+            )

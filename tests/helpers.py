@@ -129,33 +129,17 @@ def check_parity(case: Case, target: str = "cpu", *, via_new_rows: bool = False)
 def torch_op_args(case: Case) -> tuple:
     """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` for a case (fresh ``out``)."""
     w = case.weights
-    kv = case.cache_tensors()
     out = torch.empty(case.q.shape[0], case.q.shape[1], w["w_uv"].shape[1], dtype=case.q.dtype)
-    o = case.options
-    g = pymla.ScaleGranularity.parse(o["scale_granularity"])
-    return (
-        out,
-        case.q,
-        case.input_row_offsets,
-        case.freqs_cis,
-        case.kv_norm_gamma,
-        kv.blocks,
-        kv.cache_lengths,
-        kv.lookup_table,
-        case.layer_idx,
-        w["w_uk"].view(torch.uint8),
-        w["w_uk_scale"],
-        w["w_uv"].view(torch.uint8),
-        w["w_uv_scale"],
-        o["scale"],
-        o["epsilon"],
-        g.m,
-        g.n,
-        g.k,
-        o["mask"],
-        o["score_mod"],
-        o["local_window_size"],
-        True,
-        case.q.new_empty(0),  # attention_out: not wanted
-        case.q.new_empty(0),  # new_rows: the rows are in the cache
+    o = dict(case.options)
+    granularity = ScaleGranularity.parse(o.pop("scale_granularity"))
+    return pymla.op.torch_op_args(
+        out=out,
+        q=case.q,
+        input_row_offsets=case.input_row_offsets,
+        freqs_cis=case.freqs_cis,
+        kv=case.cache_tensors(),
+        layer_idx=case.layer_idx,
+        options=pymla.DecodeOptions(**o),
+        granularity=granularity,
+        weights={"kv_norm_gamma": case.kv_norm_gamma, **w},
     )

@@ -144,7 +144,7 @@ def no_kernel():
     def tripwire(*_args, **_kwargs):
         raise AssertionError("the kernel was reached: validation let bad input through")
 
-    with mock.patch("pymla.op.compiled_model", tripwire):
+    with mock.patch("pymla.runtime.compiled_model", tripwire):
         yield
 
 
@@ -648,7 +648,7 @@ def test_offsets_disagree_with_the_rows_appended_to_the_cache():
         call,
         ValueError,
         exact(
-            "input_row_offsets: expected 1 new tokens for request 0 (the rows appended to the "
+            "input_row_offsets: expected 1 new token for request 0 (the rows appended to the "
             "cache since its last advance()), got 2"
         ),
     )
@@ -880,9 +880,10 @@ def test_torch_op_checks_too():
     case = small_case()
     before = case.cache.blocks.clone()
     args = list(torch_op_args(case))
-    table = args[7].clone()  # lookup_table
+    i = pymla.op.INPUT_NAMES.index("lookup_table")
+    table = args[i].clone()
     table[0, 0] = 12
-    args[7] = table
+    args[i] = table
     with no_kernel(), pytest.raises(ValueError, match=r"^lookup_table: expected entries < 12"):
         torch.ops.pymla.mla_decode_branch_fp8(*args)
     assert torch.equal(case.cache.blocks.view(torch.uint8), before.view(torch.uint8))

@@ -1,0 +1,176 @@
+"""The op's argument list, written once.
+
+:data:`ARGS` lists the arguments of the Mojo op ``execute`` in its order
+(``mojo_kernels/mla_decode_branch_fp8.mojo``). Everything that needs the
+list derives from it: the MAX graph's input types and names
+(:mod:`pymla.graph`), the torch custom op's schema (:mod:`pymla.op`), the
+dtypes of the scalar inputs, the rank and dtype checks
+(:mod:`pymla.validate`), and which object of the plan/run API holds each
+value (:mod:`pymla.plan`).
+
+The mask and score-mod codes are the kernel's (``mojo_kernels/attention.mojo``:
+``MASK_*``, ``SCORE_MOD_*``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+from max.dtype import DType
+
+ACTIVATION = "activation"
+"""Dtype marker: the op's dtype (q's): bfloat16, float16 or float32."""
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Mask(enum.IntEnum):
+    """Attention masks; the values are the kernel's ``MASK_*`` codes."""
+
+    NULL = 0
+    CAUSAL = 1
+    SLIDING_WINDOW_CAUSAL = 2
+    CHUNKED_CAUSAL = 3
+
+    @property
+    def label(self) -> str:
+        """The name used by the reference and the public function (``"causal"``, ...)."""
+        return self.name.lower()
+
+    @property
+    def windowed(self) -> bool:
+        return self in (Mask.SLIDING_WINDOW_CAUSAL, Mask.CHUNKED_CAUSAL)
+
+
+class ScoreMod(enum.IntEnum):
+    """Score modifications; the values are the kernel's ``SCORE_MOD_*`` codes."""
+
+    NO_POS = 0
+    ALIBI_POS = 1
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class Source(enum.Enum):
+    """Which object of the plan/run API supplies an argument."""
+
+    CALL = "call"  # given to every run(): q and the tensors it writes
+    STEP = "step"  # the decode step's plan: cache, positions, options
+    LAYER = "layer"  # run()'s layer index
+    WEIGHTS = "weights"  # one layer's LayerWeights
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument of the op.
+
+    ``dims`` are the graph's symbolic dims (ints are static); ``()`` is a
+    host scalar. ``dtype`` is a MAX dtype or :data:`ACTIVATION`. fp8 weights
+    cross as their ``uint8`` bytes (see :mod:`pymla.bridge`).
+    """
+
+    name: str
+    dims: tuple[str | int, ...]
+    dtype: DType | str
+    source: Source
+    mutable: bool = False
+    optional: bool = False  # an empty tensor means "not given"
+
+    @property
+    def rank(self) -> int:
+        return len(self.dims)
+
+    @property
+    def is_scalar(self) -> bool:
+        return not self.dims
+
+    def torch_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The torch dtypes the public tensor may have."""
+        if self.dtype == ACTIVATION:
+            return ACTIVATION_DTYPES
+        return _TORCH_DTYPES[self.dtype]
+
+
+_TORCH_DTYPES = {
+    DType.uint32: (torch.uint32,),
+    DType.int32: (torch.int32,),
+    DType.float32: (torch.float32,),
+    # fp8 weights: the public function takes float8_e4m3fn, the op their uint8 bytes.
+    DType.uint8: (torch.float8_e4m3fn, torch.uint8),
+}
+
+_A, _C, _S, _L, _W = ACTIVATION, Source.CALL, Source.STEP, Source.LAYER, Source.WEIGHTS
+
+ARGS: tuple[Arg, ...] = (
+    Arg("output", ("tokens", "heads", "v_head_dim"), _A, _C, mutable=True),
+    Arg(
+        "attention_output",
+        ("attention_tokens", "attention_heads", "attention_dim"),
+        _A,
+        _C,
+        mutable=True,
+        optional=True,
+    ),
+    Arg("q", ("tokens", "heads", "q_head_dim"), _A, _C),
+    Arg("input_row_offsets", ("offsets",), DType.uint32, _S),
+    Arg("freqs_cis", ("max_seq_len", "rope_dim"), _A, _S),
+    Arg("kv_norm_gamma", ("kv_lora_rank",), _A, _W),
+    Arg("new_rows", ("new_rows", "new_row_dim"), _A, _C, optional=True),
+    Arg(
+        "kv_blocks",
+        ("num_blocks", 1, "num_layers", "page_size", 1, "cache_head_dim"),
+        _A,
+        _S,
+        mutable=True,
+    ),
+    Arg("cache_lengths", ("requests",), DType.uint32, _S),
+    Arg("lookup_table", ("requests", "pages_per_request"), DType.uint32, _S),
+    Arg("layer_idx", (), DType.uint32, _L),
+    Arg("scale", (), DType.float32, _S),
+    Arg("epsilon", (), DType.float32, _S),
+    Arg("mask", (), DType.int32, _S),
+    Arg("score_mod", (), DType.int32, _S),
+    Arg("local_window_size", (), DType.int32, _S),
+    Arg("m_scale_granularity", (), DType.int32, _W),
+    Arg("n_scale_granularity", (), DType.int32, _W),
+    Arg("k_scale_granularity", (), DType.int32, _W),
+    Arg("w_uk", ("heads", "kv_lora_rank", "nope_dim"), DType.uint8, _W),
+    Arg("w_uk_scale", ("heads", "uk_n_blocks", "uk_k_blocks"), DType.float32, _W),
+    Arg("w_uv", ("heads", "v_head_dim", "kv_lora_rank"), DType.uint8, _W),
+    Arg("w_uv_scale", ("heads", "uv_n_blocks", "uv_k_blocks"), DType.float32, _W),
+)
+
+BY_NAME: dict[str, Arg] = {a.name: a for a in ARGS}
+INPUT_NAMES: tuple[str, ...] = tuple(a.name for a in ARGS)
+"""The graph's (and the kernel's, and the torch op's) argument order."""
+
+TORCH_SCALAR_DTYPES = {
+    DType.uint32: torch.uint32,
+    DType.int32: torch.int32,
+    DType.float32: torch.float32,
+}
+_SCHEMA_SCALARS = {DType.uint32: "int", DType.int32: "int", DType.float32: "float"}
+
+
+def torch_schema() -> str:
+    """The torch custom op's schema: the kernel's arguments, then ``bool check_values``.
+
+    Tensors the kernel writes are declared mutated (``Tensor(x!)``); an
+    optional tensor that was not given is an empty rank-1 tensor.
+    """
+    params = []
+    for i, a in enumerate(ARGS):
+        if a.is_scalar:
+            params.append(f"{_SCHEMA_SCALARS[a.dtype]} {a.name}")
+        else:
+            params.append(f"Tensor{f'(a{i}!)' if a.mutable else ''} {a.name}")
+    params.append("bool check_values")
+    return f"({', '.join(params)}) -> ()"
+
+
+def mutated_names() -> tuple[str, ...]:
+    return tuple(a.name for a in ARGS if a.mutable)

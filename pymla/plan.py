@@ -1,0 +1,500 @@
+"""Plan once per decode step, run once per layer.
+
+    weights = [pymla.LayerWeights(w_uk, w_uk_scale, w_uv, w_uv_scale, gamma) for ...]  # once
+    step = pymla.plan(cache, input_row_offsets, freqs_cis, pymla.DecodeOptions(scale=s))
+    for layer in range(num_layers):
+        out = step.run(q[layer], layer, weights[layer])
+    cache.advance()
+
+:func:`plan` checks every value the kernel indexes with, once per step
+(offsets, cache lengths, lookup table, positions against freqs_cis and the
+pages, the rows appended to a :class:`~pymla.PagedLatentCache`), and wraps the
+step's tensors for MAX. :class:`LayerWeights` checks and wraps one layer's
+weights once. :meth:`DecodePlan.run` checks only the shapes, dtypes and
+devices of what it is given, then launches: no device-to-host copy, no host
+synchronization (see :mod:`pymla.runtime`).
+
+The plan holds the step's tensors, not copies: a serving loop that keeps
+them at fixed addresses and updates them in place can re-plan (to check the
+new values) and replay a CUDA graph captured from ``run`` calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import bridge, runtime
+from . import validate as v
+from .args import ARGS, BY_NAME, TORCH_SCALAR_DTYPES, Mask, ScoreMod, Source
+from .cache import PagedLatentCache
+from .quant import ScaleGranularity
+from .reference import MASKS, SCORE_MODS, KVCacheTensors
+
+assert tuple(m.label for m in Mask) == MASKS and tuple(s.label for s in ScoreMod) == SCORE_MODS
+
+
+def _parse_enum(name: str, value: object, kind: type, labels: tuple[str, ...]):
+    if isinstance(value, kind):
+        return value
+    return kind[v.as_str(name, value, labels).upper()]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """The op's options, checked when made.
+
+    ``mask`` and ``score_mod`` take the enums or their names (``"causal"``);
+    ``local_window_size`` is the window (sliding) or chunk (chunked) size.
+    """
+
+    scale: float
+    epsilon: float = 1e-6
+    mask: Mask = Mask.CAUSAL
+    score_mod: ScoreMod = ScoreMod.NO_POS
+    local_window_size: int = 0
+
+    def __post_init__(self) -> None:
+        mask = _parse_enum("mask", self.mask, Mask, MASKS)
+        score_mod = _parse_enum("score_mod", self.score_mod, ScoreMod, SCORE_MODS)
+        v.check_options(
+            scale=self.scale,
+            epsilon=self.epsilon,
+            scale_granularity=ScaleGranularity(0, 0, 0),
+            mask=mask.label,
+            score_mod=score_mod.label,
+            local_window_size=self.local_window_size,
+        )
+        for field, value in (
+            ("scale", v.as_float("scale", self.scale)),
+            ("epsilon", v.as_float("epsilon", self.epsilon)),
+            ("mask", mask),
+            ("score_mod", score_mod),
+            ("local_window_size", v.as_int("local_window_size", self.local_window_size)),
+        ):
+            object.__setattr__(self, field, value)
+
+    def scalars(self) -> dict[str, int | float]:
+        """The kernel's scalar inputs of these options."""
+        return {
+            "scale": self.scale,
+            "epsilon": self.epsilon,
+            "mask": int(self.mask),
+            "score_mod": int(self.score_mod),
+            "local_window_size": self.local_window_size,
+        }
+
+
+def _buffers(values: dict[str, object]) -> dict[str, object]:
+    """MAX buffers of tensors and scalars named by :data:`pymla.args.ARGS`."""
+    out = {}
+    for name, value in values.items():
+        arg = BY_NAME[name]
+        if arg.is_scalar:
+            out[name] = runtime.scalar_buffer(value, TORCH_SCALAR_DTYPES[arg.dtype])
+        else:
+            out[name] = bridge.to_max(value)
+    return out
+
+
+class LayerWeights:
+    """One layer's weights, checked and wrapped for MAX once.
+
+    Args:
+        w_uk: ``[H, kv_lora_rank, qk_nope_head_dim]`` float8_e4m3fn.
+        w_uk_scale: float32 scales of ``w_uk`` for ``scale_granularity``.
+        w_uv: ``[H, v_head_dim, kv_lora_rank]`` float8_e4m3fn.
+        w_uv_scale: float32 scales of ``w_uv``.
+        kv_norm_gamma: ``[kv_lora_rank]`` RMSNorm weights, in the op's dtype.
+        scale_granularity: ``(m, n, k)`` or a preset name; see :mod:`pymla.quant`.
+        check_values: also check that every scale is finite (a device-to-host copy on a GPU).
+    """
+
+    def __init__(
+        self,
+        w_uk: torch.Tensor,
+        w_uk_scale: torch.Tensor,
+        w_uv: torch.Tensor,
+        w_uv_scale: torch.Tensor,
+        kv_norm_gamma: torch.Tensor,
+        scale_granularity: ScaleGranularity | tuple[int, int, int] | str = "blockwise",
+        *,
+        check_values: bool = True,
+        _checked: bool = False,
+    ) -> None:
+        g = ScaleGranularity.parse(scale_granularity)
+        tensors = {
+            "kv_norm_gamma": kv_norm_gamma,
+            "w_uk": w_uk,
+            "w_uk_scale": w_uk_scale,
+            "w_uv": w_uv,
+            "w_uv_scale": w_uv_scale,
+        }
+        if not _checked:
+            self._check(tensors, g, check_values)
+        self.tensors = tensors
+        self.granularity = g
+        self.num_heads, self.kv_lora_rank, self.nope_dim = w_uk.shape
+        self.v_head_dim = w_uv.shape[1]
+        self.dtype = kv_norm_gamma.dtype
+        self.device = kv_norm_gamma.device
+        self.buffers = _buffers(
+            {
+                **{
+                    k: (t.view(torch.uint8) if k in ("w_uk", "w_uv") else t)
+                    for k, t in tensors.items()
+                },
+                "m_scale_granularity": g.m,
+                "n_scale_granularity": g.n,
+                "k_scale_granularity": g.k,
+            }
+        )
+
+    @staticmethod
+    def _check(tensors: dict[str, torch.Tensor], g: ScaleGranularity, check_values: bool) -> None:
+        v.check_options(
+            scale=1.0,
+            epsilon=0.0,
+            scale_granularity=g,
+            mask="null",
+            score_mod="no_pos",
+            local_window_size=0,
+        )
+        for name, t in tensors.items():
+            arg = BY_NAME[name]
+            dtypes = (v.FP8_DTYPE,) if name in ("w_uk", "w_uv") else arg.torch_dtypes()
+            v.check_tensor(name, t, rank=arg.rank, dtypes=dtypes)
+        v._agree_attr("device", tensors, ValueError)
+        w_uk, w_uv, gamma = tensors["w_uk"], tensors["w_uv"], tensors["kv_norm_gamma"]
+        num_heads = v._agree_size("num_heads", [v._Size("w_uk", w_uk, 0), v._Size("w_uv", w_uv, 0)])
+        kv_lora_rank = v._agree_size(
+            "kv_lora_rank",
+            [
+                v._Size("w_uk", w_uk, 1),
+                v._Size("w_uv", w_uv, 2),
+                v._Size("kv_norm_gamma", gamma, 0),
+            ],
+        )
+        for name, t, dim, what in (
+            ("w_uk", w_uk, 0, "num_heads"),
+            ("w_uk", w_uk, 1, "kv_lora_rank"),
+            ("w_uk", w_uk, 2, "qk_nope_head_dim"),
+            ("w_uv", w_uv, 1, "v_head_dim"),
+        ):
+            v._at_least(name, t, dim, what)
+        v._check_scales(
+            "w_uk_scale",
+            tensors["w_uk_scale"],
+            num_heads,
+            ("kv_lora_rank", kv_lora_rank),
+            ("qk_nope_head_dim", w_uk.shape[2]),
+            g,
+        )
+        v._check_scales(
+            "w_uv_scale",
+            tensors["w_uv_scale"],
+            num_heads,
+            ("v_head_dim", w_uv.shape[1]),
+            ("kv_lora_rank", kv_lora_rank),
+            g,
+        )
+        if check_values:
+            v.check_finite_scales(tensors["w_uk_scale"], tensors["w_uv_scale"])
+
+
+class DecodePlan:
+    """One decode step's checked metadata and MAX buffers; :meth:`run` once per layer.
+
+    Made by :func:`plan`.
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheTensors,
+        input_row_offsets: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        options: DecodeOptions,
+        *,
+        num_tokens: int,
+        new_rows: bool,
+    ) -> None:
+        self.kv = kv
+        self.input_row_offsets = input_row_offsets
+        self.freqs_cis = freqs_cis
+        self.options = options
+        self.num_tokens = num_tokens
+        self.needs_new_rows = new_rows
+        self.dtype = kv.blocks.dtype
+        self.device = kv.blocks.device
+        self.rope_dim = freqs_cis.shape[1]
+        self.kv_lora_rank = kv.blocks.shape[5] - self.rope_dim
+        self.num_layers = kv.blocks.shape[2]
+        self.model = None  # compiled on the first run with tokens
+        step = _buffers(
+            {
+                "input_row_offsets": input_row_offsets,
+                "freqs_cis": freqs_cis,
+                "kv_blocks": kv.blocks,
+                "cache_lengths": kv.cache_lengths,
+                "lookup_table": kv.lookup_table,
+                **options.scalars(),
+            }
+        )
+        # The kernel's argument list with the step's buffers in place; run() fills the rest.
+        self._template = [step.get(a.name) for a in ARGS]
+        self._slots = {
+            source: [(i, a.name) for i, a in enumerate(ARGS) if a.source is source]
+            for source in Source
+        }
+        self._weights_checked: set[int] = set()
+
+    # ------------------------------------------------------------------ run
+
+    def run(
+        self,
+        q: torch.Tensor,
+        layer: int,
+        weights: LayerWeights,
+        out: torch.Tensor | None = None,
+        attention_out: torch.Tensor | None = None,
+        new_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The op on one layer: ``out [T, H, v_head_dim]`` (``out`` when given).
+
+        Checks shapes, dtypes and devices only; the step's values were checked by :func:`plan`.
+        """
+        self._check_weights(weights)
+        self._check_call(
+            "q", q, (self.num_tokens, weights.num_heads, weights.nope_dim + self.rope_dim)
+        )
+        if not (type(layer) is int and 0 <= layer < self.num_layers):
+            layer = v.as_int("layer_idx", layer)
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(
+                    f"layer_idx: expected 0 <= layer_idx < {self.num_layers} (kv_blocks' num_layers), got {layer}"
+                )
+        shape = (self.num_tokens, weights.num_heads, weights.v_head_dim)
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            self._check_call("out", out, shape)
+        if attention_out is not None:
+            self._check_call("attention_out", attention_out, shape[:2] + (self.kv_lora_rank,))
+        if new_rows is not None:
+            self._check_call(
+                "new_rows", new_rows, (self.num_tokens, self.kv_lora_rank + self.rope_dim)
+            )
+        elif self.needs_new_rows:
+            raise ValueError(
+                "new_rows: expected a tensor (the plan was made with new_rows=True), got None"
+            )
+        for name, t in (("out", out), ("attention_out", attention_out)):
+            if t is not None:
+                for other, u in (("q", q), ("new_rows", new_rows), ("kv_blocks", self.kv.blocks)):
+                    if u is not None and v._overlaps(t, u):
+                        raise ValueError(
+                            f"{name}: expected memory of its own (the op writes it), got a tensor overlapping {other}"
+                        )
+        if attention_out is not None and v._overlaps(out, attention_out):
+            raise ValueError(
+                "out: expected memory of its own (the op writes it), got a tensor overlapping attention_out"
+            )
+        self._launch(q, layer, weights, out, attention_out, new_rows)
+        return out
+
+    def _check_call(self, name: str, t: object, shape: tuple[int, ...]) -> None:
+        if not (
+            type(t) is torch.Tensor
+            and t.dtype == self.dtype
+            and t.device == self.device
+            and t.shape == shape
+            and t.is_contiguous()
+        ):
+            v.as_tensor(name, t)
+            v.check_tensor(
+                name,
+                t,
+                rank=len(shape),
+                dtypes=(self.dtype,),
+                device=self.device,
+                dtype_note=" (the cache's dtype)",
+            )
+            v.check_shape(name, t, shape, "from the plan and the weights")
+
+    def _check_weights(self, weights: LayerWeights) -> None:
+        if id(weights) in self._weights_checked:
+            return
+        if not isinstance(weights, LayerWeights):
+            raise TypeError(f"weights: expected a pymla.LayerWeights, got {type(weights).__name__}")
+        for what, got, expected in (
+            ("dtype", weights.dtype, self.dtype),
+            ("device", weights.device, self.device),
+            ("kv_lora_rank", weights.kv_lora_rank, self.kv_lora_rank),
+        ):
+            if got != expected:
+                raise ValueError(f"weights: expected {what} {expected} (the cache's), got {got}")
+        self._weights_checked.add(id(weights))
+
+    def _launch(self, q, layer, weights, out, attention_out, new_rows) -> None:
+        if torch.compiler.is_compiling():
+            from .op import call_torch_op
+
+            call_torch_op(
+                out=out,
+                attention_out=attention_out,
+                q=q,
+                new_rows=new_rows,
+                input_row_offsets=self.input_row_offsets,
+                freqs_cis=self.freqs_cis,
+                kv=self.kv,
+                layer_idx=layer,
+                options=self.options,
+                granularity=weights.granularity,
+                weights=weights.tensors,
+                check_values=False,
+            )
+            return
+        if self.num_tokens:
+            model = self.model
+            if model is None:
+                model = self.model = runtime.model_for(self.dtype, self.device)
+            buffers = list(self._template)
+            i_out, i_att, i_q, i_rows = (i for i, _ in self._slots[Source.CALL])
+            buffers[i_out] = bridge.to_max(out)
+            buffers[i_q] = bridge.to_max(q)
+            buffers[i_att] = (
+                runtime.empty_buffer(3, self.dtype, self.device)
+                if attention_out is None
+                else bridge.to_max(attention_out)
+            )
+            buffers[i_rows] = (
+                runtime.empty_buffer(2, self.dtype, self.device)
+                if new_rows is None
+                else bridge.to_max(new_rows)
+            )
+            for i, name in self._slots[Source.WEIGHTS]:
+                buffers[i] = weights.buffers[name]
+            ((i_layer, _),) = self._slots[Source.LAYER]
+            buffers[i_layer] = runtime.scalar_buffer(layer, torch.uint32)
+            runtime.launch(model, self.device, buffers)
+        # The tensors the op writes: their version counters move as the torch op's would.
+        for t in (out, self.kv.blocks, attention_out):
+            if t is not None:
+                torch.autograd.graph.increment_version(t)
+
+
+def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:
+    """The (blocks, cache_lengths, lookup_table) of a cache object or triple."""
+    if isinstance(cache, PagedLatentCache):
+        return KVCacheTensors(cache.blocks, cache.cache_lengths, cache.lookup_table)
+    if isinstance(cache, tuple) and len(cache) == 3:
+        if not all(isinstance(t, torch.Tensor) for t in cache):
+            types = ", ".join(type(t).__name__ for t in cache)
+            raise TypeError(
+                f"cache: expected a (blocks, cache_lengths, lookup_table) tuple of tensors, got ({types})"
+            )
+        return KVCacheTensors(*cache)
+    raise TypeError(
+        f"cache: expected a PagedLatentCache or a (blocks, cache_lengths, lookup_table) tuple, got {type(cache).__name__}"
+    )
+
+
+def plan(
+    cache: PagedLatentCache | KVCacheTensors,
+    input_row_offsets: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    options: DecodeOptions,
+    *,
+    new_rows: bool = False,
+    check_values: bool = True,
+    num_tokens: int | None = None,
+) -> DecodePlan:
+    """Checks one decode step's metadata and prepares it for :meth:`DecodePlan.run`.
+
+    Args:
+        cache: a :class:`pymla.PagedLatentCache` or its three tensors.
+        input_row_offsets: uint32 ``[B + 1]``: request ``b`` owns rows
+            ``input_row_offsets[b] .. input_row_offsets[b + 1] - 1`` of each layer's q.
+        freqs_cis: ``[max_seq_len, qk_rope_head_dim]`` RoPE table in the cache's dtype.
+        options: a :class:`DecodeOptions`.
+        new_rows: each run() will pass the new tokens' raw rows as ``new_rows``
+            (instead of their having been appended to the cache).
+        check_values: check the values the kernel indexes with (copies the
+            metadata to the host on a GPU). With a ``PagedLatentCache`` also
+            checks that every request with new tokens has rows appended
+            (:class:`pymla.StaleCacheRowsError` otherwise).
+        num_tokens: the step's token count (``input_row_offsets[-1]``); without
+            it and without the value checks the plan reads it from the offsets.
+
+    Raises:
+        TypeError, ValueError: as :func:`pymla.mla_decode_branch_fp8`.
+    """
+    kv = cache_tensors(cache)
+    if not isinstance(options, DecodeOptions):
+        raise TypeError(f"options: expected a pymla.DecodeOptions, got {type(options).__name__}")
+    tensors = {
+        "input_row_offsets": input_row_offsets,
+        "freqs_cis": freqs_cis,
+        "kv_blocks": kv.blocks,
+        "cache_lengths": kv.cache_lengths,
+        "lookup_table": kv.lookup_table,
+    }
+    for name, t in tensors.items():
+        arg = BY_NAME[name]
+        v.check_tensor(name, t, rank=arg.rank, dtypes=arg.torch_dtypes())
+    v._agree_attr("device", tensors, ValueError)
+    v._agree_attr("dtype", {"freqs_cis": freqs_cis, "kv_blocks": kv.blocks}, TypeError)
+    rope_dim = freqs_cis.shape[1]
+    if rope_dim < 2 or rope_dim % 2:
+        raise ValueError(
+            f"freqs_cis: expected an even qk_rope_head_dim >= 2 in dim 1, got {rope_dim} "
+            f"(shape {tuple(freqs_cis.shape)})"
+        )
+    v.check_shape(
+        "kv_blocks",
+        kv.blocks,
+        (None, 1, None, None, 1, None),
+        "[num_blocks, 1, num_layers, page_size, 1, kv_lora_rank + qk_rope_head_dim]",
+    )
+    if kv.blocks.shape[5] <= rope_dim:
+        raise ValueError(
+            f"kv_blocks: expected kv_lora_rank + qk_rope_head_dim {rope_dim} > {rope_dim} in dim 5, "
+            f"got {kv.blocks.shape[5]}"
+        )
+    v._at_least("kv_blocks", kv.blocks, 3, "page_size")
+    num_requests = v._agree_size(
+        "num_requests",
+        [
+            v._Size("input_row_offsets", input_row_offsets, 0, 1, "{} + 1"),
+            v._Size("cache_lengths", kv.cache_lengths, 0),
+            v._Size("lookup_table", kv.lookup_table, 0),
+        ],
+    )
+    if num_requests < 0:
+        raise ValueError(
+            "input_row_offsets: expected shape [num_requests + 1] (at least [0]), got an empty tensor"
+        )
+    if check_values:
+        v._check_no_overlap({"kv_blocks": kv.blocks}, tensors)
+        offsets = v.check_positions(
+            input_row_offsets,
+            kv.cache_lengths,
+            kv.lookup_table,
+            num_tokens=None,
+            max_seq_len=freqs_cis.shape[0],
+            num_blocks=kv.blocks.shape[0],
+            page_size=kv.blocks.shape[3],
+        )
+        if isinstance(cache, PagedLatentCache):
+            v.check_pending_rows(cache, offsets, new_rows_given=new_rows)
+        if num_tokens is not None and num_tokens != int(offsets[-1]):
+            raise ValueError(
+                f"num_tokens: expected input_row_offsets[-1] = {int(offsets[-1])}, got {num_tokens}"
+            )
+        num_tokens = int(offsets[-1])
+    elif num_tokens is None:
+        num_tokens = int(input_row_offsets[-1])  # a device-to-host copy on a GPU
+    return DecodePlan(
+        kv, input_row_offsets, freqs_cis, options, num_tokens=num_tokens, new_rows=new_rows
+    )
