@@ -317,15 +317,17 @@ def mla_decode_graph(
     )
 
 
-def runtime_kv_inputs(cache: Any) -> KVCacheInputsPerDevice[Buffer, Buffer]:
+def runtime_kv_inputs(cache: Any, params: KVCacheParams) -> KVCacheInputsPerDevice[Buffer, Buffer]:
     """Binds a torch-owned :class:`pymla.PagedLatentCache` as MAX's runtime KV cache inputs.
 
-    The result has the fields of ``MLAKVCacheParams.get_symbolic_inputs()``
-    (flatten both with ``max.tree.flatten``, in the same order): a graph built
-    from MAX's KV cache types runs on pymla's cache without a copy (DLPack).
-    ``max_prompt_length`` (the longest pending append, at least 1),
-    ``max_cache_length`` and the dispatch metadata (MAX's CPU sentinel) are
-    for MAX's GPU kernel: pymla's op reads none of them.
+    The result has the fields of ``params.get_symbolic_inputs()`` (an
+    ``MLAKVCacheParams``; flatten both with ``max.tree.flatten``, in the same
+    order): a graph built from MAX's KV cache types runs on pymla's cache
+    without a copy (DLPack), with pymla's op or with MAX's. The pages must
+    have been reserved for the new tokens (:meth:`pymla.PagedLatentCache.append`).
+    ``max_prompt_length`` (the most pending tokens of a request, at least 1),
+    ``max_cache_length`` and the dispatch metadata (``params.resolve_attn_key``)
+    are for MAX's GPU kernel: pymla's op reads none of them.
     """
     import numpy as np
     import torch
@@ -333,18 +335,27 @@ def runtime_kv_inputs(cache: Any) -> KVCacheInputsPerDevice[Buffer, Buffer]:
 
     from . import bridge
 
-    def host(values: Iterable[int], dtype: np.dtype) -> Buffer:
+    def host(values: Iterable[int], dtype: type) -> Buffer:
         return Buffer.from_numpy(np.array(list(values), dtype=dtype))
 
     lengths = cache.cache_lengths.to(torch.int64).tolist()
     pending = [cache.pending(b) for b in range(cache.num_requests)]
+    prompt = max(pending, default=0) or 1
+    longest = max((n + p for n, p in zip(lengths, pending, strict=True)), default=0)
+    key = params.resolve_attn_key(cache.num_requests, prompt, longest)
+    spec = params.dispatch_metadata_spec()
+    metadata = np.zeros(spec.shape, dtype=np.int64)
+    key.pack_into(metadata, longest)
+    dispatch = Buffer.from_numpy(metadata)
+    if spec.on_device:
+        dispatch = dispatch.to(bridge.max_device(cache.blocks.device))
     return KVCacheInputsPerDevice(
         kv_blocks=bridge.to_max(cache.blocks),
         cache_lengths=bridge.to_max(cache.cache_lengths),
         lookup_table=bridge.to_max(cache.lookup_table),
-        max_prompt_length=host([max(pending, default=0) or 1], np.uint32),
-        max_cache_length=host([max(lengths, default=0)], np.uint32),
+        max_prompt_length=host([prompt], np.uint32),
+        max_cache_length=host([longest], np.uint32),
         page_stride=host([-1], np.int64),  # packed pages (PACKED_PAGE_STRIDE)
-        attention_dispatch_metadata=host([0, 0, 1], np.int64),
-        mla_num_partitions=host([1], np.int64),
+        attention_dispatch_metadata=dispatch,
+        mla_num_partitions=host([key.num_partitions], np.int64),
     )

@@ -160,7 +160,7 @@ def run(model, case, rows: torch.Tensor) -> torch.Tensor:
         w["w_uv_scale"],
         torch.tensor(case.layer_idx, dtype=torch.uint32),
     ]
-    kv_buffers, _ = tree.flatten(runtime_kv_inputs(case.cache))
+    kv_buffers, _ = tree.flatten(runtime_kv_inputs(case.cache, kv_params()))
     (out,) = model.execute(*(Buffer.from_dlpack(t) for t in tensors), *kv_buffers)
     return torch.from_dlpack(out)
 
