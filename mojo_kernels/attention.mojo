@@ -106,7 +106,7 @@ def tile_scores(q: FPtr, tile: FPtr, scores: FPtr, num_rows: Int, key_dim: Int):
     """`scores[r, j] = <q[r], tile[j]>` for `num_rows` (a multiple of ROW_BLOCK) rows and KEY_TILE keys."""
     for r0 in range(0, num_rows, DOT_ROWS):
         for j0 in range(0, KEY_TILE, DOT_COLS):
-            var dots = dot_block[DOT_ROWS, DOT_COLS, DType.float32](
+            var dots = dot_block[DOT_ROWS, DOT_COLS](
                 q.unsafe_offset(r0 * key_dim), key_dim, tile.unsafe_offset(j0 * key_dim), key_dim, key_dim
             )
             comptime for r in range(DOT_ROWS):

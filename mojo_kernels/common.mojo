@@ -3,8 +3,6 @@
 from std.memory import Pointer
 from std.sys.info import simd_width_of
 
-from .fp8 import widen_e4m3
-
 comptime FPtr = Pointer[Float32, MutUntrackedOrigin]
 """An untracked pointer to float32 scratch or tensor data."""
 
@@ -38,34 +36,17 @@ comptime DOT_COLS = 4
 """Rows of `b` per full register block of `dot_block`."""
 
 
-@always_inline
-def load_f32[dtype: DType](p: DPtr[dtype], offset: Int) -> SIMD[DType.float32, F32_WIDTH]:
-    """`F32_WIDTH` values at `p + offset` as float32; `uint8` data are fp8 e4m3 bytes."""
-    comptime if dtype == DType.uint8:
-        return widen_e4m3(p.unsafe_load[width=F32_WIDTH](offset).cast[DType.uint8]())
-    else:
-        return p.unsafe_load[width=F32_WIDTH](offset).cast[DType.float32]()
-
-
-@always_inline
-def load_f32_scalar[dtype: DType](p: DPtr[dtype], offset: Int) -> Float32:
-    comptime if dtype == DType.uint8:
-        return widen_e4m3(SIMD[DType.uint8, F32_WIDTH](p.unsafe_load(offset).cast[DType.uint8]()))[0]
-    else:
-        return p.unsafe_load(offset).cast[DType.float32]()
-
-
 comptime F32Vec = SIMD[DType.float32, F32_WIDTH]
 
 
 @always_inline
 def dot_lanes[
-    rows: Int, cols: Int, b_dtype: DType
-](a: FPtr, a_stride: Int, b: DPtr[b_dtype], b_stride: Int, depth: Int) -> Array[F32Vec, rows * cols]:
+    rows: Int, cols: Int
+](a: FPtr, a_stride: Int, b: FPtr, b_stride: Int, depth: Int) -> Array[F32Vec, rows * cols]:
     """Lane-wise partial sums of `<a[r, :depth], b[c, :depth]>` for a `rows x cols` block.
 
-    The micro-kernel of the attention scores (float32 keys) and of the fp8
-    matmuls (`b` as fp8 bytes, widened in registers): each step loads
+    The micro-kernel of the float32 attention scores and of the fp8 matmuls
+    (on weights widened once per call): each step loads
     `rows + cols` vectors and does `rows * cols` FMAs in registers. A tail of
     `depth` past the last whole vector is added into lane 0. Summing the
     lanes (`reduce_add`) gives the dot products.
@@ -78,22 +59,22 @@ def dot_lanes[
         comptime for r in range(rows):
             av[r] = a.unsafe_load[width=W](r * a_stride + d)
         comptime for c in range(cols):
-            var bv = load_f32[b_dtype](b, c * b_stride + d)
+            var bv = b.unsafe_load[width=W](c * b_stride + d)
             comptime for r in range(rows):
                 acc[r * cols + c] += av[r] * bv
     for d in range(main, depth):
         comptime for r in range(rows):
             comptime for c in range(cols):
-                acc[r * cols + c][0] += a.unsafe_load(r * a_stride + d) * load_f32_scalar[b_dtype](b, c * b_stride + d)
+                acc[r * cols + c][0] += a.unsafe_load(r * a_stride + d) * b.unsafe_load(c * b_stride + d)
     return acc^
 
 
 @always_inline
 def dot_block[
-    rows: Int, cols: Int, b_dtype: DType
-](a: FPtr, a_stride: Int, b: DPtr[b_dtype], b_stride: Int, depth: Int) -> Array[Float32, rows * cols]:
+    rows: Int, cols: Int
+](a: FPtr, a_stride: Int, b: FPtr, b_stride: Int, depth: Int) -> Array[Float32, rows * cols]:
     """`dots[r * cols + c] = <a[r, :depth], b[c, :depth]>` for a `rows x cols` block (see `dot_lanes`)."""
-    var acc = dot_lanes[rows, cols, b_dtype](a, a_stride, b, b_stride, depth)
+    var acc = dot_lanes[rows, cols](a, a_stride, b, b_stride, depth)
     var dots = Array[Float32, rows * cols](fill=0)
     comptime for i in range(rows * cols):
         dots[i] = acc[i].reduce_add()

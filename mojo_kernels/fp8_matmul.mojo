@@ -13,7 +13,7 @@ from std.math import min
 from max.algorithm import sync_parallelize
 
 from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32Vec, U8Ptr, F32_WIDTH, ceil_div, dot_lanes, scratch
-from .fp8 import F32V, FP8_MAX, round_to_e4m3
+from .fp8 import F32V, FP8_MAX, round_to_e4m3, widen_e4m3
 
 comptime WEIGHT_ROWS_PER_TASK = 64
 
@@ -105,6 +105,16 @@ def quantize_activations[
     sync_parallelize(block_row_task, num_groups * m_blocks)
 
 
+def widen_weight_rows(w: U8Ptr, dst: FPtr, count: Int):
+    """`dst[i] = e4m3(w[i])` for `count` bytes, vectorized (`fp8.widen_e4m3`)."""
+    comptime W = F32_WIDTH
+    var main = count - count % W
+    for i in range(0, main, W):
+        dst.unsafe_store(i, widen_e4m3(w.unsafe_load[width=W](i)))
+    for i in range(main, count):
+        dst.unsafe_store(i, widen_e4m3(SIMD[DType.uint8, W](w.unsafe_load(i)))[0])
+
+
 @fieldwise_init
 struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
     """One fp8 batched matmul, its activations already quantized."""
@@ -119,9 +129,10 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
     var depth: Int
     var blocks: BlockShape
 
-    def output_block[rows: Int, cols: Int](self, g: Int, m0: Int, n0: Int):
+    def output_block[rows: Int, cols: Int](self, w_rows: FPtr, g: Int, m0: Int, n0: Int):
         """`c[g, m0 : m0 + rows, n0 : n0 + cols]`: per K block, exact fp8 dot products times `sa * sw`.
 
+        `w_rows` holds weight rows `n0 ..` of head `g`, widened to float32.
         The per-block products stay in vector lanes, scaled lane-wise, and
         are summed across lanes once at the end.
         """
@@ -129,7 +140,6 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
         var n_blocks = ceil_div(self.n_out, self.blocks.n)
         var k_blocks = ceil_div(self.depth, self.blocks.k)
         var a_rows = self.a_q.unsafe_offset((g * self.num_rows + m0) * self.depth)
-        var w_rows = self.w.unsafe_offset((g * self.n_out + n0) * self.depth)
         var sa = Array[FPtr, rows](fill=self.a_scale)
         comptime for r in range(rows):
             sa[r] = self.a_scale.unsafe_offset((g * m_blocks + (m0 + r) // self.blocks.m) * k_blocks)
@@ -140,7 +150,7 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
         for kb in range(k_blocks):
             var k0 = kb * self.blocks.k
             var k1 = min(k0 + self.blocks.k, self.depth)
-            var part = dot_lanes[rows, cols, DType.uint8](
+            var part = dot_lanes[rows, cols](
                 a_rows.unsafe_offset(k0), self.depth, w_rows.unsafe_offset(k0), self.depth, k1 - k0
             )
             comptime for r in range(rows):
@@ -151,14 +161,14 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
             comptime for cc in range(cols):
                 self.c.row(g, m0 + r).unsafe_store(n0 + cc, total[r * cols + cc].reduce_add().cast[Self.out_dtype]())
 
-    def output_rows[rows: Int](self, g: Int, m0: Int, n0: Int, n1: Int):
+    def output_rows[rows: Int](self, w_rows: FPtr, g: Int, m0: Int, n0: Int, n1: Int):
         """Columns `n0 .. n1 - 1` of `rows` output rows, in blocks of DOT_COLS columns."""
         var n = n0
         while n + DOT_COLS <= n1:
-            self.output_block[rows, DOT_COLS](g, m0, n)
+            self.output_block[rows, DOT_COLS](w_rows.unsafe_offset((n - n0) * self.depth), g, m0, n)
             n += DOT_COLS
         while n < n1:
-            self.output_block[rows, 1](g, m0, n)
+            self.output_block[rows, 1](w_rows.unsafe_offset((n - n0) * self.depth), g, m0, n)
             n += 1
 
 
@@ -177,9 +187,10 @@ def fp8_batched_matmul[
 ) raises:
     """`c[g, m, n] = sum_kb sa[g, m, kb] * sw[g, n, kb] * sum_{k in kb} a_q[g, m, k] * w[g, n, k]`.
 
-    Quantizes `a` first. Each task takes a slice of one head's weight rows,
-    widens the fp8 bytes in registers inside the dot products and multiplies
-    them with every token, so the weights are read once per call, as bytes.
+    Quantizes `a` first. Each task takes a slice of one head's weight rows
+    (WEIGHT_ROWS_PER_TASK), widens its fp8 bytes to float32 once (a scratch
+    slice that stays in L2) and multiplies it with every token: the weights
+    are read once per call, as bytes, and widened once per call.
     """
     var m_blocks = ceil_div(num_rows, blocks.m)
     var k_blocks = ceil_div(depth, blocks.k)
@@ -192,17 +203,22 @@ def fp8_batched_matmul[
 
     var slices = ceil_div(n_out, WEIGHT_ROWS_PER_TASK)
 
-    def slice_task(i: Int) {var mm, var num_rows, var n_out, var slices}:
+    def slice_task(i: Int) {var mm, var num_rows, var n_out, var depth, var slices}:
         var g = i // slices
         var n0 = (i % slices) * WEIGHT_ROWS_PER_TASK
         var n1 = min(n0 + WEIGHT_ROWS_PER_TASK, n_out)
+        # The slice's weights, widened once for every token.
+        var w_buf = List[Float32](length=(n1 - n0) * depth, fill=0)
+        var w_rows = scratch(w_buf)
+        widen_weight_rows(mm.w.unsafe_offset((g * n_out + n0) * depth), w_rows, (n1 - n0) * depth)
         var m = 0
         while m + DOT_ROWS <= num_rows:
-            mm.output_rows[DOT_ROWS](g, m, n0, n1)
+            mm.output_rows[DOT_ROWS](w_rows, g, m, n0, n1)
             m += DOT_ROWS
         while m < num_rows:
-            mm.output_rows[1](g, m, n0, n1)
+            mm.output_rows[1](w_rows, g, m, n0, n1)
             m += 1
+        _ = w_buf^
 
     sync_parallelize(slice_task, num_groups * slices)
     _ = a_q_buf^
