@@ -244,6 +244,30 @@ def machine(cfg: Config) -> str:
     return f"{cpu_model()}, {torch.get_num_threads()} threads"
 
 
+def relative_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return float((out.float() - ref).norm() / ref.norm())
+
+
+def builtin_rows(out: torch.Tensor, ref: torch.Tensor, offsets: torch.Tensor) -> str:
+    """Where MAX's built-in put what, with several tokens per request (layer 0).
+
+    Its H100/H200 decode kernel (``mla_decoding`` in MAX's ``nn/mla.mojo``) runs
+    one query per request: the request's first token, over all of its
+    ``cache_length + new_tokens`` keys, written to output row ``b`` (the batch
+    index) rather than to the token's row. This compares rows ``0..B-1``
+    with each request's first and last token of the reference.
+    """
+    starts = offsets[:-1].to(torch.int64)
+    firsts, lasts = ref[starts], ref[offsets[1:].to(torch.int64) - 1]
+    batch = out[: len(starts)]
+    return (
+        f"built-in layer 0, rows 0..{len(starts) - 1} vs the reference's first token of each "
+        f"request: rel L2 {relative_l2(batch, firsts):.4f}, vs its last token: "
+        f"{relative_l2(batch, lasts):.4f}; all rows vs their own tokens: {relative_l2(out, ref):.4f}"
+    )
+
+
 def timed(model, args: list, sync) -> float:
     """Seconds for one execution of ``model`` (its device work included)."""
     start = time.perf_counter()
@@ -351,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         step_args = [*shared, *(b for layer in per_layer for b in layer), *kv_inputs]
         layer_ids = [bridge.to_max(torch.tensor(i, dtype=torch.uint32)) for i in range(cfg.layers)]
 
+        if cfg.device == "gpu":
+            torch.cuda.synchronize()  # torch's writes (cache tables, inputs) before MAX's stream reads
         outs = step_model.execute(*step_args)
         sync()
         reports = [
@@ -389,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             for i, r in enumerate(reports):
                 say(f"#   layer {i}: {r.describe()}")
             say(f"#   cache: {cache_report.describe()}")
+        if cfg.impl == "max" and cfg.tokens > 1:
+            say("#   " + builtin_rows(bridge.to_torch(outs[0]).cpu(), expected[0], offsets))
         cache.advance()
 
     say(f"# parity with the reference: {'ALL PASS' if all_passed else 'FAILED'}")
