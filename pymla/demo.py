@@ -22,16 +22,41 @@ CACHE_LENGTHS = (37, 250, 1024, 2000, 3071, 4095)
 NEW_TOKENS = (1, 1, 2, 1, 1, 3)
 
 
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line, in one line (None when nothing is)."""
+    for name in ("heads", "page_size", "repeat"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        return f"--device {args.device!r}: {e}"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device {args.device}: expected cpu or cuda"
+    return None
+
+
 def run(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pymla demo", description=__doc__.splitlines()[0]
+        prog="python -m pymla demo",
+        description="Run the op on DeepSeek-V3-like shapes against the torch reference "
+        "(output and cache), then time both. Exits non-zero when parity fails.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads")
+    parser.add_argument("--page-size", type=int, default=64, help="cache page size in tokens")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="op dtype"
+    )
     parser.add_argument("--device", default="cpu", help="torch device of the inputs (cpu or cuda)")
-    parser.add_argument("--repeat", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=10, help="timed calls")
     args = parser.parse_args(argv)
+    problem = _argument_problem(args)
+    if problem:
+        print(f"pymla demo: {problem}", file=sys.stderr)
+        return 2
 
     dtype = getattr(torch, args.dtype)
     print(

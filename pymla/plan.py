@@ -359,29 +359,37 @@ class DecodePlan:
             model = self.model
             if model is None:
                 model = self.model = runtime.model_for(self.dtype, self.device)
-            buffers = list(self._template)
-            i_out, i_att, i_q, i_rows = (i for i, _ in self._slots[Source.CALL])
-            buffers[i_out] = bridge.to_max(out)
-            buffers[i_q] = bridge.to_max(q)
-            buffers[i_att] = (
-                runtime.empty_buffer(3, self.dtype, self.device)
-                if attention_out is None
-                else bridge.to_max(attention_out)
+            runtime.launch(
+                model,
+                self.device,
+                self.buffers(q, layer, weights, out, attention_out, new_rows),
             )
-            buffers[i_rows] = (
-                runtime.empty_buffer(2, self.dtype, self.device)
-                if new_rows is None
-                else bridge.to_max(new_rows)
-            )
-            for i, name in self._slots[Source.WEIGHTS]:
-                buffers[i] = weights.buffers[name]
-            ((i_layer, _),) = self._slots[Source.LAYER]
-            buffers[i_layer] = runtime.scalar_buffer(layer, torch.uint32)
-            runtime.launch(model, self.device, buffers)
         # The tensors the op writes: their version counters move as the torch op's would.
         for t in (out, self.kv.blocks, attention_out):
             if t is not None:
                 torch.autograd.graph.increment_version(t)
+
+    def buffers(self, q, layer, weights, out, attention_out=None, new_rows=None) -> list:
+        """The kernel's arguments as MAX buffers, in :data:`pymla.args.ARGS` order (no checks)."""
+        buffers = list(self._template)
+        i_out, i_att, i_q, i_rows = (i for i, _ in self._slots[Source.CALL])
+        buffers[i_out] = bridge.to_max(out)
+        buffers[i_q] = bridge.to_max(q)
+        buffers[i_att] = (
+            runtime.empty_buffer(3, self.dtype, self.device)
+            if attention_out is None
+            else bridge.to_max(attention_out)
+        )
+        buffers[i_rows] = (
+            runtime.empty_buffer(2, self.dtype, self.device)
+            if new_rows is None
+            else bridge.to_max(new_rows)
+        )
+        for i, name in self._slots[Source.WEIGHTS]:
+            buffers[i] = weights.buffers[name]
+        ((i_layer, _),) = self._slots[Source.LAYER]
+        buffers[i_layer] = runtime.scalar_buffer(layer, torch.uint32)
+        return buffers
 
 
 def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:

@@ -74,7 +74,7 @@ def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
         log.info(
             "pymla: mla_decode_branch_fp8 for %s, %s %s in %.1f s",
             device,
-            config.dtype,
+            config.dtype.name,
             what,
             seconds,
         )

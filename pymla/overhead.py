@@ -1,0 +1,369 @@
+"""``python -m pymla overhead`` and ``python -m pymla step``: what the Python layer costs.
+
+overhead: host time per :meth:`pymla.DecodePlan.run` minus the time per
+``model.execute`` of the same compiled model on prepared buffers (the floor
+any caller of MAX pays), on a tiny problem so the kernel itself is short.
+The one-shot public call (plan + run) is timed beside them.
+
+step: one decode step of a 61-layer model (DeepSeek-V3 shapes, 16 heads, one
+GPU's share at 8-way tensor parallelism): plan once, run 61 layers; the step's
+wall time beside the sum of its 61 kernel times (execute on prepared buffers;
+on a GPU also the kernels' device time from torch.profiler, and the step
+replayed from a CUDA graph where capture works).
+
+Timings are medians of repeats; on a shared machine repeat and take the best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import platform
+import sys
+import time
+
+import torch
+
+from . import runtime
+from .plan import DecodeOptions, LayerWeights, plan
+from .scenario import make_case
+from .timing import time_call
+
+NUM_LAYERS = 61  # DeepSeek-V3
+HEADS = 16
+
+
+def cpu_model() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _weights(case) -> LayerWeights:
+    w = case.weights
+    g = case.options["scale_granularity"]
+    return LayerWeights(
+        w["w_uk"], w["w_uk_scale"], w["w_uv"], w["w_uv_scale"], case.kv_norm_gamma, g
+    )
+
+
+def _options(case) -> DecodeOptions:
+    return DecodeOptions(**{k: v for k, v in case.options.items() if k != "scale_granularity"})
+
+
+def _timed(fn, device: torch.device, repeat: int, inner: int) -> float:
+    """Median seconds per call of ``fn`` run ``inner`` times back to back (synchronized at the end)."""
+
+    def batch() -> None:
+        for _ in range(inner):
+            fn()
+        _sync(device)
+
+    return time_call(batch, warmup=2, repeat=repeat) / inner
+
+
+def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -> dict:
+    """Seconds per run(), per execute on prepared buffers, and per one-shot call, tiny problem."""
+    dev = torch.device(device)
+    case = make_case(7, dtype=dtype, num_heads=1, cache_lengths=(16,), new_tokens=(1,))
+    case.to(dev)
+    weights = _weights(case)
+    step = plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
+    out = torch.empty(1, 1, 128, dtype=dtype, device=dev)
+    layer = case.layer_idx
+    step.run(case.q, layer, weights, out=out)  # compiles or loads the model
+    model = step.model
+    buffers = step.buffers(case.q, layer, weights, out)
+
+    def execute() -> None:
+        runtime.launch(model, dev, buffers)
+
+    def run() -> None:
+        step.run(case.q, layer, weights, out=out)
+
+    from .op import mla_decode_branch_fp8
+
+    def one_shot() -> None:
+        mla_decode_branch_fp8(*case.args(), **case.options, out=out)
+
+    # Side by side, interleaved, best of three rounds (the machine is shared).
+    rounds = [
+        {name: _timed(fn, dev, repeat, inner) for name, fn in
+         (("execute", execute), ("run", run), ("one_shot", one_shot))}
+        for _ in range(3)
+    ]  # fmt: skip
+    best = {k: min(r[k] for r in rounds) for k in rounds[0]}
+    return {
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "execute_s": best["execute"],
+        "run_s": best["run"],
+        "one_shot_s": best["one_shot"],
+        "run_overhead_s": best["run"] - best["execute"],
+        "one_shot_overhead_s": best["one_shot"] - best["execute"],
+    }
+
+
+def _devices(requested: str) -> list[str]:
+    if requested != "all":
+        return [requested]
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _print_table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    print(title)
+    print("  " + "  ".join(f"{h:>{w}}" for h, w in zip(header, widths, strict=True)))
+    for row in rows:
+        print("  " + "  ".join(f"{x!s:>{w}}" for x, w in zip(row, widths, strict=True)))
+
+
+def _machine() -> dict:
+    info = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _save(path: str | None, payload: dict) -> None:
+    if path:
+        pathlib.Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"saved {path}")
+
+
+def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+
+
+def run_overhead(argv: list[str] | None = None) -> int:
+    parser = _parser(
+        "python -m pymla overhead",
+        "Host overhead per run(): time per run() minus time per execute of the same "
+        "compiled model on prepared buffers (1 request, 1 new token, 16 cached tokens, 1 head).",
+    )
+    parser.add_argument("--device", default="all", help="cpu, cuda, or all available")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="op dtype"
+    )
+    parser.add_argument("--repeat", type=int, default=15, help="timed batches per measurement")
+    parser.add_argument("--inner", type=int, default=100, help="calls per timed batch")
+    parser.add_argument("--json", metavar="PATH", help="also save the results as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        devices = _devices(args.device)
+        results = [
+            measure_overhead(d, getattr(torch, args.dtype), args.repeat, args.inner)
+            for d in devices
+        ]
+    except (RuntimeError, ValueError, TypeError) as e:
+        print(f"pymla overhead: {e}", file=sys.stderr)
+        return 1
+    machine = _machine()
+    us = 1e6
+    _print_table(
+        f"pymla host overhead per call ({machine['cpu']}, {machine['threads']} threads"
+        + (f", {machine['gpu']}" if "gpu" in machine else "")
+        + "), microseconds, best of 3 rounds",
+        (
+            "device",
+            "dtype",
+            "execute",
+            "run()",
+            "run() - execute",
+            "one-shot",
+            "one-shot - execute",
+        ),
+        [
+            (
+                r["device"],
+                r["dtype"],
+                f"{r['execute_s'] * us:.1f}",
+                f"{r['run_s'] * us:.1f}",
+                f"{r['run_overhead_s'] * us:.1f}",
+                f"{r['one_shot_s'] * us:.1f}",
+                f"{r['one_shot_overhead_s'] * us:.1f}",
+            )
+            for r in results
+        ],
+    )
+    _save(args.json, {"machine": machine, "results": results})
+    return 0
+
+
+# ---------------------------------------------------------------- decode step
+
+
+def _gpu_kernel_seconds(fn, device: torch.device) -> float | None:
+    """Device time of the CUDA kernels ``fn`` launches (torch.profiler sees MAX's kernels too)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync(device)
+    total_us = sum(
+        e.device_time_total for e in prof.key_averages() if getattr(e, "device_time_total", 0)
+    )
+    return total_us / 1e6 if total_us else None
+
+
+def measure_step(device: str, dtype: torch.dtype, batch: int, context: int, repeat: int) -> dict:
+    dev = torch.device(device)
+    case = make_case(
+        11,
+        dtype=dtype,
+        num_heads=HEADS,
+        page_size=64,
+        cache_lengths=(context,) * batch,
+        new_tokens=(1,) * batch,
+        num_layers=NUM_LAYERS,
+        layer_idx=0,
+        extra_rows=0,
+    )
+    case.to(dev)
+    g = torch.Generator(device="cpu").manual_seed(12)
+    qs = [
+        torch.randn(case.q.shape, generator=g).to(dtype=dtype, device=dev)
+        for _ in range(NUM_LAYERS)
+    ]
+    weights = [_weights(case) for _ in range(NUM_LAYERS)]  # same values, one object per layer
+    outs = [torch.empty(batch, HEADS, 128, dtype=dtype, device=dev) for _ in range(NUM_LAYERS)]
+    options = _options(case)
+
+    def step() -> None:
+        s = plan(case.cache, case.input_row_offsets, case.freqs_cis, options, check_values=False,
+                 num_tokens=batch)  # fmt: skip
+        for layer in range(NUM_LAYERS):
+            s.run(qs[layer], layer, weights[layer], out=outs[layer])
+
+    def checked_step() -> None:
+        s = plan(case.cache, case.input_row_offsets, case.freqs_cis, options)
+        for layer in range(NUM_LAYERS):
+            s.run(qs[layer], layer, weights[layer], out=outs[layer])
+
+    step()
+    _sync(dev)
+    prepared = plan(case.cache, case.input_row_offsets, case.freqs_cis, options)
+    prepared.run(qs[0], 0, weights[0], out=outs[0])
+    model = prepared.model
+    buffers = [
+        prepared.buffers(qs[layer], layer, weights[layer], outs[layer])
+        for layer in range(NUM_LAYERS)
+    ]
+
+    def kernels_only() -> None:
+        for b in buffers:
+            runtime.launch(model, dev, b)
+
+    def synced(fn):
+        def call() -> None:
+            fn()
+            _sync(dev)
+
+        return call
+
+    result = {
+        "device": device,
+        "dtype": str(dtype).removeprefix("torch."),
+        "layers": NUM_LAYERS,
+        "heads": HEADS,
+        "batch": batch,
+        "context": context,
+    }
+    # Side by side, interleaved, best of three rounds (the machine is shared).
+    timed = (("step_s", step), ("checked_step_s", checked_step), ("execute_sum_s", kernels_only))
+    rounds = [
+        {key: time_call(synced(fn), warmup=1, repeat=repeat) for key, fn in timed} for _ in range(3)
+    ]
+    result.update({key: min(r[key] for r in rounds) for key, _ in timed})
+    if dev.type == "cuda":
+        result["gpu_kernel_s"] = _gpu_kernel_seconds(step, dev)
+        try:
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                step()  # warm on the side stream, as torch.cuda.graph recommends
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            with torch.cuda.graph(graph):
+                step()
+            result["replay_s"] = time_call(synced(graph.replay), warmup=1, repeat=repeat)
+        except Exception as e:  # reported, not fatal: capture depends on MAX's runtime
+            result["replay_s"] = None
+            result["replay_error"] = f"{type(e).__name__}: {e}"
+    return result
+
+
+def run_step(argv: list[str] | None = None) -> int:
+    parser = _parser(
+        "python -m pymla step",
+        f"One decode step: plan once, run {NUM_LAYERS} layers (DeepSeek-V3 shapes, {HEADS} heads); "
+        "step wall time against the sum of its kernel times.",
+    )
+    parser.add_argument("--device", default="all", help="cpu, cuda, or all available")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="op dtype"
+    )
+    parser.add_argument("--batch", type=int, default=4, help="requests, one new token each")
+    parser.add_argument("--context", type=int, default=512, help="cached tokens per request")
+    parser.add_argument("--repeat", type=int, default=5, help="timed steps per measurement")
+    parser.add_argument("--json", metavar="PATH", help="also save the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.batch < 1 or args.context < 0:
+        print("pymla step: --batch must be >= 1 and --context >= 0", file=sys.stderr)
+        return 2
+    try:
+        results = [
+            measure_step(d, getattr(torch, args.dtype), args.batch, args.context, args.repeat)
+            for d in _devices(args.device)
+        ]
+    except (RuntimeError, ValueError, TypeError) as e:
+        print(f"pymla step: {e}", file=sys.stderr)
+        return 1
+    machine = _machine()
+    ms = 1e3
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x * ms:.3f}"
+
+    _print_table(
+        f"pymla decode step, {NUM_LAYERS} layers, {HEADS} heads, batch {args.batch}, "
+        f"context {args.context} ({machine['cpu']}, {machine['threads']} threads"
+        + (f", {machine['gpu']}" if "gpu" in machine else "")
+        + "), milliseconds",
+        ("device", "step", "step (checked)", "sum of executes", "step / executes",
+         "GPU kernels", "replayed"),
+        [
+            (
+                r["device"],
+                fmt(r["step_s"]),
+                fmt(r["checked_step_s"]),
+                fmt(r["execute_sum_s"]),
+                f"{r['step_s'] / r['execute_sum_s']:.3f}",
+                fmt(r.get("gpu_kernel_s")),
+                fmt(r.get("replay_s")),
+            )
+            for r in results
+        ],
+    )  # fmt: skip
+    for r in results:
+        if r.get("replay_error"):
+            print(f"  {r['device']}: CUDA graph capture failed: {r['replay_error']}")
+    print(
+        "  step: plan(check_values=False) + 61 run(); step (checked): plan with every value check;\n"
+        "  sum of executes: the 61 model.execute calls on prepared buffers (the floor)."
+    )
+    _save(args.json, {"machine": machine, "results": results, "time": time.time()})
+    return 0
