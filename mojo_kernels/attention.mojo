@@ -15,9 +15,8 @@ Partitions are merged with their log-sum-exp at the end.
 
 from std.math import exp, min
 from std.utils.numerics import neg_inf
-from max.algorithm import sync_parallelize
 
-from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32_WIDTH, ceil_div, dot_block, scratch
+from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32_WIDTH, ceil_div, dot_block, run_tasks, scratch
 from .cpu_bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16, unpermute_value_columns
 from .paged_cache import PagedLatentRows, RaggedBatch
 
@@ -370,7 +369,10 @@ def attend_partitions[
                 dst.unsafe_store(c, src.unsafe_load(c))
         _ = rows^
 
-    sync_parallelize(task, batch.num_requests * tasks_per_request)
+    var keys = 0
+    for b in range(batch.num_requests):
+        keys += batch.visible(b)
+    run_tasks(task, batch.num_requests * tasks_per_request, keys * shape.num_heads * shape.key_dim)
 
 
 def merge_partitions[
@@ -413,4 +415,4 @@ def merge_partitions[
                 dst.unsafe_store(c, acc.cast[dtype]())
             c += width
 
-    sync_parallelize(row_task, rows)
+    run_tasks(row_task, rows, rows * shape.kv_lora_rank * shape.num_partitions)

@@ -2,6 +2,7 @@
 
 from std.memory import Pointer
 from std.sys.info import simd_width_of
+from max.algorithm import sync_parallelize
 
 comptime FPtr = Pointer[Float32, MutUntrackedOrigin]
 """An untracked pointer to float32 scratch or tensor data."""
@@ -28,6 +29,23 @@ def scratch_of[dtype: DType](mut buffer: List[Scalar[dtype]]) -> DPtr[dtype]:
 
 def ceil_div(a: Int, b: Int) -> Int:
     return (a + b - 1) // b
+
+
+comptime PARALLEL_MIN_WORK = 1 << 18
+"""Below this many values touched, a stage runs in the calling thread: a
+parallel dispatch and its barrier cost more than the work (tens of
+microseconds on a quiet machine, milliseconds when the cores are shared)."""
+
+
+@always_inline
+def run_tasks[FuncType: def(Int) raises -> None](func: FuncType, count: Int, work: Int) raises:
+    """`func(0) .. func(count - 1)`: in parallel (`sync_parallelize`), or in
+    this thread when `work` (values the stage touches) is below PARALLEL_MIN_WORK."""
+    if work < PARALLEL_MIN_WORK or count <= 1:
+        for i in range(count):
+            func(i)
+    else:
+        sync_parallelize(func, count)
 
 
 comptime DOT_ROWS = 4

@@ -10,9 +10,8 @@ exact fp8 products are summed and scaled by `sa * sw`.
 """
 
 from std.math import min
-from max.algorithm import sync_parallelize
 
-from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32Vec, U8Ptr, F32_WIDTH, ceil_div, dot_lanes, scratch
+from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32Vec, U8Ptr, F32_WIDTH, ceil_div, dot_lanes, run_tasks, scratch
 from .fp8 import F32V, FP8_MAX, round_to_e4m3, widen_e4m3
 
 comptime WEIGHT_ROWS_PER_TASK = 64
@@ -102,7 +101,7 @@ def quantize_activations[
                     var x = F32V(src.unsafe_load(k).cast[DType.float32]() / s)
                     dst.unsafe_store(k, round_to_e4m3(min(max(x, -FP8_MAX), FP8_MAX))[0])
 
-    sync_parallelize(block_row_task, num_groups * m_blocks)
+    run_tasks(block_row_task, num_groups * m_blocks, num_groups * num_rows * depth)
 
 
 def widen_weight_rows(w: U8Ptr, dst: FPtr, count: Int):
@@ -220,6 +219,6 @@ def fp8_batched_matmul[
             m += 1
         _ = w_buf^
 
-    sync_parallelize(slice_task, num_groups * slices)
+    run_tasks(slice_task, num_groups * slices, num_groups * n_out * depth * max(num_rows, 1))
     _ = a_q_buf^
     _ = a_scale_buf^

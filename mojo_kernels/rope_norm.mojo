@@ -1,9 +1,8 @@
 """Steps 1, 2 and 4: RoPE on q and on the new cache rows, RMSNorm of their latent part."""
 
 from std.math import sqrt
-from max.algorithm import sync_parallelize
 
-from .common import DPtr, FPtr, F32_WIDTH
+from .common import DPtr, FPtr, F32_WIDTH, run_tasks
 from .paged_cache import PagedLatentRows, RaggedBatch
 
 
@@ -79,7 +78,8 @@ def rotate_and_normalize_new_rows[
                 rope_dim,
             )
 
-    sync_parallelize(request_task, num_requests)
+    var rows = batch.stop(num_requests - 1) - batch.start(0) if num_requests > 0 else 0
+    run_tasks(request_task, num_requests, rows * (kv_lora_rank + rope_dim))
 
 
 def rope_queries_into_q_full[
@@ -115,4 +115,5 @@ def rope_queries_into_q_full[
                     rope_dim,
                 )
 
-    sync_parallelize(request_task, num_requests)
+    var rows = batch.stop(num_requests - 1) - batch.start(0) if num_requests > 0 else 0
+    run_tasks(request_task, num_requests, rows * num_heads * rope_dim)
