@@ -28,6 +28,7 @@ packages that are not pymla's dependencies, so this example does not use it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import sys
@@ -289,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compare-with",
+        choices=("max", "pymla"),
+        help="also run each step with this implementation in the same graph, on the same inputs "
+        "and cache (max: MAX's built-in, GPU only; pymla on the CPU checks this comparison itself)",
+    )
     p.add_argument("--log", help="also write the printed lines to this file")
     a = p.parse_args(argv)
     cfg = Config(
@@ -309,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     step_model = session.load(build_graph(cfg, list(range(cfg.layers))))
     one_model = session.load(build_graph(cfg, None))
+    peer = dataclasses.replace(cfg, impl=a.compare_with) if a.compare_with else None
+    peer_model = session.load(build_graph(peer, list(range(cfg.layers)))) if peer else None
     say(
         f"# compiled the {cfg.layers}-layer step graph and the one-op graph in {time.perf_counter() - start:.1f} s"
     )
@@ -379,9 +388,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()  # torch's writes (cache tables, inputs) before MAX's stream reads
         outs = step_model.execute(*step_args)
         sync()
-        reports = [
-            compare_output(bridge.to_torch(o).cpu(), e) for o, e in zip(outs, expected, strict=True)
-        ]
+        outs = [bridge.to_torch(o).cpu() for o in outs]
+        reports = [compare_output(o, e) for o, e in zip(outs, expected, strict=True)]
         cache_report = compare_cache(
             before, cache.blocks.cpu(), reference.blocks, new_rows_mask(cache)
         )
@@ -416,7 +424,39 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"#   layer {i}: {r.describe()}")
             say(f"#   cache: {cache_report.describe()}")
         if cfg.impl == "max" and cfg.tokens > 1:
-            say("#   " + builtin_rows(bridge.to_torch(outs[0]).cpu(), expected[0], offsets))
+            say("#   " + builtin_rows(outs[0], expected[0], offsets))
+        if peer_model is not None:
+            # The same step with the other implementation, from the same cache, then back.
+            mine = cache.blocks.clone()
+            cache.blocks.copy_(before.to(dev))  # same storage: kv_inputs still point at it
+            for b in range(cfg.batch):  # every layer's raw rows, for either convention
+                for layer in range(cfg.layers):
+                    rows = kvs[layer][b * cfg.tokens : (b + 1) * cfg.tokens]
+                    cache.write(b, layer, cache.length(b), rows)
+            peer_args = [
+                *shared,
+                *(
+                    x
+                    for i, layer in enumerate(layers)
+                    for x in buffers(peer, layer.tensors(qs[i], kvs[i]))
+                ),
+                *kv_inputs,
+            ]
+            if cfg.device == "gpu":
+                torch.cuda.synchronize()
+            peer_outs = peer_model.execute(*peer_args)
+            sync()
+            peer_outs = [bridge.to_torch(o).cpu() for o in peer_outs]
+            vs_ref = max(relative_l2(o, e) for o, e in zip(peer_outs, expected, strict=True))
+            vs_mine = max(relative_l2(o, m) for o, m in zip(peer_outs, outs, strict=True))
+            peer_s = min(timed(peer_model, peer_args, sync) for _ in range(cfg.repeats))
+            say(
+                f"#   {peer.impl} in the same graph: max rel L2 vs the reference {vs_ref:.4f}, "
+                f"vs {cfg.impl} {vs_mine:.4f}; its step {peer_s * 1e3:.2f} ms"
+            )
+            if peer.impl == "max" and cfg.tokens > 1:
+                say("#   " + builtin_rows(peer_outs[0], expected[0], offsets))
+            cache.blocks.copy_(mine)
         cache.advance()
 
     say(f"# parity with the reference: {'ALL PASS' if all_passed else 'FAILED'}")
