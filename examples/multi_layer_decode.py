@@ -23,6 +23,7 @@ packages that are not pymla's dependencies, so this example does not use it.
     python examples/multi_layer_decode.py                   # CPU, 4 layers, 16 heads
     python examples/multi_layer_decode.py --device gpu --log benchmarks/results/max_native_h200.log
     python examples/multi_layer_decode.py --device gpu --impl max --tokens 2   # MAX's built-in
+    python examples/multi_layer_decode.py --device gpu --compare-with max      # both, same inputs
 """
 
 from __future__ import annotations
