@@ -3,12 +3,19 @@
 Keys are whole cache rows (`kv_lora_rank + rope_dim` values), values their
 first `kv_lora_rank`. One task takes a request, a group of heads and a
 partition of the request's keys. Its rows are the (token, head) pairs of the
-request and group; every key tile is widened to float32 once and shared by
-all rows, so the cache is read once per head group. Per tile:
+request and group; every key tile is shared by all rows, so the cache is read
+once per head group. Per tile:
 
-- scores: `S = Q K^T`, with the register-blocked `dot_block` of common.mojo;
-- online softmax per row, one SIMD vector over the tile's keys;
-- `O = O * correction + P V`, register-blocked `ROW_BLOCK x COL_BLOCK` vectors.
+- scores: `S = Q K^T`;
+- online softmax per row in float32, one SIMD vector over the tile's keys;
+  the row sums take the float32 probabilities, P V gets them rounded to dtype;
+- `O = O * correction + P V`.
+
+Two paths compute the products (`attend_tiles_f32`, `attend_tiles_bf16`):
+the tile widened to float32 once, with the register-blocked `dot_block` of
+common.mojo and `ROW_BLOCK x COL_BLOCK` FMA blocks (every dtype, every CPU);
+or, for bfloat16 caches on CPUs with AVX512-BF16, `vdpbf16ps` on the cache
+rows in place (`cpu_bf16.mojo`). Both sum the same products in float32.
 
 Partitions are merged with their log-sum-exp at the end.
 """

@@ -7,13 +7,19 @@ FMAs and without widening the keys first. Both kernels read the cache rows
 in place through one pointer per key of the tile.
 
 * Scores `S[r, j] = <q[r], K[j]>`: a `4 x 4` block of (row, key) dot products
-  keeps 16 accumulators of 16 lanes over 32-value steps of the key dim and
-  sums the lanes once at the end.
-* `O[r] = O[r] * corr[r] + sum_j P[r, j] V[j]`: keys are taken in pairs,
-  `(V[j, c], V[j + 1, c])` interleaved so that one `vdpbf16ps` with the
-  broadcast pair `(P[r, j], P[r, j + 1])` adds both keys to 16 columns.
+  keeps 16 accumulators of 16 lanes over 32-value steps of the key dim; one
+  transposing tree (`sum_lanes_of_16`) sums all 16 at the end.
+* `O[r] = O[r] * corr[r] + sum_j P[r, j] V[j]`: keys are taken in pairs whose
+  values are interleaved within 128-bit lanes (`pair_low`, `pair_high`), so
+  one `vdpbf16ps` with the broadcast pair `(P[r, j], P[r, j + 1])` adds both
+  keys to 16 columns; `8 x 32`-column register blocks. The accumulators keep
+  each 32-column chunk in a fixed permuted order, restored once per task.
 
-Which path runs is chosen per call (`cpu_pipeline.cpu_path`).
+Which path runs is chosen per call (`cpu_pipeline.use_bf16_units`,
+`PYMLA_CPU_PATH`). AMX (`tdpbf16ps`) is not implemented: the machine this was
+developed on (AMD EPYC, Zen 4 class: AVX512-BF16, no AMX) could not test it,
+and untested code is not shipped. CPUs with AMX also have AVX512-BF16, so
+`auto` takes this path there.
 """
 
 from std.memory import bitcast
