@@ -128,11 +128,24 @@ def _queues_for(device: torch.device) -> _Queues:
 
 def launch(model: engine.Model, device: torch.device, buffers: list) -> None:
     """Runs the op: on the CPU now; on a GPU ordered after torch's current stream, before its next work."""
+    execute = _executor(model)
     if device.type == "cpu":
-        model.execute(*buffers)
+        execute(buffers)
         return
     queues = _queues_for(device)
     current = torch.cuda.current_stream(device)
     queues.stream.wait_stream(current)  # MAX's queue waits for the inputs
-    model.execute(*buffers)
+    execute(buffers)
     current.wait_stream(queues.stream)  # torch's next work waits for the outputs
+
+
+def _executor(model: engine.Model):
+    """``model.execute`` without its per-argument Python checks, where this MAX allows.
+
+    ``Model.execute(*args)`` checks each argument's type and contiguity in
+    Python, then calls ``_execute_device_tensors``; pymla passes only MAX
+    buffers of tensors it checked contiguous, so it calls the native method
+    directly when it exists (about 30 us less per call on the CPU here).
+    """
+    native = getattr(model, "_execute_device_tensors", None)
+    return native if native is not None else lambda buffers: model.execute(*buffers)
