@@ -10,7 +10,9 @@ kernels on the stream of the op's `DeviceContext` (entry:
                                 `pymla/quant.py`, bit for bit), kept dequantized in float32
      `fp8_matmul_kernel`        `q_full[:, :, :R] = a_dq @ dq(w_uk).T` per head, fp8 widened
                                 in registers
-5.   `attention_mma_kernel`     (gpu_attention_mma.mojo) tensor cores, bf16 / f16 caches, or
+5.   `attention_wgmma_kernel`   (gpu_attention_wgmma.mojo) Hopper warpgroup tensor cores,
+                                64 packed rows per block (many heads), or
+     `attention_mma_kernel`     (gpu_attention_mma.mojo) tensor cores, bf16 / f16 caches, or
      `attention_fma_kernel`     float32 FMA (float32 caches, other sizes): one block per
                                 (request, tile of rows, key partition); all (token, head) rows
                                 of the block share each key tile read from the paged cache
@@ -50,6 +52,13 @@ from .gpu_common import (
 )
 from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
 from .gpu_attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
+from .gpu_attention_wgmma import (
+    WG_BLOCK_THREADS,
+    WG_ROWS,
+    attention_wgmma_kernel,
+    attention_wgmma_smem_bytes,
+    wgmma_supported,
+)
 from .fp8 import FP8_MAX
 from .fp8_matmul import Granularity
 from .paged_cache import PagedLatentRows
@@ -91,6 +100,11 @@ comptime USE_TENSOR_CORES = True
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
 comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
 comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64 == 0
+# The warpgroup kernel (gpu_attention_wgmma.mojo) in the same tuple: 4 groups = its 64 rows,
+# keys per tile, 0 warps per group marks it (two warpgroups of 4 warps).
+comptime WGMMA_SHAPE = (WG_ROWS // MMA_ROWS, 64, 0)
+comptime WGMMA_MIN_HEADS = 64  # heads (rows per token) from which it fills its 64-row tiles
+comptime USE_WGMMA = False  # the op's default for many heads once verified on the H200 (pinned shapes test it)
 comptime MMA_REGISTERS = 256  # registers per thread the tensor-core kernels use (ptxas: 208-255)
 comptime SM_REGISTERS = 65536
 comptime SM_SHARED_MEMORY = 228 * 1024
@@ -924,7 +938,8 @@ def gpu_attention[
     `force_fma` skips the tensor-core kernel (for tests). `mma_groups > 0`
     pins the tensor-core kernel's shape to (`mma_groups` 16-row groups per
     block, `mma_kt` keys per tile, `mma_gw` warps per group; for timing the
-    variants); by default the shape is one of the `MMA_*` constants.
+    variants; `mma_gw = 0` pins the warpgroup kernel with `mma_kt` keys per
+    tile); by default the shape is `WGMMA_SHAPE` or one of the `MMA_*` constants.
     """
     if num_tokens == 0 or num_heads == 0:
         return
@@ -936,11 +951,16 @@ def gpu_attention[
     var shape = (0, 0, 0)  # (groups, kt, gw); groups 0 = the FMA kernel
     comptime if USE_TENSOR_CORES and (dtype == DType.bfloat16 or dtype == DType.float16):
         if not force_fma:
-            comptime if mma_groups > 0:
+            comptime if mma_groups > 0 and mma_gw == 0:
+                if wgmma_supported[dtype](key_dim, kv_lora_rank):
+                    shape = PINNED
+            elif mma_groups > 0:
                 if mma_supported[dtype, mma_gw](key_dim, kv_lora_rank):
                     shape = PINNED
             else:
-                if num_heads >= 2 * MMA_ROWS and mma_supported[dtype, MMA_MANY_HEADS[2]](key_dim, kv_lora_rank):
+                if USE_WGMMA and num_heads >= WGMMA_MIN_HEADS and wgmma_supported[dtype](key_dim, kv_lora_rank):
+                    shape = WGMMA_SHAPE
+                elif num_heads >= 2 * MMA_ROWS and mma_supported[dtype, MMA_MANY_HEADS[2]](key_dim, kv_lora_rank):
                     shape = MMA_MANY_HEADS
                 elif mma_supported[dtype, MMA_FEW_HEADS[2]](key_dim, kv_lora_rank):
                     shape = MMA_FEW_HEADS
@@ -948,7 +968,9 @@ def gpu_attention[
                     shape = MMA_FEW_HEADS_SMALL_RANK
     var rows_per_block = ATT_ROWS
     var blocks_per_sm = 1  # FMA kernel: 256 threads at up to 255 registers
-    if shape[0] > 0:
+    if shape[0] > 0 and shape[2] == 0:
+        rows_per_block = WG_ROWS
+    elif shape[0] > 0:
         rows_per_block = shape[0] * MMA_ROWS
         var threads = shape[0] * shape[2] * WARP_SIZE
         var smem = attention_mma_smem_bytes[dtype](shape[0], shape[1], shape[2], key_dim)
@@ -1029,12 +1051,48 @@ def gpu_attention[
             func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
         )
 
+    @always_inline
+    def launch_wgmma[kt: Int]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
+        var smem = attention_wgmma_smem_bytes[dtype](kt, key_dim)
+        ctx.enqueue_function[attention_wgmma_kernel[dtype, kt]](
+            q_full,
+            cache.blocks,
+            cache.lookup_table,
+            Int32(cache.pages_per_request),
+            Int32(cache.page_size),
+            Int64(cache.page_stride),
+            Int64(cache.layer_offset),
+            input_row_offsets,
+            cache_lengths,
+            Int32(num_requests),
+            Int32(num_heads),
+            Int32(kv_lora_rank),
+            Int32(key_dim),
+            Int32(parts),
+            scale,
+            Int32(mask.kind),
+            Int32(mask.window),
+            Int32(score_mod),
+            raw,
+            part_out,
+            part_max,
+            part_sum,
+            grid_dim=(attention_slots(num_tokens, num_heads, num_requests, WG_ROWS), parts),
+            block_dim=WG_BLOCK_THREADS,
+            shared_mem_bytes=smem,
+            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+        )
+
     if shape[0] > 0:
         comptime if dtype == DType.bfloat16 or dtype == DType.float16:
-            comptime if mma_groups > 0:
+            comptime if mma_groups > 0 and mma_gw == 0:
+                launch_wgmma[mma_kt]()
+            elif mma_groups > 0:
                 launch_mma[PINNED]()
             else:
-                if shape == MMA_MANY_HEADS:
+                if shape == WGMMA_SHAPE:
+                    launch_wgmma[WGMMA_SHAPE[1]]()
+                elif shape == MMA_MANY_HEADS:
                     launch_mma[MMA_MANY_HEADS]()
                 elif shape == MMA_FEW_HEADS:
                     launch_mma[MMA_FEW_HEADS]()

@@ -28,12 +28,14 @@ from mojo_kernels.fp8_matmul import Granularity
 from mojo_kernels.gpu import (
     MMA_FEW_HEADS,
     MMA_MANY_HEADS,
+    WGMMA_SHAPE,
     gpu_attention,
     gpu_build_q_full,
     gpu_project_output,
     gpu_rotate_and_normalize_new_rows,
     mla_decode_branch_fp8_gpu,
 )
+from mojo_kernels.gpu_attention_wgmma import wgmma_supported
 from mojo_kernels.paged_cache import PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 
@@ -708,6 +710,11 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         # The tensor-core shape for small kv_lora_rank (the op picks it only when the others do not fit).
         d.attention[1, 32, 4](ctx, c, q_full_buf, raw_buf, 2)
         ok = check_close("raw (tensor cores 1 x 32 x 4, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+        # The warpgroup (wgmma) kernel on every case it supports, whatever the head count.
+        if wgmma_supported[dtype](c.key_dim, c.rank):
+            for parts in [1, 3]:
+                d.attention[WGMMA_SHAPE[0], WGMMA_SHAPE[1], 0](ctx, c, q_full_buf, raw_buf, parts)
+                ok = check_close(String("raw (wgmma, ", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         # Restore the op's own raw for the output stage.
         d.attention(ctx, c, q_full_buf, raw_buf, 0)
 
@@ -871,7 +878,7 @@ def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cac
     bench_attention[dtype, 0, 0](ctx, c, d, q_full, raw, iters, List[Float32](length=rows * c.rank, fill=0))
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
     # (groups, kt, warps per group): a launch that asks for too many registers is reported, not fatal.
-    comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8)]
+    comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8), (4, 32, 0), (4, 64, 0)]
     comptime for v in VARIANTS:
         try:
             bench_attention[dtype, v[0], v[1], v[2]](ctx, c, d, q_full, raw, iters, expected)
