@@ -26,7 +26,7 @@ from std.memory import bitcast
 from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
 
-from .common import FPtr
+from .common import FPtr, sum_lanes_of_16
 
 comptime HAS_AVX512_BF16 = CompilationTarget._has_feature["avx512bf16"]()
 """Whether the CPU the op is compiled for (MAX compiles it on the machine that runs it) has the unit."""
@@ -45,42 +45,6 @@ comptime PV_ROWS_TAIL = 4  # rows of the last block (task rows are padded to a m
 def dpbf16(acc: F32x16, a: BF16x32, b: BF16x32) -> F32x16:
     """`acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1]`, products exact, sums in float32."""
     return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", F32x16](acc, a, b)
-
-
-@always_inline
-def sum_lanes_of_16(v: Array[F32x16, 16]) -> F32x16:
-    """`out[i] = v[i].reduce_add()`: a transposing tree of 15 adds (8 + 4 + 2 + 1 vectors).
-
-    Level by level, pairs of vectors are split into their even and odd
-    blocks of 8, 4, 2, 1 lanes and added, so that each output vector holds
-    the partial sums of twice as many inputs in half as many lanes.
-    """
-    var l8 = Array[F32x16, 8](fill=F32x16(0))
-    comptime for i in range(8):
-        var x = v[2 * i]
-        var y = v[2 * i + 1]
-        l8[i] = x.shuffle[0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23](y) + x.shuffle[
-            8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-        ](y)
-    var l4 = Array[F32x16, 4](fill=F32x16(0))
-    comptime for i in range(4):
-        var x = l8[2 * i]
-        var y = l8[2 * i + 1]
-        l4[i] = x.shuffle[0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27](y) + x.shuffle[
-            4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
-        ](y)
-    var l2 = Array[F32x16, 2](fill=F32x16(0))
-    comptime for i in range(2):
-        var x = l4[2 * i]
-        var y = l4[2 * i + 1]
-        l2[i] = x.shuffle[0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29](y) + x.shuffle[
-            2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
-        ](y)
-    var x = l2[0]
-    var y = l2[1]
-    return x.shuffle[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30](y) + x.shuffle[
-        1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
-    ](y)
 
 
 def tile_scores_bf16[

@@ -11,7 +11,7 @@ exact fp8 products are summed and scaled by `sa * sw`.
 
 from std.math import min
 
-from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32Vec, U8Ptr, F32_WIDTH, ceil_div, dot_lanes, run_tasks, scratch
+from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32Vec, U8Ptr, F32_WIDTH, ceil_div, dot_lanes, run_tasks, scratch, sum_lanes
 from .fp8 import F32V, FP8_MAX, round_to_e4m3, widen_e4m3
 
 comptime WEIGHT_ROWS_PER_TASK = 64
@@ -156,9 +156,10 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
                 var s_a = sa[r].unsafe_load(kb)
                 comptime for cc in range(cols):
                     total[r * cols + cc] += part[r * cols + cc] * (s_a * sw[cc].unsafe_load(kb))
+        var sums = sum_lanes(total)
         comptime for r in range(rows):
             comptime for cc in range(cols):
-                self.c.row(g, m0 + r).unsafe_store(n0 + cc, total[r * cols + cc].reduce_add().cast[Self.out_dtype]())
+                self.c.row(g, m0 + r).unsafe_store(n0 + cc, sums[r * cols + cc].cast[Self.out_dtype]())
 
     def output_rows[rows: Int](self, w_rows: FPtr, g: Int, m0: Int, n0: Int, n1: Int):
         """Columns `n0 .. n1 - 1` of `rows` output rows, in blocks of DOT_COLS columns."""
