@@ -40,6 +40,7 @@ def test_wheel_ships_the_kernels_and_runs_from_another_directory(tmp_path):
             str(ROOT),
         ],
         check=True,
+        env=dict(os.environ),  # not the C environment: max.nn putenv()s PYTHONEXECUTABLE
     )
     (wheel,) = wheels.glob("pymla-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -60,6 +61,7 @@ def test_wheel_ships_the_kernels_and_runs_from_another_directory(tmp_path):
             str(wheel),
         ],
         check=True,
+        env=dict(os.environ),  # not the C environment: max.nn putenv()s PYTHONEXECUTABLE
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
