@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -106,6 +107,7 @@ def test_demo_command_succeeds():
         capture_output=True,
         text=True,
         timeout=600,
+        env=dict(os.environ),  # not the C environment: max.nn putenv()s PYTHONEXECUTABLE
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "PARITY OK" in result.stdout
