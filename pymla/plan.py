@@ -247,7 +247,6 @@ class DecodePlan:
             source: [(i, a.name) for i, a in enumerate(ARGS) if a.source is source]
             for source in Source
         }
-        self._weights_checked: set[int] = set()
 
     # ------------------------------------------------------------------ run
 
@@ -323,9 +322,7 @@ class DecodePlan:
             v.check_shape(name, t, shape, "from the plan and the weights")
 
     def _check_weights(self, weights: LayerWeights) -> None:
-        if id(weights) in self._weights_checked:
-            return
-        if not isinstance(weights, LayerWeights):
+        if type(weights) is not LayerWeights and not isinstance(weights, LayerWeights):
             raise TypeError(f"weights: expected a pymla.LayerWeights, got {type(weights).__name__}")
         for what, got, expected in (
             ("dtype", weights.dtype, self.dtype),
@@ -334,7 +331,6 @@ class DecodePlan:
         ):
             if got != expected:
                 raise ValueError(f"weights: expected {what} {expected} (the cache's), got {got}")
-        self._weights_checked.add(id(weights))
 
     def _launch(self, q, layer, weights, out, attention_out, new_rows) -> None:
         if torch.compiler.is_compiling():

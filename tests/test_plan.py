@@ -178,6 +178,12 @@ def test_run_checks_shapes_dtypes_and_layer():
         step.run(case.q, 2, weights)
     with pytest.raises(TypeError, match=r"^weights: expected a pymla.LayerWeights"):
         step.run(case.q, case.layer_idx, case.weights)
+    w = case.weights
+    f32 = pymla.LayerWeights(
+        w["w_uk"], w["w_uk_scale"], w["w_uv"], w["w_uv_scale"], case.kv_norm_gamma.float()
+    )
+    with pytest.raises(ValueError, match=r"^weights: expected dtype torch.bfloat16"):
+        step.run(case.q, case.layer_idx, f32)
     out = torch.empty(case.q.shape[0], 4, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"^out: expected shape"):
         step.run(case.q, case.layer_idx, weights, out=out[:, :2].clone())
