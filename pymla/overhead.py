@@ -213,8 +213,11 @@ def _gpu_kernel_seconds(fn, device: torch.device) -> float | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         _sync(device)
+    # Device-side events only (kernels, memcpys): CPU ops' device totals would count them twice.
     total_us = sum(
-        e.device_time_total for e in prof.key_averages() if getattr(e, "device_time_total", 0)
+        e.time_range.elapsed_us()
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
     )
     return total_us / 1e6 if total_us else None
 
