@@ -80,3 +80,6 @@ def row_attention_meta(
     var slope = alibi_slope(row % num_heads, num_heads) if score_mod == SCORE_MOD_ALIBI_POS else Float32(0)
     return (span[0], span[1], position, slope)
 
+
+# Elementwise kernels: one block of ELEMENTWISE_THREADS per token.
+comptime ELEMENTWISE_THREADS = 128

@@ -1,0 +1,289 @@
+"""Step 5 on float32 FMAs: float32 caches and the sizes the tensor-core kernels do not take."""
+
+from std.math import exp, sqrt
+from std.memory import bitcast, stack_allocation
+from std.sys import size_of
+from std.utils.numerics import neg_inf
+
+from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
+from max.gpu.host import DeviceContext, FuncAttribute
+from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
+from max.gpu.primitives import warp
+
+from .attention import MaskSpec
+from .gpu_common import (
+    row_attention_meta,
+    attention_slots,
+    cache_row_offset,
+    find_request,
+    find_slot_request,
+    slot_start,
+)
+from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
+from .fp8 import FP8_MAX
+from .fp8_matmul import Granularity
+from .paged_cache import PagedLatentRows
+
+
+# ATT_ROWS (token, head) rows of one request per block, ATT_KT keys
+# per tile, ATT_THREADS threads; each thread owns `cols_per_thread` value columns.
+comptime ATT_ROWS = 16
+comptime ATT_KT = 32
+comptime ATT_WARPS = 8
+comptime ATT_THREADS = ATT_WARPS * WARP_SIZE
+comptime ATT_ROWS_PER_WARP = ATT_ROWS // ATT_WARPS
+comptime ATT_KEY_PAD = 4  # elements of padding per key row in shared memory (bank spread)
+
+
+# ---------------------------------------------------------------------------
+# Step 5: attention over the paged cache
+# ---------------------------------------------------------------------------
+
+
+def attention_smem_bytes[dtype: DType](key_dim: Int) -> Int:
+    """Dynamic shared memory of `attention_fma_kernel` (each region 16-byte aligned)."""
+    var q_bytes = ATT_ROWS * key_dim * 4
+    var k_bytes = ceil_div(ATT_KT * (key_dim + ATT_KEY_PAD) * size_of[dtype](), 16) * 16
+    var red_bytes = ATT_WARPS * ATT_ROWS * ATT_KT * 4
+    var p_bytes = ATT_KT * ATT_ROWS * 4
+    var row_bytes = 7 * ATT_ROWS * 4  # m, l, corr, slope (f32); lo, hi, pos (i32)
+    var off_bytes = ATT_KT * 8
+    return q_bytes + k_bytes + red_bytes + p_bytes + row_bytes + off_bytes
+
+
+
+def attention_fma_kernel[
+    dtype: DType, cols_per_thread: Int
+](
+    q_full: FPtr,
+    blocks: DPtr[dtype],
+    lookup: U32Ptr,
+    pages_per_request: Int32,
+    page_size: Int32,
+    page_stride: Int64,
+    layer_offset: Int64,
+    offsets: U32Ptr,
+    cache_lengths: U32Ptr,
+    num_requests: Int32,
+    num_heads: Int32,
+    kv_lora_rank: Int32,
+    key_dim: Int32,
+    num_partitions: Int32,
+    scale: Float32,
+    mask_kind: Int32,
+    window: Int32,
+    score_mod: Int32,
+    raw: FPtr,
+    part_out: FPtr,
+    part_max: FPtr,
+    part_sum: FPtr,
+):
+    """One block per (request, tile of ATT_ROWS rows, key partition).
+
+    Rows are the request's (token, head) pairs in q_full order; keys are whole
+    cache rows (`key_dim` values), values their first `kv_lora_rank`. Each key
+    tile is read from the paged cache once into shared memory and used by
+    every row of the block; each row keeps an online softmax. With one
+    partition the normalized result goes straight to `raw [T, H, R]`; with
+    several, each writes its unnormalized output, running max and sum to
+    `part_* [P, T, H, ...]` for `merge_kernel`.
+    """
+    comptime CPT = cols_per_thread
+    var tid = thread_idx.x
+    var warp_id = tid // WARP_SIZE
+    var lane = tid % WARP_SIZE
+    var heads = Int(num_heads)
+    var rank = Int(kv_lora_rank)
+    var dim = Int(key_dim)
+    var parts = Int(num_partitions)
+    var nreq = Int(num_requests)
+    var ppr = Int(pages_per_request)
+    var psize = Int(page_size)
+    var pstride = Int(page_stride)
+    var loff = Int(layer_offset)
+    var kind = Int(mask_kind)
+    var win = Int(window)
+
+    var slot = block_idx.x
+    var part = block_idx.y
+    var b = find_slot_request(offsets, nreq, heads, ATT_ROWS, slot)
+    var o0 = Int(offsets.unsafe_load(b))
+    var o1 = Int(offsets.unsafe_load(b + 1))
+    var tile = slot - slot_start(offsets, b, heads, ATT_ROWS)
+    var row0 = o0 * heads + tile * ATT_ROWS
+    var row_end = o1 * heads
+    if row0 >= row_end:
+        return
+    var total_rows = Int(offsets.unsafe_load(nreq)) * heads
+    var cache_len = Int(cache_lengths.unsafe_load(b))
+    var visible = cache_len + o1 - o0
+    var part_len = ceil_div(visible, parts)
+    var k0 = part * part_len
+    var k1 = min(k0 + part_len, visible)
+
+    # Shared memory regions (byte offsets are multiples of 16).
+    var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
+    var off = 0
+    var qT_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [dim][ATT_ROWS]
+    off += ATT_ROWS * dim * 4
+    var k_s = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # [ATT_KT][dim + pad]
+    off += ceil_div(ATT_KT * (dim + ATT_KEY_PAD) * size_of[dtype](), 16) * 16
+    var red_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [WARPS][ROWS][KT]
+    off += ATT_WARPS * ATT_ROWS * ATT_KT * 4
+    var pT_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [KT][ROWS]
+    off += ATT_KT * ATT_ROWS * 4
+    var m_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
+    off += ATT_ROWS * 4
+    var l_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
+    off += ATT_ROWS * 4
+    var corr_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
+    off += ATT_ROWS * 4
+    var slope_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
+    off += ATT_ROWS * 4
+    var lo_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
+    off += ATT_ROWS * 4
+    var hi_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
+    off += ATT_ROWS * 4
+    var pos_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
+    off += ATT_ROWS * 4
+    var rowoff_s = base.unsafe_offset(off).unsafe_bitcast[Int64]()
+
+    # Per-row metadata: key range, position, ALiBi slope, empty softmax state.
+    if tid < ATT_ROWS:
+        var gr = row0 + tid
+        var lo = 0
+        var hi = 0
+        var pos = 0
+        var slope = Float32(0)
+        if gr < row_end:
+            var meta = row_attention_meta(gr, heads, cache_len, o0, visible, MaskSpec(kind, win), Int(score_mod))
+            lo = meta[0]
+            hi = meta[1]
+            pos = meta[2]
+            slope = meta[3]
+        lo_s.unsafe_store(tid, Int32(lo))
+        hi_s.unsafe_store(tid, Int32(hi))
+        pos_s.unsafe_store(tid, Int32(pos))
+        slope_s.unsafe_store(tid, slope)
+        m_s.unsafe_store(tid, neg_inf[DType.float32]())
+        l_s.unsafe_store(tid, Float32(0))
+        corr_s.unsafe_store(tid, Float32(1))
+
+    # q rows, transposed: qT_s[k * ATT_ROWS + r] (rows of one k contiguous).
+    for e in range(tid, ATT_ROWS * dim, ATT_THREADS):
+        var r = e % ATT_ROWS
+        var k = e // ATT_ROWS
+        var v = Float32(0)
+        if row0 + r < row_end:
+            v = q_full.unsafe_load((row0 + r) * dim + k)
+        qT_s.unsafe_store(e, v)
+    barrier()
+
+    # Keys any row of the block needs in this partition.
+    var kb_lo = k1
+    var kb_hi = k0
+    for r in range(ATT_ROWS):
+        var lo = Int(lo_s.unsafe_load(r))
+        var hi = Int(hi_s.unsafe_load(r))
+        if lo < hi:
+            kb_lo = min(kb_lo, max(lo, k0))
+            kb_hi = max(kb_hi, min(hi, k1))
+
+    var acc = Array[SIMD[DType.float32, ATT_ROWS], CPT](fill=0)
+    var blocks_global = blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    var c0 = tid * CPT
+    var stride = dim + ATT_KEY_PAD
+    var vec_per_row = dim // 4
+    var j0 = kb_lo
+    while j0 < kb_hi:
+        var nkeys = min(ATT_KT, kb_hi - j0)
+        if tid < ATT_KT:
+            var ro = -1
+            if tid < nkeys:
+                ro = cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j0 + tid)
+            rowoff_s.unsafe_store(tid, Int64(ro))
+        barrier()
+
+        # Key tile: ATT_KT rows of `dim` values, zeros past the last key (cp.async, all in flight).
+        for v in range(tid, ATT_KT * vec_per_row, ATT_THREADS):
+            var r = v // vec_per_row
+            var c = (v % vec_per_row) * 4
+            var ro = Int(rowoff_s.unsafe_load(r))
+            async_copy[4 * size_of[dtype](), fill=Scalar[dtype](0)](
+                blocks_global.unsafe_offset(max(ro, 0) + c),
+                k_s.unsafe_offset(r * stride + c),
+                src_size=Int32(4 * size_of[dtype]()) if ro >= 0 else Int32(0),
+            )
+        async_copy_wait_all()
+        barrier()
+
+        # Partial scores: warp w sums key `lane` over k chunks w, w + WARPS, ...
+        var partial = SIMD[DType.float32, ATT_ROWS](0)
+        var k_row = k_s.unsafe_offset(lane * stride)
+        for c in range(warp_id, vec_per_row, ATT_WARPS):
+            var kv = k_row.unsafe_offset(4 * c).unsafe_load[width=4, alignment=4 * size_of[dtype]()](0).cast[DType.float32]()
+            comptime for e in range(4):
+                var qv = qT_s.unsafe_offset((4 * c + e) * ATT_ROWS).unsafe_load[width=ATT_ROWS, alignment=16](0)
+                partial += qv * kv[e]
+        comptime for r in range(ATT_ROWS):
+            red_s.unsafe_store((warp_id * ATT_ROWS + r) * ATT_KT + lane, partial[r])
+        barrier()
+
+        # Scores, mask, bias and the online softmax update; ATT_ROWS_PER_WARP rows per warp.
+        comptime for i in range(ATT_ROWS_PER_WARP):
+            var r = warp_id * ATT_ROWS_PER_WARP + i
+            var s = Float32(0)
+            comptime for w in range(ATT_WARPS):
+                s += red_s.unsafe_load((w * ATT_ROWS + r) * ATT_KT + lane)
+            var key = j0 + lane
+            if key < kb_hi and key >= Int(lo_s.unsafe_load(r)) and key < Int(hi_s.unsafe_load(r)):
+                s = s * scale - slope_s.unsafe_load(r) * Float32(Int(pos_s.unsafe_load(r)) - key)
+            else:
+                s = neg_inf[DType.float32]()
+            var m_old = m_s.unsafe_load(r)
+            var m_new = max(m_old, warp.max(s))
+            var p = Float32(0)
+            var corr = Float32(1)
+            if m_new != neg_inf[DType.float32]():
+                p = exp(s - m_new)
+                corr = exp(m_old - m_new)
+            var p_sum = warp.sum(p)
+            pT_s.unsafe_store(lane * ATT_ROWS + r, p.cast[dtype]().cast[DType.float32]())
+            if lane == 0:
+                m_s.unsafe_store(r, m_new)
+                l_s.unsafe_store(r, l_s.unsafe_load(r) * corr + p_sum)
+                corr_s.unsafe_store(r, corr)
+        barrier()
+
+        # acc = acc * corr + P V for this thread's value columns.
+        if c0 < rank:
+            var corr_v = corr_s.unsafe_load[width=ATT_ROWS, alignment=16](0)
+            comptime for i in range(CPT):
+                acc[i] *= corr_v
+            for j in range(nkeys):
+                var pj = pT_s.unsafe_offset(j * ATT_ROWS).unsafe_load[width=ATT_ROWS, alignment=16](0)
+                var vv = k_s.unsafe_offset(j * stride + c0).unsafe_load[
+                    width=CPT, alignment=CPT * size_of[dtype]()
+                ](0).cast[DType.float32]()
+                comptime for i in range(CPT):
+                    acc[i] += pj * vv[i]
+        barrier()
+        j0 += ATT_KT
+
+    # Results of the block's valid rows.
+    if c0 < rank:
+        comptime for r in range(ATT_ROWS):
+            var gr = row0 + r
+            if gr < row_end:
+                var v = SIMD[DType.float32, CPT](0)
+                comptime for i in range(CPT):
+                    v[i] = acc[i][r]
+                if parts == 1:
+                    var l = l_s.unsafe_load(r)
+                    var inv = Float32(1) / l if l > 0 else Float32(0)
+                    raw.unsafe_offset(gr * rank + c0).unsafe_store(0, (v * inv).cast[dtype]().cast[DType.float32]())
+                else:
+                    part_out.unsafe_offset((part * total_rows + gr) * rank + c0).unsafe_store(0, v)
+    if parts > 1 and tid < ATT_ROWS and row0 + tid < row_end:
+        part_max.unsafe_store(part * total_rows + row0 + tid, m_s.unsafe_load(tid))
+        part_sum.unsafe_store(part * total_rows + row0 + tid, l_s.unsafe_load(tid))
