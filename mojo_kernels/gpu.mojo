@@ -91,8 +91,8 @@ comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64
 # The warpgroup kernel (gpu_attention_wgmma.mojo) in the same tuple: 4 groups = its 64 rows,
 # keys per tile, 0 warps per group marks it (two warpgroups of 4 warps).
 comptime WGMMA_SHAPE = (WG_ROWS // MMA_ROWS, 64, 0)
-comptime WGMMA_MIN_HEADS = 64  # heads (rows per token) from which it fills its 64-row tiles
-comptime USE_WGMMA = False  # the op's default for many heads once verified on the H200 (pinned shapes test it)
+comptime WGMMA_MIN_HEADS = 64  # heads from which it is the default (H200: 2.1x the MMA kernel at 128 heads,
+# half its speed at 16 heads; benchmarks/results/h200-2026-12-03-wgmma/gpu_variants.log)
 comptime MMA_REGISTERS = 256  # registers per thread the tensor-core kernels use (ptxas: 208-255)
 comptime SM_REGISTERS = 65536
 comptime SM_SHARED_MEMORY = 228 * 1024
@@ -360,7 +360,7 @@ def gpu_attention[
                 if mma_supported[dtype, mma_gw](key_dim, kv_lora_rank):
                     shape = PINNED
             else:
-                if USE_WGMMA and num_heads >= WGMMA_MIN_HEADS and wgmma_supported[dtype](key_dim, kv_lora_rank):
+                if num_heads >= WGMMA_MIN_HEADS and wgmma_supported[dtype](key_dim, kv_lora_rank):
                     shape = WGMMA_SHAPE
                 elif num_heads >= 2 * MMA_ROWS and mma_supported[dtype, MMA_MANY_HEADS[2]](key_dim, kv_lora_rank):
                     shape = MMA_MANY_HEADS
