@@ -29,7 +29,8 @@ log = logging.getLogger("pymla")
 
 _models: dict[OpConfig, engine.Model] = {}
 _sessions: dict[str, tuple[engine.InferenceSession, driver.Device]] = {}
-_lock = threading.Lock()
+# Reentrant: _queues_for holds it while _Queues() calls session(), which takes it too.
+_lock = threading.RLock()
 
 
 def device_ref(device: torch.device) -> DeviceRef:
