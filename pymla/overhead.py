@@ -142,9 +142,16 @@ def _save(path: str | None, payload: dict) -> None:
 
 
 def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(
+    """The options both commands share: device, dtype and the JSON file."""
+    parser = argparse.ArgumentParser(
         prog=prog, description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
+    parser.add_argument("--device", default="all", help="cpu, cuda, or all available")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="op dtype"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also save the results as JSON here")
+    return parser
 
 
 def run_overhead(argv: list[str] | None = None) -> int:
@@ -153,13 +160,8 @@ def run_overhead(argv: list[str] | None = None) -> int:
         "Host overhead per run(): time per run() minus time per execute of the same "
         "compiled model on prepared buffers (1 request, 1 new token, 16 cached tokens, 1 head).",
     )
-    parser.add_argument("--device", default="all", help="cpu, cuda, or all available")
-    parser.add_argument(
-        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="op dtype"
-    )
     parser.add_argument("--repeat", type=int, default=15, help="timed batches per measurement")
     parser.add_argument("--inner", type=int, default=100, help="calls per timed batch")
-    parser.add_argument("--json", metavar="PATH", help="also save the results as JSON here")
     args = parser.parse_args(argv)
     try:
         devices = _devices(args.device)
@@ -315,14 +317,9 @@ def run_step(argv: list[str] | None = None) -> int:
         f"One decode step: plan once, run {NUM_LAYERS} layers (DeepSeek-V3 shapes, {HEADS} heads); "
         "step wall time against the sum of its kernel times.",
     )
-    parser.add_argument("--device", default="all", help="cpu, cuda, or all available")
-    parser.add_argument(
-        "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="op dtype"
-    )
     parser.add_argument("--batch", type=int, default=4, help="requests, one new token each")
     parser.add_argument("--context", type=int, default=512, help="cached tokens per request")
     parser.add_argument("--repeat", type=int, default=5, help="timed steps per measurement")
-    parser.add_argument("--json", metavar="PATH", help="also save the results as JSON here")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.context < 0:
         print("pymla step: --batch must be >= 1 and --context >= 0", file=sys.stderr)
