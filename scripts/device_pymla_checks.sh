@@ -4,6 +4,10 @@
 # Steps: smoke  (tests/gpu/gpu_smoke.mojo: every GPU stage against CPU loops)
 #        demo   (python -m pymla demo --device cuda)
 #        parity (the pytest parity suite on cuda tensors)
+#        serving  (tests/test_gpu_serving.py: no host sync in run(), CUDA-graph replay == eager)
+#        overhead (python -m pymla overhead --device cuda, JSON in $OUT)
+#        step     (python -m pymla step --device cuda: 61 layers, eager and replayed, JSON in $OUT)
+#        dropin   (examples/multi_layer_decode.py on the GPU beside MAX's built-in, 1 then 2 tokens)
 # A step's failure does not stop the next one.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
@@ -16,6 +20,11 @@ for step in "$@"; do
     smoke)  timeout 420 mojo run -I . tests/gpu/gpu_smoke.mojo ;;
     demo)   timeout 300 python3 -m pymla demo --device cuda ;;
     parity) timeout 540 python3 -m pytest tests/test_op_parity.py tests/test_plain_torch.py -k cuda -q -rf --maxfail=15 -p no:cacheprovider ;;
+    serving)  timeout 420 python3 -m pytest tests/test_gpu_serving.py -q -rf -p no:cacheprovider ;;
+    overhead) timeout 300 python3 -m pymla overhead --device cuda --json "$out/overhead_h200.json" ;;
+    step)     timeout 420 python3 -m pymla step --device cuda --batch 64 --context 1024 --json "$out/step_h200.json" ;;
+    dropin)   timeout 540 python3 examples/multi_layer_decode.py --device gpu --compare-with max --tokens 1 --log "$out/max_native_h200.log" &&
+              timeout 300 python3 examples/multi_layer_decode.py --device gpu --compare-with max --tokens 2 --log "$out/max_native_h200_2tokens.log" ;;
     *) echo "unknown step $step"; false ;;
   esac > "$out/$step.log" 2>&1
   status=$?
