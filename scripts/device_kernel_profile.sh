@@ -5,6 +5,7 @@
 #   variants CFG...    step 5 alone, the op's choice and pinned variants (CFG = BATCH:HEADS:CACHE_LEN[:ITERS])
 #   bench CFG...       the whole op timed, after a device-to-device copy (the HBM yardstick)
 #   ncu CFG            Nsight Compute sections of one tensor-core attention launch (if the runtime allows counters)
+#   breakdown CFG...   GPU time of every kernel of the whole op, one ncu summary per CFG
 #   smoke              the correctness cases
 set -u
 export LD_LIBRARY_PATH=$PWD/.devbin/lib
@@ -24,6 +25,13 @@ case $step in
       --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       .devbin/smoke bench-only "$@" > "$out/ncu.log" 2>&1
     echo "ncu exit $?"; grep -v "^==PROF==" "$out/ncu.log" | head -150 ;;
+  breakdown)
+    for cfg in "$@"; do
+      echo "== $cfg"
+      timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --print-summary per-kernel \
+        .devbin/smoke bench-only "$cfg" > "$out/breakdown_${cfg//:/_}.log" 2>&1
+      grep -E "bench |[a-z_]+_kernel|gpu__time_duration" "$out/breakdown_${cfg//:/_}.log" | grep -v "==PROF==" | head -60
+    done ;;
   smoke) timeout 400 .devbin/smoke ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
