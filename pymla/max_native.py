@@ -58,8 +58,14 @@ How MAX's arguments map to pymla's op (:func:`pymla.graph.mla_decode_branch_fp8_
 One difference of meaning with MAX's built-in: with several new tokens per
 request (speculative decoding, MTP), token ``i`` of request ``b`` is a query
 at position ``cache_lengths[b] + i`` under the mask (pymla's spec,
-:mod:`pymla.reference`). MAX's built-in decode kernel on H100/H200 handles one
-query token per request; see ``examples/README.md``.
+:mod:`pymla.reference`). MAX's built-in on H100/H200 computes one query per
+request: its ``mla_decoding`` kernel (modular/modular
+``max/kernels/src/nn/attention/gpu/mla.mojo`` at 0eeb9c14, which folds S > 1
+tokens only on SM100 and AMD) reads request ``b``'s first row, lets it see all
+``cache_length + new_tokens`` keys (masked as the last token) and writes
+attention row ``b``; rows ``B..T-1`` are left unwritten. Measured on the H200
+with 2 tokens: rows ``0..B-1`` match the reference's first tokens with every
+new key visible; see ``examples/README.md``.
 """
 
 from __future__ import annotations
