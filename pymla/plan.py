@@ -98,6 +98,18 @@ def _buffers(values: dict[str, object]) -> dict[str, object]:
     return out
 
 
+# Positions in ARGS (the kernel's argument order) of what run() and the weights supply.
+_INDEX = {a.name: i for i, a in enumerate(ARGS)}
+_I_OUT, _I_ATTENTION, _I_Q, _I_ROWS, _I_LAYER = (
+    _INDEX[n] for n in ("output", "attention_output", "q", "new_rows", "layer_idx")
+)
+assert {a.name for a in ARGS if a.source in (Source.CALL, Source.LAYER)} == {
+    "output", "attention_output", "q", "new_rows", "layer_idx"
+}
+_WEIGHT_NAMES = tuple(a.name for a in ARGS if a.source is Source.WEIGHTS)
+_STEP_NAMES = tuple(a.name for a in ARGS if a.source is Source.STEP)
+
+
 class LayerWeights:
     """One layer's weights, checked and wrapped for MAX once.
 
@@ -139,17 +151,36 @@ class LayerWeights:
         self.v_head_dim = w_uv.shape[1]
         self.dtype = kv_norm_gamma.dtype
         self.device = kv_norm_gamma.device
-        self.buffers = _buffers(
+        # What run() compares with its plan in one tuple comparison.
+        self._compat = (self.dtype, self.device, self.kv_lora_rank)
+        self._buffers: dict | None = None
+        self._indexed: tuple | None = None  # ((position in ARGS, buffer), ...)
+        if not torch.compiler.is_compiling():  # traced by torch.compile: wrapped when run eagerly
+            self._prepare()
+
+    def _prepare(self) -> tuple:
+        """Wraps the weights for MAX (once): fp8 as their uint8 bytes, the granularity as scalars."""
+        g = self.granularity
+        self._buffers = _buffers(
             {
                 **{
                     k: (t.view(torch.uint8) if k in ("w_uk", "w_uv") else t)
-                    for k, t in tensors.items()
+                    for k, t in self.tensors.items()
                 },
                 "m_scale_granularity": g.m,
                 "n_scale_granularity": g.n,
                 "k_scale_granularity": g.k,
             }
         )
+        self._indexed = tuple((_INDEX[n], self._buffers[n]) for n in _WEIGHT_NAMES)
+        return self._indexed
+
+    @property
+    def buffers(self) -> dict:
+        """The weights' MAX buffers by argument name (made once)."""
+        if self._buffers is None:
+            self._prepare()
+        return self._buffers
 
     @staticmethod
     def _check(tensors: dict[str, torch.Tensor], g: ScaleGranularity, check_values: bool) -> None:
@@ -218,6 +249,7 @@ class DecodePlan:
         *,
         num_tokens: int,
         new_rows: bool,
+        _op_check_values: bool = False,
     ) -> None:
         self.kv = kv
         self.input_row_offsets = input_row_offsets
@@ -230,23 +262,34 @@ class DecodePlan:
         self.rope_dim = freqs_cis.shape[1]
         self.kv_lora_rank = kv.blocks.shape[5] - self.rope_dim
         self.num_layers = kv.blocks.shape[2]
+        # The torch op's check_values when this plan is traced by torch.compile: False for
+        # plan() (it checked, or was told not to); the one-shot call's when it made the plan.
+        self._op_check_values = _op_check_values
+        self._compat = (self.dtype, self.device, self.kv_lora_rank)
         self.model = None  # compiled on the first run with tokens
+        self._launch_fn = None  # runtime.launcher(model, device), made with the model
+        self._template: list | None = None  # ARGS-ordered buffers, the step's filled in
+        self._dl_device = bridge.dlpack_device(self.device)
+        self._kv_span: tuple[int, int] | None = None  # kv_blocks' bytes, read on the first run
+
+    def _prepare(self) -> list:
+        """The kernel's argument list with the step's buffers in place (made once, on first launch)."""
         step = _buffers(
             {
-                "input_row_offsets": input_row_offsets,
-                "freqs_cis": freqs_cis,
-                "kv_blocks": kv.blocks,
-                "cache_lengths": kv.cache_lengths,
-                "lookup_table": kv.lookup_table,
-                **options.scalars(),
+                "input_row_offsets": self.input_row_offsets,
+                "freqs_cis": self.freqs_cis,
+                "kv_blocks": self.kv.blocks,
+                "cache_lengths": self.kv.cache_lengths,
+                "lookup_table": self.kv.lookup_table,
+                **self.options.scalars(),
             }
         )
-        # The kernel's argument list with the step's buffers in place; run() fills the rest.
-        self._template = [step.get(a.name) for a in ARGS]
-        self._slots = {
-            source: [(i, a.name) for i, a in enumerate(ARGS) if a.source is source]
-            for source in Source
-        }
+        assert set(step) == set(_STEP_NAMES)
+        template = [step.get(a.name) for a in ARGS]
+        template[_I_ATTENTION] = runtime.empty_buffer(3, self.dtype, self.device)
+        template[_I_ROWS] = runtime.empty_buffer(2, self.dtype, self.device)
+        self._template = template
+        return template
 
     # ------------------------------------------------------------------ run
 
@@ -263,44 +306,58 @@ class DecodePlan:
 
         Checks shapes, dtypes and devices only; the step's values were checked by :func:`plan`.
         """
-        self._check_weights(weights)
-        self._check_call(
-            "q", q, (self.num_tokens, weights.num_heads, weights.nope_dim + self.rope_dim)
-        )
+        if type(weights) is not LayerWeights or weights._compat != self._compat:
+            self._check_weights(weights)
+        tokens, heads = self.num_tokens, weights.num_heads
+        self._check_call("q", q, (tokens, heads, weights.nope_dim + self.rope_dim))
         if not (type(layer) is int and 0 <= layer < self.num_layers):
             layer = v.as_int("layer_idx", layer)
             if not 0 <= layer < self.num_layers:
                 raise ValueError(
                     f"layer_idx: expected 0 <= layer_idx < {self.num_layers} (kv_blocks' num_layers), got {layer}"
                 )
-        shape = (self.num_tokens, weights.num_heads, weights.v_head_dim)
+        shape = (tokens, heads, weights.v_head_dim)
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
+            out_span = None  # fresh memory: overlaps nothing
         else:
             self._check_call("out", out, shape)
+            out_span = _span(out)
         if attention_out is not None:
-            self._check_call("attention_out", attention_out, shape[:2] + (self.kv_lora_rank,))
+            self._check_call("attention_out", attention_out, (tokens, heads, self.kv_lora_rank))
         if new_rows is not None:
-            self._check_call(
-                "new_rows", new_rows, (self.num_tokens, self.kv_lora_rank + self.rope_dim)
-            )
+            self._check_call("new_rows", new_rows, (tokens, self.kv_lora_rank + self.rope_dim))
         elif self.needs_new_rows:
             raise ValueError(
                 "new_rows: expected a tensor (the plan was made with new_rows=True), got None"
             )
-        for name, t in (("out", out), ("attention_out", attention_out)):
-            if t is not None:
-                for other, u in (("q", q), ("new_rows", new_rows), ("kv_blocks", self.kv.blocks)):
-                    if u is not None and v._overlaps(t, u):
-                        raise ValueError(
-                            f"{name}: expected memory of its own (the op writes it), got a tensor overlapping {other}"
-                        )
-        if attention_out is not None and v._overlaps(out, attention_out):
+        if out_span is not None or attention_out is not None:
+            self._check_written(q, out_span, attention_out, new_rows)
+        self._launch(q, layer, weights, out, attention_out, new_rows)
+        return out
+
+    def _check_written(self, q, out_span, attention_out, new_rows) -> None:
+        """The tensors the op writes share no memory with what it reads or writes otherwise."""
+        if self._kv_span is None:
+            self._kv_span = _span(self.kv.blocks)
+        reads = [("q", _span(q)), ("kv_blocks", self._kv_span)]
+        if new_rows is not None:
+            reads.insert(1, ("new_rows", _span(new_rows)))
+        written = [("out", out_span)]
+        if attention_out is not None:
+            written.append(("attention_out", _span(attention_out)))
+        for name, span in written:
+            if span is None:
+                continue
+            for other, other_span in reads:
+                if _spans_overlap(span, other_span):
+                    raise ValueError(
+                        f"{name}: expected memory of its own (the op writes it), got a tensor overlapping {other}"
+                    )
+        if len(written) == 2 and _spans_overlap(written[0][1], written[1][1]):
             raise ValueError(
                 "out: expected memory of its own (the op writes it), got a tensor overlapping attention_out"
             )
-        self._launch(q, layer, weights, out, attention_out, new_rows)
-        return out
 
     def _check_call(self, name: str, t: object, shape: tuple[int, ...]) -> None:
         if not (
@@ -322,7 +379,7 @@ class DecodePlan:
             v.check_shape(name, t, shape, "from the plan and the weights")
 
     def _check_weights(self, weights: LayerWeights) -> None:
-        if type(weights) is not LayerWeights and not isinstance(weights, LayerWeights):
+        if not isinstance(weights, LayerWeights):
             raise TypeError(f"weights: expected a pymla.LayerWeights, got {type(weights).__name__}")
         for what, got, expected in (
             ("dtype", weights.dtype, self.dtype),
@@ -333,6 +390,11 @@ class DecodePlan:
                 raise ValueError(f"weights: expected {what} {expected} (the cache's), got {got}")
 
     def _launch(self, q, layer, weights, out, attention_out, new_rows) -> None:
+        """The op on checked arguments: the torch op when traced by torch.compile, else MAX directly.
+
+        The one path of every call: :meth:`run` and the one-shot
+        :func:`pymla.mla_decode_branch_fp8` (and the torch op's own body) end here.
+        """
         if torch.compiler.is_compiling():
             from .op import call_torch_op
 
@@ -348,44 +410,80 @@ class DecodePlan:
                 options=self.options,
                 granularity=weights.granularity,
                 weights=weights.tensors,
-                check_values=False,
+                check_values=self._op_check_values,
             )
             return
         if self.num_tokens:
-            model = self.model
-            if model is None:
-                model = self.model = runtime.model_for(self.dtype, self.device)
-            runtime.launch(
-                model,
-                self.device,
-                self.buffers(q, layer, weights, out, attention_out, new_rows),
-            )
+            launch = self._launch_fn
+            if launch is None:
+                launch = self._make_launcher()
+            launch(self.buffers(q, layer, weights, out, attention_out, new_rows))
         # The tensors the op writes: their version counters move as the torch op's would.
-        for t in (out, self.kv.blocks, attention_out):
-            if t is not None:
-                torch.autograd.graph.increment_version(t)
+        increment_version(out)
+        increment_version(self.kv.blocks)
+        if attention_out is not None:
+            increment_version(attention_out)
+
+    def _make_launcher(self):
+        if self.model is None:
+            self.model = runtime.model_for(self.dtype, self.device)
+        self._launch_fn = runtime.launcher(self.model, self.device)
+        return self._launch_fn
 
     def buffers(self, q, layer, weights, out, attention_out=None, new_rows=None) -> list:
         """The kernel's arguments as MAX buffers, in :data:`pymla.args.ARGS` order (no checks)."""
-        buffers = list(self._template)
-        i_out, i_att, i_q, i_rows = (i for i, _ in self._slots[Source.CALL])
-        buffers[i_out] = bridge.to_max(out)
-        buffers[i_q] = bridge.to_max(q)
-        buffers[i_att] = (
-            runtime.empty_buffer(3, self.dtype, self.device)
-            if attention_out is None
-            else bridge.to_max(attention_out)
-        )
-        buffers[i_rows] = (
-            runtime.empty_buffer(2, self.dtype, self.device)
-            if new_rows is None
-            else bridge.to_max(new_rows)
-        )
-        for i, name in self._slots[Source.WEIGHTS]:
-            buffers[i] = weights.buffers[name]
-        ((i_layer, _),) = self._slots[Source.LAYER]
-        buffers[i_layer] = runtime.scalar_buffer(layer, torch.uint32)
-        return buffers
+        template = self._template
+        if template is None:
+            template = self._prepare()
+        indexed = weights._indexed
+        if indexed is None:
+            indexed = weights._prepare()
+        args = template.copy()
+        device = self._dl_device
+        wrap = _wrap_call_tensor
+        args[_I_OUT] = wrap(out, device)
+        args[_I_Q] = wrap(q, device)
+        if attention_out is not None:
+            args[_I_ATTENTION] = wrap(attention_out, device)
+        if new_rows is not None:
+            args[_I_ROWS] = wrap(new_rows, device)
+        for i, buffer in indexed:
+            args[i] = buffer
+        args[_I_LAYER] = _layer_buffer(layer)
+        return args
+
+
+increment_version = torch.autograd.graph.increment_version
+_fast_dlpack = True  # until MAX refuses bridge.to_max_unordered once
+
+
+def _wrap_call_tensor(t: torch.Tensor, device: tuple[int, int]):
+    """A MAX buffer of a tensor run() checked (contiguous, the plan's device and dtype).
+
+    Without torch's DLPack stream handling: launches order MAX's queue with
+    torch's stream themselves (:func:`pymla.runtime.launcher`).
+    """
+    global _fast_dlpack
+    if _fast_dlpack:
+        try:
+            return bridge.to_max_unordered(t, device)
+        except Exception:  # a MAX that consumes DLPack otherwise: the ordinary path from now on
+            _fast_dlpack = False
+    return bridge.to_max(t)
+
+
+def _layer_buffer(layer: int):
+    return runtime.scalar_buffer(layer, torch.uint32)
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range of a contiguous tensor; empty for one without elements."""
+    start = t.data_ptr()
+    return (start, start + t.nbytes)
+
+
+def _spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
 
 
 def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:

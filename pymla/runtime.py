@@ -127,17 +127,56 @@ def _queues_for(device: torch.device) -> _Queues:
     return found
 
 
-def launch(model: engine.Model, device: torch.device, buffers: list) -> None:
-    """Runs the op: on the CPU now; on a GPU ordered after torch's current stream, before its next work."""
+# Per thread: the two events of a launch on each GPU, made once and re-recorded by every
+# launch (a wait uses the event's latest record at the time of the wait call, so re-recording
+# never changes a wait already enqueued). Per thread, because two threads launching at once
+# must not record over each other's event between its record and its wait.
+_thread_events = threading.local()
+
+
+def _events(index: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    per_thread = _thread_events.__dict__
+    found = per_thread.get(index)
+    if found is None:
+        found = per_thread[index] = (torch.cuda.Event(), torch.cuda.Event())
+    return found
+
+
+def launcher(model: engine.Model, device: torch.device):
+    """``launch(model, device, ·)`` with the per-device lookups done once: a function of the buffers.
+
+    On the CPU: ``model``'s execute. On a GPU: MAX's queue waits for torch's
+    current stream (an event recorded there), the op is enqueued, torch's
+    current stream waits for MAX's queue (an event recorded there); both waits
+    are ``cudaStreamWaitEvent``, so the host never waits, and under
+    ``torch.cuda.graph`` capture they fork MAX's queue into the capture and
+    join it back.
+    """
     execute = _executor(model)
     if device.type == "cpu":
+        return execute
+    max_stream = _queues_for(device).stream
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    current_stream = torch.cuda.current_stream
+
+    def launch_on_gpu(buffers: list) -> None:
+        inputs_ready, outputs_ready = _events(index)
+        current = current_stream(index)
+        inputs_ready.record(current)
+        inputs_ready.wait(max_stream)  # MAX's queue waits for the inputs
         execute(buffers)
-        return
-    queues = _queues_for(device)
-    current = torch.cuda.current_stream(device)
-    queues.stream.wait_stream(current)  # MAX's queue waits for the inputs
-    execute(buffers)
-    current.wait_stream(queues.stream)  # torch's next work waits for the outputs
+        outputs_ready.record(max_stream)
+        outputs_ready.wait(current)  # torch's next work waits for the outputs
+
+    return launch_on_gpu
+
+
+def launch(model: engine.Model, device: torch.device, buffers: list) -> None:
+    """Runs the op: on the CPU now; on a GPU ordered after torch's current stream, before its next work.
+
+    A caller that launches the same model often keeps :func:`launcher`'s function instead.
+    """
+    launcher(model, device)(buffers)
 
 
 def _executor(model: engine.Model):
