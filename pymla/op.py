@@ -1,12 +1,15 @@
 """The public op: ``pymla.mla_decode_branch_fp8`` on torch tensors.
 
-The one-shot call checks every input, then runs :func:`pymla.plan` and
-:meth:`~pymla.DecodePlan.run` on them (a serving loop calls those two itself:
-plan once per step, run per layer). The call is also registered as the torch
-custom op ``pymla::mla_decode_branch_fp8`` (its schema derives from
-:data:`pymla.args.ARGS`; the tensors the kernel writes declared mutated, with
-a fake implementation for tracing), which is what ``torch.compile(fullgraph=True)``
-traces. A compiled MAX model per (device, dtype) serves every call
+The one-shot call checks every input, then makes a :class:`~pymla.DecodePlan`
+and :class:`~pymla.LayerWeights` of them and launches through the plan, the
+path :meth:`~pymla.DecodePlan.run` takes (a serving loop calls :func:`pymla.plan`
+and ``run`` itself: plan once per step, run per layer). The call is also
+registered as the torch custom op ``pymla::mla_decode_branch_fp8`` (its schema
+derives from :data:`pymla.args.ARGS`; the tensors the kernel writes declared
+mutated, with a fake implementation for tracing), which is what
+``torch.compile(fullgraph=True)`` traces: traced, the plan's launch calls the
+torch op (:func:`call_torch_op`, the one place that spells that call out); the
+op's body launches through a plan too. A compiled MAX model per (device, dtype) serves every call
 (:mod:`pymla.runtime`): sizes are symbolic and the options runtime inputs.
 """
 
@@ -14,16 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from . import bridge, runtime
-from .args import (
-    ARGS,
-    INPUT_NAMES,
-    TORCH_SCALAR_DTYPES,
-    Mask,
-    ScoreMod,
-    mutated_names,
-    torch_schema,
-)
+from . import runtime
+from .args import INPUT_NAMES, Mask, ScoreMod, mutated_names, torch_schema
 from .cache import PagedLatentCache
 from .plan import DecodeOptions, DecodePlan, LayerWeights, cache_tensors
 from .quant import ScaleGranularity
@@ -78,22 +73,40 @@ def _check_op_args(args: dict, *, metadata_only: bool = False):
 
 
 def _torch_op_impl(*values) -> None:
-    """The torch op's body: checks, then wraps every argument and launches."""
-    args = dict(zip((*INPUT_NAMES, "check_values"), values, strict=True))
-    dims = _check_op_args(args)
+    """The torch op's body: checks, then the plan/run launch on its arguments."""
+    a = dict(zip((*INPUT_NAMES, "check_values"), values, strict=True))
+    dims = _check_op_args(a)
     if dims.num_tokens == 0:
         return
-    q = args["q"]
-    buffers = []
-    for a in ARGS:
-        value = args[a.name]
-        if a.is_scalar:
-            buffers.append(runtime.scalar_buffer(value, TORCH_SCALAR_DTYPES[a.dtype]))
-        elif a.optional and value.numel() == 0:
-            buffers.append(runtime.empty_buffer(a.rank, q.dtype, q.device))
-        else:
-            buffers.append(bridge.to_max(value))
-    runtime.launch(runtime.model_for(q.dtype, q.device), q.device, buffers)
+    attention_out = a["attention_output"] if a["attention_output"].numel() else None
+    new_rows = a["new_rows"] if a["new_rows"].numel() else None
+    weights = LayerWeights(
+        a["w_uk"],  # the fp8 weights arrive as their uint8 bytes, as MAX takes them
+        a["w_uk_scale"],
+        a["w_uv"],
+        a["w_uv_scale"],
+        a["kv_norm_gamma"],
+        ScaleGranularity(
+            a["m_scale_granularity"], a["n_scale_granularity"], a["k_scale_granularity"]
+        ),
+        _checked=True,
+    )
+    options = DecodeOptions(
+        scale=a["scale"],
+        epsilon=a["epsilon"],
+        mask=Mask(a["mask"]),
+        score_mod=ScoreMod(a["score_mod"]),
+        local_window_size=a["local_window_size"],
+    )
+    step = DecodePlan(
+        KVCacheTensors(a["kv_blocks"], a["cache_lengths"], a["lookup_table"]),
+        a["input_row_offsets"],
+        a["freqs_cis"],
+        options,
+        num_tokens=dims.num_tokens,
+        new_rows=new_rows is not None,
+    )
+    step._launch(a["q"], a["layer_idx"], weights, a["output"], attention_out, new_rows)
 
 
 _torch_op = torch.library.custom_op(
@@ -257,63 +270,49 @@ def mla_decode_branch_fp8(
         # A malformed q or w_uv gets a placeholder: the checks then name the problem.
         shaped = q.dim() == 3 and w_uv.dim() == 3
         out = q.new_empty(q.shape[0], q.shape[1], w_uv.shape[1]) if shaped else q.new_empty(0)
-    weight_tensors = {
-        "kv_norm_gamma": kv_norm_gamma,
-        "w_uk": w_uk,
-        "w_uk_scale": w_uk_scale,
-        "w_uv": w_uv,
-        "w_uv_scale": w_uv_scale,
-    }
     if torch.compiler.is_compiling():
-        # Traced: the torch op (its fake implementation checks the metadata).
-        call_torch_op(
-            out=out,
-            attention_out=attention_out,
-            q=q,
-            new_rows=new_rows,
-            input_row_offsets=input_row_offsets,
-            freqs_cis=freqs_cis,
-            kv=kv,
-            layer_idx=layer_idx,
-            options=options,
-            granularity=g,
-            weights=weight_tensors,
+        # Traced: the plan's launch is the torch op, whose fake implementation checks the
+        # metadata and whose body checks the values when the compiled graph runs.
+        num_tokens = q.shape[0] if q.dim() else 0
+    else:
+        num_tokens = check_inputs(
+            out,
+            q,
+            input_row_offsets,
+            freqs_cis,
+            kv_norm_gamma,
+            *kv,
+            layer_idx,
+            w_uk,
+            w_uk_scale,
+            w_uv,
+            w_uv_scale,
+            scale=options.scale,
+            epsilon=options.epsilon,
+            scale_granularity=g,
+            mask=options.mask.label,
+            score_mod=options.score_mod.label,
+            local_window_size=options.local_window_size,
             check_values=bool(check_values),
-        )
-        return out
-    dims = check_inputs(
-        out,
-        q,
-        input_row_offsets,
-        freqs_cis,
-        kv_norm_gamma,
-        *kv,
-        layer_idx,
-        w_uk,
-        w_uk_scale,
-        w_uv,
-        w_uv_scale,
-        scale=options.scale,
-        epsilon=options.epsilon,
-        scale_granularity=g,
-        mask=options.mask.label,
-        score_mod=options.score_mod.label,
-        local_window_size=options.local_window_size,
-        check_values=bool(check_values),
-        attention_out=attention_out,
-        new_rows=new_rows,
+            attention_out=attention_out,
+            new_rows=new_rows,
+        ).num_tokens
+        if check_values and isinstance(cache, PagedLatentCache):
+            offsets = _as_numpy(input_row_offsets)  # checked by check_inputs
+            check_pending_rows(cache, offsets, new_rows_given=new_rows is not None)
+    # Plan then run, through the one launch path of DecodePlan.run (the checks above
+    # cover everything run() and plan() check).
+    weights = LayerWeights(
+        w_uk, w_uk_scale, w_uv, w_uv_scale, kv_norm_gamma, scale_granularity=g, _checked=True
     )
-    if check_values and isinstance(cache, PagedLatentCache):
-        offsets = _as_numpy(input_row_offsets)  # checked by check_inputs
-        check_pending_rows(cache, offsets, new_rows_given=new_rows is not None)
-    weights = LayerWeights(**weight_tensors, scale_granularity=g, _checked=True)
     step = DecodePlan(
         kv,
         input_row_offsets,
         freqs_cis,
         options,
-        num_tokens=dims.num_tokens,
+        num_tokens=num_tokens,
         new_rows=new_rows is not None,
+        _op_check_values=bool(check_values),
     )
     step._launch(q, layer_idx, weights, out, attention_out, new_rows)
     return out

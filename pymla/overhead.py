@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import platform
 import sys
@@ -84,9 +85,14 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
     step.run(case.q, layer, weights, out=out)  # compiles or loads the model
     model = step.model
     buffers = step.buffers(case.q, layer, weights, out)
+    launch = runtime.launcher(model, dev)  # what run() launches with
+    bare = runtime.executor(model)  # the model's execute alone: no stream ordering on a GPU
 
     def execute() -> None:
-        runtime.launch(model, dev, buffers)
+        launch(buffers)
+
+    def bare_execute() -> None:
+        bare(buffers)
 
     def run() -> None:
         step.run(case.q, layer, weights, out=out)
@@ -99,7 +105,8 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
     # Side by side, interleaved, best of three rounds (the machine is shared).
     rounds = [
         {name: _timed(fn, dev, repeat, inner) for name, fn in
-         (("execute", execute), ("run", run), ("one_shot", one_shot))}
+         (("execute", execute), ("run", run), ("one_shot", one_shot),
+          ("bare_execute", bare_execute))}
         for _ in range(3)
     ]  # fmt: skip
     best = {k: min(r[k] for r in rounds) for k in rounds[0]}
@@ -107,6 +114,7 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
         "device": device,
         "dtype": str(dtype).removeprefix("torch."),
         "execute_s": best["execute"],
+        "bare_execute_s": best["bare_execute"],
         "run_s": best["run"],
         "one_shot_s": best["one_shot"],
         "run_overhead_s": best["run"] - best["execute"],
@@ -129,7 +137,12 @@ def _print_table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None
 
 
 def _machine() -> dict:
-    info = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    info = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     return info
@@ -177,7 +190,7 @@ def run_overhead(argv: list[str] | None = None) -> int:
     _print_table(
         f"pymla host overhead per call ({machine['cpu']}, {machine['threads']} threads"
         + (f", {machine['gpu']}" if "gpu" in machine else "")
-        + "), microseconds, best of 3 rounds",
+        + f", load {machine['load_average_1min']}), microseconds, best of 3 rounds",
         (
             "device",
             "dtype",
@@ -186,6 +199,7 @@ def run_overhead(argv: list[str] | None = None) -> int:
             "run() - execute",
             "one-shot",
             "one-shot - execute",
+            "bare execute",
         ),
         [
             (
@@ -196,9 +210,14 @@ def run_overhead(argv: list[str] | None = None) -> int:
                 f"{r['run_overhead_s'] * us:.1f}",
                 f"{r['one_shot_s'] * us:.1f}",
                 f"{r['one_shot_overhead_s'] * us:.1f}",
+                f"{r['bare_execute_s'] * us:.1f}",
             )
             for r in results
         ],
+    )
+    print(
+        "  execute: the launch run() makes (on a GPU with its two stream-ordering events) on\n"
+        "  prepared buffers; bare execute: the model's execute alone."
     )
     _save(args.json, {"machine": machine, "results": results})
     return 0
@@ -268,9 +287,11 @@ def measure_step(device: str, dtype: torch.dtype, batch: int, context: int, repe
         for layer in range(NUM_LAYERS)
     ]
 
+    launch = runtime.launcher(model, dev)
+
     def kernels_only() -> None:
         for b in buffers:
-            runtime.launch(model, dev, b)
+            launch(b)
 
     def synced(fn):
         def call() -> None:

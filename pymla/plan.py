@@ -8,11 +8,16 @@
 
 :func:`plan` checks every value the kernel indexes with, once per step
 (offsets, cache lengths, lookup table, positions against freqs_cis and the
-pages, the rows appended to a :class:`~pymla.PagedLatentCache`), and wraps the
-step's tensors for MAX. :class:`LayerWeights` checks and wraps one layer's
-weights once. :meth:`DecodePlan.run` checks only the shapes, dtypes and
-devices of what it is given, then launches: no device-to-host copy, no host
-synchronization (see :mod:`pymla.runtime`).
+pages, the rows appended to a :class:`~pymla.PagedLatentCache`); the plan
+wraps the step's tensors for MAX once, on its first launch, into the kernel's
+argument list. :class:`LayerWeights` checks and wraps one layer's weights once.
+:meth:`DecodePlan.run` checks only the shapes, dtypes and devices of what it is
+given, puts q, out (and the optional tensors) and the weights' buffers into a
+copy of that list, and launches: no device-to-host copy, no host
+synchronization (see :mod:`pymla.runtime`). The one-shot
+:func:`pymla.mla_decode_branch_fp8` and the torch op's body launch through a
+plan too (:meth:`DecodePlan._launch`, which under ``torch.compile`` calls the
+torch op instead).
 
 The plan holds the step's tensors, not copies: a serving loop that keeps
 them at fixed addresses and updates them in place can re-plan (to check the
@@ -98,14 +103,18 @@ def _buffers(values: dict[str, object]) -> dict[str, object]:
     return out
 
 
+def _dim(t: torch.Tensor, i: int) -> int:
+    """``t.shape[i]``, 0 when ``t`` has no dim ``i``: the one-shot call traced by torch.compile
+    makes its plan before the torch op's fake implementation names a malformed argument.
+    """
+    return t.shape[i] if t.dim() > i else 0
+
+
 # Positions in ARGS (the kernel's argument order) of what run() and the weights supply.
 _INDEX = {a.name: i for i, a in enumerate(ARGS)}
-_I_OUT, _I_ATTENTION, _I_Q, _I_ROWS, _I_LAYER = (
-    _INDEX[n] for n in ("output", "attention_output", "q", "new_rows", "layer_idx")
-)
-assert {a.name for a in ARGS if a.source in (Source.CALL, Source.LAYER)} == {
-    "output", "attention_output", "q", "new_rows", "layer_idx"
-}
+_RUN_NAMES = ("output", "attention_output", "q", "new_rows", "layer_idx")
+assert {a.name for a in ARGS if a.source in (Source.CALL, Source.LAYER)} == set(_RUN_NAMES)
+_I_OUT, _I_ATTENTION, _I_Q, _I_ROWS, _I_LAYER = (_INDEX[n] for n in _RUN_NAMES)
 _WEIGHT_NAMES = tuple(a.name for a in ARGS if a.source is Source.WEIGHTS)
 _STEP_NAMES = tuple(a.name for a in ARGS if a.source is Source.STEP)
 
@@ -147,8 +156,8 @@ class LayerWeights:
             self._check(tensors, g, check_values)
         self.tensors = tensors
         self.granularity = g
-        self.num_heads, self.kv_lora_rank, self.nope_dim = w_uk.shape
-        self.v_head_dim = w_uv.shape[1]
+        self.num_heads, self.kv_lora_rank, self.nope_dim = (_dim(w_uk, i) for i in range(3))
+        self.v_head_dim = _dim(w_uv, 1)
         self.dtype = kv_norm_gamma.dtype
         self.device = kv_norm_gamma.device
         # What run() compares with its plan in one tuple comparison.
@@ -259,9 +268,9 @@ class DecodePlan:
         self.needs_new_rows = new_rows
         self.dtype = kv.blocks.dtype
         self.device = kv.blocks.device
-        self.rope_dim = freqs_cis.shape[1]
-        self.kv_lora_rank = kv.blocks.shape[5] - self.rope_dim
-        self.num_layers = kv.blocks.shape[2]
+        self.rope_dim = _dim(freqs_cis, 1)
+        self.kv_lora_rank = _dim(kv.blocks, 5) - self.rope_dim
+        self.num_layers = _dim(kv.blocks, 2)
         # The torch op's check_values when this plan is traced by torch.compile: False for
         # plan() (it checked, or was told not to); the one-shot call's when it made the plan.
         self._op_check_values = _op_check_values
@@ -354,7 +363,7 @@ class DecodePlan:
                     raise ValueError(
                         f"{name}: expected memory of its own (the op writes it), got a tensor overlapping {other}"
                     )
-        if len(written) == 2 and _spans_overlap(written[0][1], written[1][1]):
+        if len(written) == 2 and out_span is not None and _spans_overlap(out_span, written[1][1]):
             raise ValueError(
                 "out: expected memory of its own (the op writes it), got a tensor overlapping attention_out"
             )

@@ -152,7 +152,7 @@ def launcher(model: engine.Model, device: torch.device):
     ``torch.cuda.graph`` capture they fork MAX's queue into the capture and
     join it back.
     """
-    execute = _executor(model)
+    execute = executor(model)
     if device.type == "cpu":
         return execute
     max_stream = _queues_for(device).stream
@@ -179,7 +179,7 @@ def launch(model: engine.Model, device: torch.device, buffers: list) -> None:
     launcher(model, device)(buffers)
 
 
-def _executor(model: engine.Model):
+def executor(model: engine.Model):
     """``model.execute`` without its per-argument Python checks, where this MAX allows.
 
     ``Model.execute(*args)`` checks each argument's type and contiguity in
