@@ -9,8 +9,9 @@ derives from :data:`pymla.args.ARGS`; the tensors the kernel writes declared
 mutated, with a fake implementation for tracing), which is what
 ``torch.compile(fullgraph=True)`` traces: traced, the plan's launch calls the
 torch op (:func:`call_torch_op`, the one place that spells that call out); the
-op's body launches through a plan too. A compiled MAX model per (device, dtype) serves every call
-(:mod:`pymla.runtime`): sizes are symbolic and the options runtime inputs.
+op's body launches through a plan too. A compiled MAX model per (device, dtype)
+serves every call (:mod:`pymla.runtime`): sizes are symbolic and the options
+runtime inputs.
 """
 
 from __future__ import annotations

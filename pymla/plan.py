@@ -8,9 +8,8 @@
 
 :func:`plan` checks every value the kernel indexes with, once per step
 (offsets, cache lengths, lookup table, positions against freqs_cis and the
-pages, the rows appended to a :class:`~pymla.PagedLatentCache`); the plan
-wraps the step's tensors for MAX once, on its first launch, into the kernel's
-argument list. :class:`LayerWeights` checks and wraps one layer's weights once.
+pages, the rows appended to a :class:`~pymla.PagedLatentCache`), and wraps
+the step's tensors for MAX once, into the kernel's argument list. :class:`LayerWeights` checks and wraps one layer's weights once.
 :meth:`DecodePlan.run` checks only the shapes, dtypes and devices of what it is
 given, puts q, out (and the optional tensors) and the weights' buffers into a
 copy of that list, and launches: no device-to-host copy, no host
@@ -27,6 +26,7 @@ new values) and replay a CUDA graph captured from ``run`` calls.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
@@ -280,9 +280,11 @@ class DecodePlan:
         self._template: list | None = None  # ARGS-ordered buffers, the step's filled in
         self._dl_device = bridge.dlpack_device(self.device)
         self._kv_span: tuple[int, int] | None = None  # kv_blocks' bytes, read on the first run
+        if not torch.compiler.is_compiling():  # traced by torch.compile: wrapped when run eagerly
+            self._prepare()
 
     def _prepare(self) -> list:
-        """The kernel's argument list with the step's buffers in place (made once, on first launch)."""
+        """The kernel's argument list with the step's buffers in place (made once)."""
         step = _buffers(
             {
                 "input_row_offsets": self.input_row_offsets,
@@ -476,8 +478,13 @@ def _wrap_call_tensor(t: torch.Tensor, device: tuple[int, int]):
     if _fast_dlpack:
         try:
             return bridge.to_max_unordered(t, device)
-        except Exception:  # a MAX that consumes DLPack otherwise: the ordinary path from now on
+        except Exception as e:  # a MAX that consumes DLPack otherwise: the ordinary path now
             _fast_dlpack = False
+            logging.getLogger("pymla").info(
+                "pymla: run() wraps tensors through Buffer.from_dlpack from now on (%s: %s)",
+                type(e).__name__,
+                e,
+            )
     return bridge.to_max(t)
 
 
