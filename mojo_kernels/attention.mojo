@@ -15,7 +15,9 @@ Two paths compute the products (`attend_tiles_f32`, `attend_tiles_bf16`):
 the tile widened to float32 once, with the register-blocked `dot_block` of
 common.mojo and `ROW_BLOCK x COL_BLOCK` FMA blocks (every dtype, every CPU);
 or, for bfloat16 caches on CPUs with AVX512-BF16, `vdpbf16ps` on the cache
-rows in place (`cpu_bf16.mojo`). Both sum the same products in float32.
+rows in place (`cpu_bf16.mojo`), `BF16_KEY_TILE` keys per tile, the next
+tile's rows prefetched while one is scored. Both sum the same products in
+float32.
 
 Partitions are merged with their log-sum-exp at the end.
 """
@@ -27,7 +29,11 @@ from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32_WIDTH, ceil_div, dot_blo
 from .cpu_bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16, unpermute_value_columns
 from .paged_cache import PagedLatentRows, RaggedBatch
 
-comptime KEY_TILE = F32_WIDTH  # keys per tile: one score vector per row
+comptime KEY_TILE = F32_WIDTH  # keys per tile of the float32 path: one score vector per row
+comptime BF16_KEY_TILE = 2 * F32_WIDTH
+"""Keys per tile of the bf16 path: the P V accumulators are loaded and stored once per tile, and
+each row's softmax bookkeeping (max, sum, correction) is paid once per tile."""
+comptime MAX_KEY_TILE = max(KEY_TILE, BF16_KEY_TILE)
 comptime ROW_BLOCK = DOT_ROWS  # rows per register block (scores and P V)
 comptime COL_BLOCK = 4  # value vectors per register block of P V
 
@@ -37,8 +43,6 @@ comptime MASK_SLIDING_WINDOW_CAUSAL = 2
 comptime MASK_CHUNKED_CAUSAL = 3
 comptime SCORE_MOD_NO_POS = 0
 comptime SCORE_MOD_ALIBI_POS = 1
-
-comptime ScoreVec = SIMD[DType.float32, KEY_TILE]
 
 
 def alibi_slope(head: Int, num_heads: Int) -> Float32:
@@ -170,7 +174,7 @@ struct TaskRows(Movable):
 
     var q_buf: List[Float32]  # [padded rows, key_dim]
     var out_buf: List[Float32]  # [padded rows, kv_lora_rank]
-    var scores_buf: List[Float32]  # [padded rows, KEY_TILE]
+    var scores_buf: List[Float32]  # [padded rows, MAX_KEY_TILE]
     var state_buf: List[Float32]  # max, sum, correction, slope per padded row
     var meta: List[Int]  # lo, hi, position, token, head per row
     var num_rows: Int
@@ -181,7 +185,7 @@ struct TaskRows(Movable):
         self.padded = ceil_div(max(num_rows, 1), ROW_BLOCK) * ROW_BLOCK
         self.q_buf = List[Float32](length=self.padded * key_dim, fill=0)
         self.out_buf = List[Float32](length=self.padded * rank, fill=0)
-        self.scores_buf = List[Float32](length=self.padded * KEY_TILE, fill=0)
+        self.scores_buf = List[Float32](length=self.padded * MAX_KEY_TILE, fill=0)
         self.state_buf = List[Float32](length=self.padded * 4, fill=0)
         self.meta = List[Int](length=self.padded * 5, fill=0)
         for r in range(self.padded):
@@ -201,13 +205,14 @@ struct TaskRows(Movable):
         return scratch(self.state_buf).unsafe_offset(3 * self.padded)
 
 
-def softmax_update[dtype: DType](mut rows: TaskRows, j0: Int, num_keys: Int, scale: Float32):
-    """Turns the tile's scores into probabilities and updates each row's max, sum and correction.
+def softmax_update[dtype: DType, tile: Int](mut rows: TaskRows, j0: Int, num_keys: Int, scale: Float32):
+    """Turns the tile's scores `[rows, tile]` into probabilities and updates each row's max, sum and correction.
 
     The row sum takes the float32 probabilities; P V gets them rounded to `dtype`.
     """
-    var lanes = SIMD[DType.int32, KEY_TILE]()
-    comptime for i in range(KEY_TILE):
+    comptime ScoreVec = SIMD[DType.float32, tile]
+    var lanes = SIMD[DType.int32, tile]()
+    comptime for i in range(tile):
         lanes[i] = Int32(i)
     var key_pos = lanes.cast[DType.float32]() + Float32(j0)
     var scores = scratch(rows.scores_buf)
@@ -216,7 +221,7 @@ def softmax_update[dtype: DType](mut rows: TaskRows, j0: Int, num_keys: Int, sca
     var correction = rows.correction()
     var slope = rows.slope()
     for r in range(rows.padded):
-        var p_row = scores.unsafe_offset(r * KEY_TILE)
+        var p_row = scores.unsafe_offset(r * tile)
         correction.unsafe_store(r, 1)
         if r >= rows.num_rows:
             p_row.unsafe_store(0, ScoreVec(0))
@@ -227,7 +232,7 @@ def softmax_update[dtype: DType](mut rows: TaskRows, j0: Int, num_keys: Int, sca
             p_row.unsafe_store(0, ScoreVec(0))
             continue
         var position = Float32(rows.meta[5 * r + 2])
-        var s = p_row.unsafe_load[width=KEY_TILE](0) * scale - slope.unsafe_load(r) * (position - key_pos)
+        var s = p_row.unsafe_load[width=tile](0) * scale - slope.unsafe_load(r) * (position - key_pos)
         var valid = lanes.ge(Int32(lo)) & lanes.lt(Int32(hi))
         s = valid.select(s, ScoreVec(neg_inf[DType.float32]()))
         var old_max = row_max.unsafe_load(r)
@@ -251,12 +256,22 @@ def attend_tiles_f32[
         var j1 = min(j0 + KEY_TILE, k_hi)
         load_key_tile[dtype](cache, b, j0, j1, tile, key_dim)
         tile_scores(scratch(rows.q_buf), tile, scratch(rows.scores_buf), rows.padded, key_dim)
-        softmax_update[dtype](rows, j0, j1 - j0, scale)
+        softmax_update[dtype, KEY_TILE](rows, j0, j1 - j0, scale)
         accumulate_values(
             scratch(rows.scores_buf), tile, scratch(rows.out_buf), rows.correction(), rows.padded, key_dim, rank
         )
         j0 = j1
     _ = tile_buf^
+
+
+def tile_rows[
+    dtype: DType, tile: Int
+](cache: PagedLatentRows[dtype], b: Int, j0: Int, k_hi: Int) -> Array[BF16Ptr, tile]:
+    """Pointers to the cache rows of keys `j0 .. j0 + tile - 1` of request `b`; keys from `k_hi` on point at key `k_hi - 1`."""
+    var keys = Array[BF16Ptr, tile](fill=cache.row(b, j0).unsafe_bitcast[BFloat16]())
+    comptime for c in range(tile):
+        keys[c] = cache.row(b, min(j0 + c, k_hi - 1)).unsafe_bitcast[BFloat16]()
+    return keys^
 
 
 def attend_tiles_bf16[
@@ -265,7 +280,9 @@ def attend_tiles_bf16[
     """The task's keys tile by tile on the AVX512-BF16 unit, reading the bf16 cache rows in place.
 
     Keys past the tile's end point at its last key: their probabilities are 0.
+    While a tile is scored, the next tile's rows are prefetched.
     """
+    comptime tile = BF16_KEY_TILE
     if k_lo >= k_hi:
         return
     var q_buf = List[BFloat16](length=rows.padded * key_dim, fill=0)
@@ -273,19 +290,19 @@ def attend_tiles_bf16[
     for i in range(rows.num_rows * key_dim):
         q_buf[i] = q_f32.unsafe_load(i).cast[DType.bfloat16]()  # exact: q_full holds bf16 values
     var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var keys = Array[BF16Ptr, KEY_TILE](fill=cache.row(b, k_lo).unsafe_bitcast[BFloat16]())
-    var probs_buf = List[BFloat16](length=rows.padded * KEY_TILE, fill=0)
+    var probs_buf = List[BFloat16](length=rows.padded * tile, fill=0)
     var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var keys = tile_rows[dtype, tile](cache, b, k_lo, k_hi)
     var j0 = k_lo
     while j0 < k_hi:
-        var j1 = min(j0 + KEY_TILE, k_hi)
-        comptime for c in range(KEY_TILE):
-            keys[c] = cache.row(b, min(j0 + c, j1 - 1)).unsafe_bitcast[BFloat16]()
-        tile_scores_bf16[KEY_TILE](q, keys, scratch(rows.scores_buf), rows.padded, key_dim)
-        softmax_update[dtype](rows, j0, j1 - j0, scale)
-        accumulate_values_bf16[KEY_TILE](
+        var j1 = min(j0 + tile, k_hi)
+        var next_keys = tile_rows[dtype, tile](cache, b, min(j1, k_hi - 1), k_hi)
+        tile_scores_bf16[tile](q, keys, next_keys, scratch(rows.scores_buf), rows.padded, key_dim)
+        softmax_update[dtype, tile](rows, j0, j1 - j0, scale)
+        accumulate_values_bf16[tile](
             scratch(rows.scores_buf), probs, keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
         )
+        keys = next_keys^
         j0 = j1
     _ = q_buf^
     unpermute_value_columns(scratch(rows.out_buf), rows.num_rows, rank)

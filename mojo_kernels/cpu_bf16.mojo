@@ -9,6 +9,10 @@ in place through one pointer per key of the tile.
 * Scores `S[r, j] = <q[r], K[j]>`: a `4 x 4` block of (row, key) dot products
   keeps 16 accumulators of 16 lanes over 32-value steps of the key dim; one
   transposing tree (`sum_lanes_of_16`) sums all 16 at the end.
+  While it scores a tile it prefetches the next tile's rows, one 64-byte
+  line per key load, the tile's key blocks dealt over its row blocks: pages
+  are scattered, so the hardware prefetcher cannot run ahead across them,
+  and at 16 heads a key row gets too little arithmetic to hide a miss.
 * `O[r] = O[r] * corr[r] + sum_j P[r, j] V[j]`: keys are taken in pairs whose
   values are interleaved within 128-bit lanes (`pair_low`, `pair_high`), so
   one `vdpbf16ps` with the broadcast pair `(P[r, j], P[r, j + 1])` adds both
@@ -23,7 +27,7 @@ and untested code is not shipped. CPUs with AMX also have AVX512-BF16, so
 """
 
 from std.memory import bitcast
-from std.sys import llvm_intrinsic
+from std.sys import PrefetchOptions, llvm_intrinsic, prefetch
 from std.sys.info import CompilationTarget
 
 from .common import FPtr, sum_lanes_of_16
@@ -39,6 +43,9 @@ comptime SCORE_ROWS = 4  # register block of the scores: rows x keys
 comptime SCORE_KEYS = 4
 comptime PV_ROWS = 8  # register block of P V: rows x 32 columns
 comptime PV_ROWS_TAIL = 4  # rows of the last block (task rows are padded to a multiple of 4)
+comptime NEXT_TILE_PREFETCH = PrefetchOptions().for_read().low_locality().to_data_cache()
+"""How the scores prefetch the next tile's key rows: toward L2 (`prefetcht2`); into L1
+(`prefetcht0`) measured slower, the next tile evicting the current one."""
 
 
 @always_inline
@@ -47,35 +54,70 @@ def dpbf16(acc: F32x16, a: BF16x32, b: BF16x32) -> F32x16:
     return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", F32x16](acc, a, b)
 
 
+@always_inline
+def score_row_block[
+    tile: Int
+](
+    q: BF16Ptr,
+    keys: Array[BF16Ptr, tile],
+    next_keys: Array[BF16Ptr, tile],
+    scores: FPtr,
+    r0: Int,
+    row_blocks: Int,
+    key_dim: Int,
+):
+    """Rows `r0 .. r0 + SCORE_ROWS - 1` of `tile_scores_bf16`.
+
+    Each key block of the tile is prefetched by one row block, the key
+    blocks dealt round-robin over the row blocks: while this block loads a
+    64-byte step of key `j`, it prefetches the same step of `next_keys[j]`,
+    so the next tile streams in spread over the whole tile's dot products.
+    """
+    var main = key_dim - key_dim % STEP
+    var block = r0 // SCORE_ROWS
+    comptime for j0 in range(0, tile, SCORE_KEYS):
+        var acc = Array[F32x16, SCORE_ROWS * SCORE_KEYS](fill=F32x16(0))
+        var prefetching = (j0 // SCORE_KEYS) % row_blocks == block
+        for d in range(0, main, STEP):
+            var qv = Array[BF16x32, SCORE_ROWS](fill=BF16x32(0))
+            comptime for r in range(SCORE_ROWS):
+                qv[r] = q.unsafe_load[width=STEP]((r0 + r) * key_dim + d)
+            comptime for c in range(SCORE_KEYS):
+                if prefetching:
+                    prefetch[NEXT_TILE_PREFETCH](next_keys[j0 + c].unsafe_offset(d))
+                var kv = keys[j0 + c].unsafe_load[width=STEP](d)
+                comptime for r in range(SCORE_ROWS):
+                    acc[r * SCORE_KEYS + c] = dpbf16(acc[r * SCORE_KEYS + c], qv[r], kv)
+        var dots = sum_lanes_of_16(acc)  # lane r * SCORE_KEYS + c
+        for d in range(main, key_dim):  # key_dim past the last whole step
+            comptime for r in range(SCORE_ROWS):
+                comptime for c in range(SCORE_KEYS):
+                    dots[r * SCORE_KEYS + c] += q.unsafe_load((r0 + r) * key_dim + d).cast[
+                        DType.float32
+                    ]() * keys[j0 + c].unsafe_load(d).cast[DType.float32]()
+        comptime for r in range(SCORE_ROWS):
+            scores.unsafe_store((r0 + r) * tile + j0, dots.slice[SCORE_KEYS, offset=r * SCORE_KEYS]())
+
+
 def tile_scores_bf16[
     tile: Int
-](q: BF16Ptr, keys: Array[BF16Ptr, tile], scores: FPtr, num_rows: Int, key_dim: Int):
-    """`scores[r, j] = <q[r], keys[j]>` for `num_rows` (a multiple of SCORE_ROWS) rows of `q [rows, key_dim]`."""
+](
+    q: BF16Ptr,
+    keys: Array[BF16Ptr, tile],
+    next_keys: Array[BF16Ptr, tile],
+    scores: FPtr,
+    num_rows: Int,
+    key_dim: Int,
+):
+    """`scores[r, j] = <q[r], keys[j]>` for `num_rows` (a multiple of SCORE_ROWS) rows of `q [rows, key_dim]`.
+
+    Prefetches the rows of `next_keys` (the next tile) on the way.
+    """
     comptime assert tile % SCORE_KEYS == 0
     comptime assert SCORE_ROWS * SCORE_KEYS == 16
-    var main = key_dim - key_dim % STEP
+    var row_blocks = num_rows // SCORE_ROWS
     for r0 in range(0, num_rows, SCORE_ROWS):
-        comptime for j0 in range(0, tile, SCORE_KEYS):
-            var acc = Array[F32x16, SCORE_ROWS * SCORE_KEYS](fill=F32x16(0))
-            for d in range(0, main, STEP):
-                var qv = Array[BF16x32, SCORE_ROWS](fill=BF16x32(0))
-                comptime for r in range(SCORE_ROWS):
-                    qv[r] = q.unsafe_load[width=STEP]((r0 + r) * key_dim + d)
-                comptime for c in range(SCORE_KEYS):
-                    var kv = keys[j0 + c].unsafe_load[width=STEP](d)
-                    comptime for r in range(SCORE_ROWS):
-                        acc[r * SCORE_KEYS + c] = dpbf16(acc[r * SCORE_KEYS + c], qv[r], kv)
-            var dots = sum_lanes_of_16(acc)  # lane r * SCORE_KEYS + c
-            for d in range(main, key_dim):  # key_dim past the last whole step
-                comptime for r in range(SCORE_ROWS):
-                    comptime for c in range(SCORE_KEYS):
-                        dots[r * SCORE_KEYS + c] += q.unsafe_load((r0 + r) * key_dim + d).cast[
-                            DType.float32
-                        ]() * keys[j0 + c].unsafe_load(d).cast[DType.float32]()
-            comptime for r in range(SCORE_ROWS):
-                scores.unsafe_store(
-                    (r0 + r) * tile + j0, dots.slice[SCORE_KEYS, offset=r * SCORE_KEYS]()
-                )
+        score_row_block[tile](q, keys, next_keys, scores, r0, row_blocks, key_dim)
 
 
 @always_inline
