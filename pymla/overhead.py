@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import sys
 import time
 
@@ -62,17 +63,6 @@ def _options(case) -> DecodeOptions:
     return DecodeOptions(**{k: v for k, v in case.options.items() if k != "scale_granularity"})
 
 
-def _timed(fn, device: torch.device, repeat: int, inner: int) -> float:
-    """Median seconds per call of ``fn`` run ``inner`` times back to back (synchronized at the end)."""
-
-    def batch() -> None:
-        for _ in range(inner):
-            fn()
-        _sync(device)
-
-    return time_call(batch, warmup=2, repeat=repeat) / inner
-
-
 def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -> dict:
     """Seconds per run(), per execute on prepared buffers, and per one-shot call, tiny problem."""
     dev = torch.device(device)
@@ -102,14 +92,19 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
     def one_shot() -> None:
         mla_decode_branch_fp8(*case.args(), **case.options, out=out)
 
-    # Side by side, interleaved, best of three rounds (the machine is shared).
-    rounds = [
-        {name: _timed(fn, dev, repeat, inner) for name, fn in
-         (("execute", execute), ("run", run), ("one_shot", one_shot),
-          ("bare_execute", bare_execute))}
-        for _ in range(3)
-    ]  # fmt: skip
-    best = {k: min(r[k] for r in rounds) for k in rounds[0]}
+    # Interleaved batch by batch, so a change in the machine's load hits every series alike;
+    # the overheads are medians of the differences within a batch group (paired), best of
+    # three rounds (the machine is shared).
+    fns = {"execute": execute, "run": run, "one_shot": one_shot, "bare_execute": bare_execute}
+    rounds = [_interleaved(fns, dev, repeat, inner) for _ in range(3)]
+    best = {k: min(statistics.median(r[k]) for r in rounds) for k in fns}
+
+    def paired(name: str) -> float:
+        return min(
+            statistics.median(a - b for a, b in zip(r[name], r["execute"], strict=True))
+            for r in rounds
+        )
+
     return {
         "device": device,
         "dtype": str(dtype).removeprefix("torch."),
@@ -117,9 +112,23 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
         "bare_execute_s": best["bare_execute"],
         "run_s": best["run"],
         "one_shot_s": best["one_shot"],
-        "run_overhead_s": best["run"] - best["execute"],
-        "one_shot_overhead_s": best["one_shot"] - best["execute"],
+        "run_overhead_s": paired("run"),
+        "one_shot_overhead_s": paired("one_shot"),
     }
+
+
+def _interleaved(fns: dict, device: torch.device, repeat: int, inner: int) -> dict[str, list]:
+    """Seconds per call of each function: ``repeat`` groups of one ``inner``-call batch each."""
+    samples: dict[str, list] = {name: [] for name in fns}
+    for group in range(repeat + 2):  # the first two groups warm up
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            _sync(device)
+            if group >= 2:
+                samples[name].append((time.perf_counter() - start) / inner)
+    return samples
 
 
 def _devices(requested: str) -> list[str]:
@@ -217,7 +226,9 @@ def run_overhead(argv: list[str] | None = None) -> int:
     )
     print(
         "  execute: the launch run() makes (on a GPU with its two stream-ordering events) on\n"
-        "  prepared buffers; bare execute: the model's execute alone."
+        "  prepared buffers; bare execute: the model's execute alone. Each column is a median\n"
+        "  per call; the '- execute' columns are medians of paired differences (batches\n"
+        "  interleaved), so they need not equal the difference of the two columns."
     )
     _save(args.json, {"machine": machine, "results": results})
     return 0
