@@ -64,7 +64,7 @@ from .gpu_attention_wgmma import (
 from .fp8 import FP8_MAX
 from .gpu_attention_fma import ATT_KT, ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .gpu_fp8 import MATMUL_M_TILE, MATMUL_SMEM_FLOATS, MATMUL_THREADS, QUANT_WARPS, fp8_matmul_kernel, quantize_kernel
-from .gpu_merge import MERGE_THREADS, merge_kernel, store_kernel
+from .gpu_merge import MAX_PARTITIONS, MERGE_THREADS, merge_kernel, store_kernel
 from .gpu_rope_norm import rope_norm_cache_kernel, rope_q_kernel
 from .fp8_matmul import Granularity
 from .paged_cache import PagedLatentRows
@@ -78,7 +78,6 @@ from .problem import DecodeProblem
 # Partition planning.
 comptime NUM_SMS = 132  # H200 (SXM)
 comptime MIN_KEYS_PER_PARTITION = 256
-comptime MAX_PARTITIONS = 64
 
 
 # Tensor-core attention (gpu_attention_mma.mojo) for bf16 / f16 caches; False forces the FMA kernel.

@@ -1,32 +1,20 @@
 """The log-sum-exp merge of step 5's key partitions, and the store of the attention output in dtype."""
 
-from std.math import exp, sqrt
-from std.memory import bitcast, stack_allocation
-from std.sys import size_of
+from std.math import exp
+from std.memory import stack_allocation
 from std.utils.numerics import neg_inf
 
 from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
-from max.gpu.host import DeviceContext, FuncAttribute
-from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
+from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from .attention import MaskSpec
-from .gpu_common import (
-    row_attention_meta,
-    attention_slots,
-    cache_row_offset,
-    find_request,
-    find_slot_request,
-    slot_start,
-    ELEMENTWISE_THREADS,
-)
-from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
-from .fp8 import FP8_MAX
-from .fp8_matmul import Granularity
-from .paged_cache import PagedLatentRows
+from .common import DPtr, FPtr
+from .gpu_common import ELEMENTWISE_THREADS
 
 
 comptime MERGE_THREADS = 128
+comptime MAX_PARTITIONS = 64  # key partitions per request, at most (two per lane of the first warp)
+comptime MERGE_UNROLL = 4  # partitions whose rows are loaded before they are summed
 
 
 def merge_kernel[
@@ -40,28 +28,42 @@ def merge_kernel[
     num_partitions: Int32,
     kv_lora_rank: Int32,
 ):
-    """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`."""
+    """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`.
+
+    The first warp turns the partitions' maxima and sums into weights
+    (0 for a partition that saw no key; a row that sees no key is 0); then each thread adds four columns
+    of the partitions' outputs, `MERGE_UNROLL` partitions at a time; `kv_lora_rank % 4 == 0`.
+    """
+    var weights = stack_allocation[MAX_PARTITIONS, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
     var row = block_idx.x
     var rows = Int(total_rows)
     var parts = Int(num_partitions)
     var rank = Int(kv_lora_rank)
-    var top = neg_inf[DType.float32]()
-    for p in range(parts):
-        top = max(top, part_max.unsafe_load(p * rows + row))
-    var total = Float32(0)
-    for p in range(parts):
-        var m = part_max.unsafe_load(p * rows + row)
-        if m != neg_inf[DType.float32]():
-            total += exp(m - top) * part_sum.unsafe_load(p * rows + row)
-    for c in range(tid, rank, MERGE_THREADS):
-        var acc = Float32(0)
-        for p in range(parts):
-            var m = part_max.unsafe_load(p * rows + row)
-            if m != neg_inf[DType.float32]():
-                var w = exp(m - top) / total
-                acc += w * part_out.unsafe_load((p * rows + row) * rank + c)
-        raw.unsafe_store(row * rank + c, acc.cast[dtype]().cast[DType.float32]())
+    if tid < WARP_SIZE:
+        var m0 = part_max.unsafe_load(tid * rows + row) if tid < parts else neg_inf[DType.float32]()
+        var m1 = part_max.unsafe_load((tid + WARP_SIZE) * rows + row) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
+        var top = warp.max(max(m0, m1))
+        var e0 = exp(m0 - top) if m0 != neg_inf[DType.float32]() else Float32(0)
+        var e1 = exp(m1 - top) if m1 != neg_inf[DType.float32]() else Float32(0)
+        var l0 = part_sum.unsafe_load(tid * rows + row) if e0 != 0 else Float32(0)
+        var l1 = part_sum.unsafe_load((tid + WARP_SIZE) * rows + row) if e1 != 0 else Float32(0)
+        var total = warp.sum(e0 * l0 + e1 * l1)
+        var inv = Float32(1) / total if total > 0 else Float32(0)  # no key at all: the row is 0
+        weights.unsafe_store(tid, e0 * inv)
+        weights.unsafe_store(tid + WARP_SIZE, e1 * inv)
+    barrier()
+    for c in range(4 * tid, rank, 4 * MERGE_THREADS):
+        var acc = SIMD[DType.float32, 4](0)
+        for p0 in range(0, parts, MERGE_UNROLL):
+            var v = Array[SIMD[DType.float32, 4], MERGE_UNROLL](fill=0)
+            comptime for u in range(MERGE_UNROLL):
+                if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
+                    v[u] = part_out.unsafe_offset(((p0 + u) * rows + row) * rank + c).unsafe_load[width=4, alignment=16](0)
+            comptime for u in range(MERGE_UNROLL):
+                if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
+                    acc += weights.unsafe_load(p0 + u) * v[u]
+        raw.unsafe_offset(row * rank + c).unsafe_store[alignment=16](0, acc.cast[dtype]().cast[DType.float32]())
 
 
 def store_kernel[dtype: DType](src: FPtr, dst: DPtr[dtype], count: Int64):

@@ -4,7 +4,7 @@
 #   regs               ptxas -v register / spill report of every attention kernel
 #   variants CFG...    step 5 alone, the op's choice and pinned variants (CFG = BATCH:HEADS:CACHE_LEN[:ITERS])
 #   bench CFG...       the whole op timed, after a device-to-device copy (the HBM yardstick)
-#   ncu CFG            Nsight Compute sections of one tensor-core attention launch (if the runtime allows counters)
+#   ncu CFG            Nsight Compute sections of one launch of KERNEL (a regex; default attention_mma)
 #   breakdown CFG...   GPU time of every kernel of the whole op, one ncu summary per CFG
 #   smoke              the correctness cases
 set -u
@@ -20,11 +20,11 @@ case $step in
   variants) timeout 300 .devbin/smoke variants "$@" ;;
   bench) timeout 300 .devbin/smoke bench-only "$@" ;;
   ncu)
-    timeout 300 ncu --clock-control none -k regex:attention_mma --launch-skip 1 --launch-count 1 \
+    timeout 300 ncu --clock-control none -k regex:${KERNEL:-attention_mma} --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      .devbin/smoke bench-only "$@" > "$out/ncu.log" 2>&1
-    echo "ncu exit $?"; grep -v "^==PROF==" "$out/ncu.log" | head -150 ;;
+      .devbin/smoke bench-only "$@" > "$out/ncu_${KERNEL:-attention_mma}.log" 2>&1
+    echo "ncu exit $?"; grep -v "^==PROF==" "$out/ncu_${KERNEL:-attention_mma}.log" | head -150 ;;
   breakdown)
     for cfg in "$@"; do
       echo "== $cfg"
