@@ -254,7 +254,7 @@ def relative_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 def builtin_rows(out: torch.Tensor, ref: torch.Tensor, offsets: torch.Tensor) -> str:
     """Where MAX's built-in put what, with several tokens per request (layer 0).
 
-    Its H100/H200 decode kernel (``mla_decoding`` in MAX's ``nn/mla.mojo``) runs
+    Its H100/H200 decode kernel (``mla_decoding`` in MAX's ``max/kernels/src/nn/attention/gpu/mla.mojo``) runs
     one query per request: the request's first token, over all of its
     ``cache_length + new_tokens`` keys, written to output row ``b`` (the batch
     index) rather than to the token's row. This compares rows ``0..B-1``
