@@ -59,7 +59,7 @@ def alibi_slope(head: Int, num_heads: Int) -> Float32:
 struct MaskSpec(TrivialRegisterPassable):
     """Mask variant (one of the MASK_* codes) and its window or chunk size.
 
-    Shared by the CPU stages and the GPU kernels (`gpu_common.row_attention_meta`).
+    Shared by the CPU stages and the GPU kernels (`gpu/addressing.row_attention_meta`).
     """
 
     var kind: Int

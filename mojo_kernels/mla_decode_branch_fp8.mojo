@@ -2,7 +2,7 @@
 
 The math is specified once, in `pymla/reference.py`. `execute` unpacks the
 op's tensors into a `DecodeProblem` and dispatches on the target: the CPU
-pipeline (`cpu_pipeline.mojo`) or the GPU one (`gpu.mojo`); each runs the
+pipeline (`cpu_pipeline.mojo`) or the GPU one (`gpu/pipeline.mojo`); each runs the
 six steps as named stages.
 
 fp8 weights arrive as uint8 (MAX has no fp8 on CPU) and are widened from
@@ -17,7 +17,7 @@ from max.gpu.host import DeviceContext
 from .attention import MaskSpec
 from .cpu_pipeline import mla_decode_branch_fp8_cpu
 from .fp8_matmul import Granularity
-from .gpu import mla_decode_branch_fp8_gpu
+from .gpu.pipeline import mla_decode_branch_fp8_gpu
 from .paged_cache import PagedLatentRows, RaggedBatch
 from .problem import DecodeProblem
 

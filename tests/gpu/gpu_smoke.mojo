@@ -1,4 +1,4 @@
-# GPU smoke test of mojo_kernels/gpu.mojo: every stage against plain CPU loops.
+# GPU smoke test of mojo_kernels/gpu/: every stage against plain CPU loops.
 #
 # Run on a machine with an NVIDIA GPU, from the repository root:
 #     mojo run -I . tests/gpu/gpu_smoke.mojo            # correctness cases
@@ -25,7 +25,7 @@ from max.gpu.host import DeviceBuffer, DeviceContext
 from mojo_kernels.attention import MaskSpec
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, U8Ptr
 from mojo_kernels.fp8_matmul import Granularity
-from mojo_kernels.gpu import (
+from mojo_kernels.gpu.pipeline import (
     MMA_FEW_HEADS,
     MMA_MANY_HEADS,
     WGMMA_SHAPE,
@@ -35,7 +35,7 @@ from mojo_kernels.gpu import (
     gpu_rotate_and_normalize_new_rows,
     mla_decode_branch_fp8_gpu,
 )
-from mojo_kernels.gpu_attention_wgmma import wgmma_supported
+from mojo_kernels.gpu.attention_wgmma import wgmma_supported
 from mojo_kernels.paged_cache import PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 

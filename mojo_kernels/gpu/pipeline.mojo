@@ -5,19 +5,19 @@ kernels on the stream of the op's `DeviceContext` (entry:
 `mla_decode_branch_fp8_gpu`, given the `DecodeProblem` that `execute` unpacked).
 This file plans and launches; the kernels live in one file per concern:
 
-1+2. `rope_norm_cache_kernel`   (gpu_rope_norm.mojo) RMSNorm + RoPE of each new token's cache row
-1+4. `rope_q_kernel`            (gpu_rope_norm.mojo) RoPE of q's rope part into `q_full[:, :, R:]`
-3.   `quantize_kernel`          (gpu_fp8.mojo) dynamic fp8 quantization of q_nope (the scale rule
+1+2. `rope_norm_cache_kernel`   (rope_norm.mojo)   RMSNorm + RoPE of each new token's cache row
+1+4. `rope_q_kernel`            (rope_norm.mojo)   RoPE of q's rope part into `q_full[:, :, R:]`
+3.   `quantize_kernel`          (projection.mojo) dynamic fp8 quantization of q_nope (the scale rule
                                 of `pymla/quant.py`, bit for bit), kept dequantized in float32
-     `fp8_matmul_kernel`        (gpu_fp8.mojo) `q_full[:, :, :R] = a_dq @ dq(w_uk).T` per head,
+     `fp8_matmul_kernel`        (projection.mojo) `q_full[:, :, :R] = a_dq @ dq(w_uk).T` per head,
                                 fp8 widened in registers
-5.   `attention_wgmma_kernel`   (gpu_attention_wgmma.mojo) Hopper warpgroup tensor cores,
+5.   `attention_wgmma_kernel`   (attention_wgmma.mojo) Hopper warpgroup tensor cores,
                                 64 packed rows per block (many heads), or
-     `attention_mma_kernel`     (gpu_attention_mma.mojo) tensor cores, bf16 / f16 caches, or
-     `attention_fma_kernel`     (gpu_attention_fma.mojo) float32 FMA (float32 caches, other
+     `attention_mma_kernel`     (attention_mma.mojo) tensor cores, bf16 / f16 caches, or
+     `attention_fma_kernel`     (attention_fma.mojo) float32 FMA (float32 caches, other
                                 sizes): one block per (request, tile of rows, key partition);
                                 all (token, head) rows of the block share each key tile
-     `merge_kernel`             (gpu_merge.mojo) log-sum-exp merge of the key partitions
+     `merge_kernel`             (merge.mojo) log-sum-exp merge of the key partitions
 6.   `quantize_kernel` + `fp8_matmul_kernel` again for the output projection.
 
 Rounding points are the reference's: `q_full` and the attention output
@@ -42,8 +42,8 @@ from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
 from max.gpu.primitives import warp
 
-from .attention import MaskSpec
-from .gpu_common import (
+from ..attention import MaskSpec
+from .addressing import (
     row_attention_meta,
     attention_slots,
     cache_row_offset,
@@ -52,23 +52,23 @@ from .gpu_common import (
     slot_start,
     ELEMENTWISE_THREADS,
 )
-from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
-from .gpu_attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
-from .gpu_attention_wgmma import (
+from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
+from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
+from .attention_wgmma import (
     WG_BLOCK_THREADS,
     WG_ROWS,
     attention_wgmma_kernel,
     attention_wgmma_smem_bytes,
     wgmma_supported,
 )
-from .fp8 import FP8_MAX
-from .gpu_attention_fma import ATT_KT, ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
-from .gpu_fp8 import MATMUL_M_TILE, MATMUL_SMEM_FLOATS, MATMUL_THREADS, QUANT_WARPS, fp8_matmul_kernel, quantize_kernel
-from .gpu_merge import MAX_PARTITIONS, MERGE_THREADS, merge_kernel, store_kernel
-from .gpu_rope_norm import rope_norm_cache_kernel, rope_q_kernel
-from .fp8_matmul import Granularity
-from .paged_cache import PagedLatentRows
-from .problem import DecodeProblem
+from ..fp8 import FP8_MAX
+from .attention_fma import ATT_KT, ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
+from .projection import MATMUL_M_TILE, MATMUL_SMEM_FLOATS, MATMUL_THREADS, QUANT_WARPS, fp8_matmul_kernel, quantize_kernel
+from .merge import MAX_PARTITIONS, MERGE_THREADS, merge_kernel, store_kernel
+from .rope_norm import rope_norm_cache_kernel, rope_q_kernel
+from ..fp8_matmul import Granularity
+from ..paged_cache import PagedLatentRows
+from ..problem import DecodeProblem
 
 
 
@@ -80,14 +80,14 @@ comptime NUM_SMS = 132  # H200 (SXM)
 comptime MIN_KEYS_PER_PARTITION = 256
 
 
-# Tensor-core attention (gpu_attention_mma.mojo) for bf16 / f16 caches; False forces the FMA kernel.
+# Tensor-core attention (attention_mma.mojo) for bf16 / f16 caches; False forces the FMA kernel.
 comptime USE_TENSOR_CORES = True
 # Its shapes, (16-row groups per block, keys per tile, warps per group), the fastest of the
 # variants timed on the H200 (benchmarks/results/gpu_variants.log; `gpu_smoke.mojo variants`):
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
 comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
 comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64 == 0
-# The warpgroup kernel (gpu_attention_wgmma.mojo) in the same tuple: 4 groups = its 64 rows,
+# The warpgroup kernel (attention_wgmma.mojo) in the same tuple: 4 groups = its 64 rows,
 # keys per tile, 0 warps per group marks it (two warpgroups of 4 warps).
 comptime WGMMA_SHAPE = (WG_ROWS // MMA_ROWS, 64, 0)
 comptime WGMMA_MIN_HEADS = 64  # heads from which it is the default (H200: 2.1x the MMA kernel at 128 heads,

@@ -1,6 +1,6 @@
 """Step 5 on tensor cores (bf16 / f16 caches): paged MLA attention with `mma.sync`.
 
-Same contract as `attention_fma_kernel` in `gpu.mojo` (same arguments, same
+Same contract as `attention_fma_kernel` (`attention_fma.mojo`) (same arguments, same
 outputs), for bfloat16 or float16 caches. The operands are the op's rounding
 points (`pymla/reference.py`): q_full holds dtype values, the probabilities
 are rounded to dtype for P V (their row sum stays float32), one tensor-core
@@ -37,9 +37,9 @@ from max.gpu.compute.mma import ld_matrix, mma
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
 from max.gpu.primitives import warp
 
-from .attention import MaskSpec
-from .common import DPtr, FPtr, U32Ptr, ceil_div
-from .gpu_common import (
+from ..attention import MaskSpec
+from ..common import DPtr, FPtr, U32Ptr, ceil_div
+from .addressing import (
     row_attention_meta,
     cache_row_offset,
     find_slot_request,

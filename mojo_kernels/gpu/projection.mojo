@@ -10,8 +10,8 @@ from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
 from max.gpu.primitives import warp
 
-from .attention import MaskSpec
-from .gpu_common import (
+from ..attention import MaskSpec
+from .addressing import (
     row_attention_meta,
     attention_slots,
     cache_row_offset,
@@ -19,10 +19,10 @@ from .gpu_common import (
     find_slot_request,
     slot_start,
 )
-from .common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
-from .fp8 import FP8_MAX
-from .fp8_matmul import Granularity
-from .paged_cache import PagedLatentRows
+from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
+from ..fp8 import FP8_MAX
+from ..fp8_matmul import Granularity
+from ..paged_cache import PagedLatentRows
 
 
 # Quantization: one warp per scale block.

@@ -8,8 +8,8 @@ from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from .common import DPtr, FPtr
-from .gpu_common import ELEMENTWISE_THREADS
+from ..common import DPtr, FPtr
+from .addressing import ELEMENTWISE_THREADS
 
 
 comptime MERGE_THREADS = 128

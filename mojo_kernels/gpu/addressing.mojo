@@ -1,7 +1,7 @@
-"""Device helpers shared by the GPU kernels of `gpu.mojo` and `gpu_attention_mma.mojo`."""
+"""Device helpers shared by the GPU kernels: where a block's rows and keys are, and their masks."""
 
-from .attention import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
-from .common import U32Ptr
+from ..attention import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
+from ..common import U32Ptr
 
 
 def find_request(offsets: U32Ptr, num_requests: Int, t: Int) -> Int:
