@@ -10,6 +10,10 @@ A serving loop plans each decode step once and runs it per layer:
     step = pymla.plan(cache, input_row_offsets, freqs_cis, pymla.DecodeOptions(scale=scale))
     out = step.run(q, layer_idx, weights)
 
+On a GPU, ``run()`` orders itself after torch's current stream with events; torch
+work issued on :func:`op_stream` (``with torch.cuda.stream(pymla.op_stream(dev))``)
+shares the op's stream and needs none.
+
 The math is specified in :mod:`pymla.reference`.
 """
 
@@ -29,6 +33,7 @@ from .quant import (
     quantize_fp8,
 )
 from .reference import KVCacheTensors, mla_decode_branch_fp8_reference
+from .runtime import op_stream
 from .validate import StaleCacheRowsError
 
 __all__ = [
@@ -48,6 +53,7 @@ __all__ = [
     "make_mla_weights",
     "mla_decode_branch_fp8",
     "mla_decode_branch_fp8_reference",
+    "op_stream",
     "quantize_fp8",
 ]
 

@@ -96,7 +96,11 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
     # the overheads are medians of the differences within a batch group (paired), best of
     # three rounds (the machine is shared).
     fns = {"execute": execute, "run": run, "one_shot": one_shot, "bare_execute": bare_execute}
-    rounds = [_interleaved(fns, dev, repeat, inner) for _ in range(3)]
+    streams = {}
+    if dev.type == "cuda":  # run() with torch's current stream = the op's stream: no events
+        fns["run_on_op_stream"] = run
+        streams["run_on_op_stream"] = runtime.op_stream(dev)
+    rounds = [_interleaved(fns, dev, repeat, inner, streams) for _ in range(3)]
     best = {k: min(statistics.median(r[k]) for r in rounds) for k in fns}
 
     def paired(name: str) -> float:
@@ -114,17 +118,29 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
         "one_shot_s": best["one_shot"],
         "run_overhead_s": paired("run"),
         "one_shot_overhead_s": paired("one_shot"),
+        "run_on_op_stream_s": best.get("run_on_op_stream"),
     }
 
 
-def _interleaved(fns: dict, device: torch.device, repeat: int, inner: int) -> dict[str, list]:
-    """Seconds per call of each function: ``repeat`` groups of one ``inner``-call batch each."""
+def _interleaved(
+    fns: dict, device: torch.device, repeat: int, inner: int, streams: dict
+) -> dict[str, list]:
+    """Seconds per call of each function: ``repeat`` groups of one ``inner``-call batch each.
+
+    A function named in ``streams`` runs its batches with that torch stream current.
+    """
     samples: dict[str, list] = {name: [] for name in fns}
     for group in range(repeat + 2):  # the first two groups warm up
         for name, fn in fns.items():
+            stream = streams.get(name)
             start = time.perf_counter()
-            for _ in range(inner):
-                fn()
+            if stream is None:
+                for _ in range(inner):
+                    fn()
+            else:
+                with torch.cuda.stream(stream):
+                    for _ in range(inner):
+                        fn()
             _sync(device)
             if group >= 2:
                 samples[name].append((time.perf_counter() - start) / inner)
@@ -209,6 +225,7 @@ def run_overhead(argv: list[str] | None = None) -> int:
             "one-shot",
             "one-shot - execute",
             "bare execute",
+            "run() on op stream",
         ),
         [
             (
@@ -220,13 +237,15 @@ def run_overhead(argv: list[str] | None = None) -> int:
                 f"{r['one_shot_s'] * us:.1f}",
                 f"{r['one_shot_overhead_s'] * us:.1f}",
                 f"{r['bare_execute_s'] * us:.1f}",
+                "-" if r["run_on_op_stream_s"] is None else f"{r['run_on_op_stream_s'] * us:.1f}",
             )
             for r in results
         ],
     )
     print(
         "  execute: the launch run() makes (on a GPU with its two stream-ordering events) on\n"
-        "  prepared buffers; bare execute: the model's execute alone. Each column is a median\n"
+        "  prepared buffers; bare execute: the model's execute alone; run() on op stream: run()\n"
+        "  with torch's current stream = pymla.op_stream (no events). Each column is a median\n"
         "  per call; the '- execute' columns are medians of paired differences (batches\n"
         "  interleaved), so they need not equal the difference of the two columns."
     )

@@ -113,7 +113,8 @@ class _Queues:
     def __init__(self, device: torch.device) -> None:
         _, max_device = session(device)
         self.queue = max_device.default_queue
-        self.stream = torch.cuda.ExternalStream(self.queue.native_stream_handle, device=device)
+        self.handle = self.queue.native_stream_handle
+        self.stream = torch.cuda.ExternalStream(self.handle, device=device)
 
 
 _queues: dict[str, _Queues] = {}
@@ -142,26 +143,44 @@ def _events(index: int) -> tuple[torch.cuda.Event, torch.cuda.Event]:
     return found
 
 
+def op_stream(device: torch.device | str) -> torch.cuda.ExternalStream:
+    """The CUDA stream the op runs on (MAX's queue on ``device``), as a torch stream.
+
+    Torch work issued under ``with torch.cuda.stream(pymla.op_stream(dev)):``
+    shares the op's stream, so a launch needs no events to order the two
+    (a serving loop's whole step can run there).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"pymla.op_stream: device must be a CUDA device, got {device}")
+    return _queues_for(device).stream
+
+
 def launcher(model: engine.Model, device: torch.device):
     """``launch(model, device, ·)`` with the per-device lookups done once: a function of the buffers.
 
-    On the CPU: ``model``'s execute. On a GPU: MAX's queue waits for torch's
-    current stream (an event recorded there), the op is enqueued, torch's
-    current stream waits for MAX's queue (an event recorded there); both waits
-    are ``cudaStreamWaitEvent``, so the host never waits, and under
-    ``torch.cuda.graph`` capture they fork MAX's queue into the capture and
-    join it back.
+    On the CPU: ``model``'s execute. On a GPU: when torch's current stream is
+    MAX's queue (:func:`op_stream`), the execute alone; otherwise MAX's queue
+    waits for torch's current stream (an event recorded there), the op is
+    enqueued, torch's current stream waits for MAX's queue (an event recorded
+    there); both waits are ``cudaStreamWaitEvent``, so the host never waits,
+    and under ``torch.cuda.graph`` capture they fork MAX's queue into the
+    capture and join it back.
     """
     execute = executor(model)
     if device.type == "cpu":
         return execute
-    max_stream = _queues_for(device).stream
+    queues = _queues_for(device)
+    max_stream, max_handle = queues.stream, queues.handle
     index = device.index if device.index is not None else torch.cuda.current_device()
     current_stream = torch.cuda.current_stream
 
     def launch_on_gpu(buffers: list) -> None:
-        inputs_ready, outputs_ready = _events(index)
         current = current_stream(index)
+        if current.cuda_stream == max_handle:  # one stream: already in order
+            execute(buffers)
+            return
+        inputs_ready, outputs_ready = _events(index)
         inputs_ready.record(current)
         inputs_ready.wait(max_stream)  # MAX's queue waits for the inputs
         execute(buffers)

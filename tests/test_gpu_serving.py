@@ -8,6 +8,9 @@ Skipped without CUDA. What each test shows:
   output must still come from the rewritten q (MAX waited for torch's stream).
 - ``test_no_host_sync_under_sync_debug_mode``: ``torch.cuda.set_sync_debug_mode("error")``
   sees no synchronizing torch call in run() (plan() may copy to the host).
+- ``test_run_on_the_op_stream_equals_run_on_another_stream``: a step issued
+  under ``torch.cuda.stream(pymla.op_stream(dev))`` (no events) gives the
+  bytes of the same step issued on torch's default stream (with events).
 - ``test_cuda_graph_replay_of_a_many_layer_step_equals_eager``: a step of
   several layers captured with ``torch.cuda.graph`` and replayed gives the
   eager step's bytes (output and cache). When capture fails, the failure
@@ -97,6 +100,30 @@ def test_no_host_sync_under_sync_debug_mode():
     finally:
         torch.cuda.set_sync_debug_mode(previous)
     torch.cuda.synchronize()
+
+
+def test_run_on_the_op_stream_equals_run_on_another_stream():
+    case, step, qs, weights, outs = _step_inputs(4)
+    pristine = case.cache.blocks.clone()
+    _run_step(step, qs, weights, outs)  # default stream: ordered by events
+    torch.cuda.synchronize()
+    expected = [out.clone() for out in outs]
+    expected_blocks = case.cache.blocks.clone()
+
+    op_stream = pymla.op_stream("cuda")
+    assert op_stream.cuda_stream != torch.cuda.current_stream().cuda_stream
+    op_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(op_stream):
+        case.cache.blocks.copy_(pristine)  # torch work on the op's stream, then the op's
+        for out in outs:
+            out.fill_(float("nan"))
+        _run_step(step, qs, weights, outs)
+        got = [out.clone() for out in outs]  # on the same stream: after the op
+    torch.cuda.current_stream().wait_stream(op_stream)
+    torch.cuda.synchronize()
+    for layer, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert torch.equal(a, b), f"layer {layer}: op stream != default stream"
+    assert torch.equal(case.cache.blocks, expected_blocks), "cache differs on the op stream"
 
 
 def test_cuda_graph_replay_of_a_many_layer_step_equals_eager():
