@@ -8,9 +8,7 @@ product each, accumulated in float32.
 
 Layout of one block: `groups` groups of `gw` warps (4 or 8); each group owns
 16 (token, head) rows of one request; all groups share each key tile in
-shared memory. Key tiles stream through a ring of `stages` cp.async buffers,
-so `stages - 1` tiles are in flight while one is used (few heads: the kernel
-is bound by the bytes in flight, not by the tensor cores).
+shared memory.
 
 * Scores `S[16, KT] = Q K^T`: warp `w` of a group takes the k-steps
   (16 dims) `w, w + gw, ...` of the key dim with its q fragments held in
@@ -79,13 +77,13 @@ def mma_supported[dtype: DType, gw: Int](key_dim: Int, kv_lora_rank: Int) -> Boo
     )
 
 
-def attention_mma_smem_bytes[dtype: DType](groups: Int, kt: Int, gw: Int, stages: Int, key_dim: Int) -> Int:
+def attention_mma_smem_bytes[dtype: DType](groups: Int, kt: Int, gw: Int, key_dim: Int) -> Int:
     """Dynamic shared memory of `attention_mma_kernel` (regions 16-byte aligned)."""
-    var k_bytes = stages * ceil_div(kt * (key_dim + MMA_KEY_PAD) * size_of[dtype](), 16) * 16
+    var k_bytes = 2 * ceil_div(kt * (key_dim + MMA_KEY_PAD) * size_of[dtype](), 16) * 16
     var red_bytes = groups * gw * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
     var p_bytes = groups * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
     var row_bytes = ceil_div(groups * MMA_ROWS * 7 * 4, 16) * 16
-    var off_bytes = stages * kt * 8
+    var off_bytes = 2 * kt * 8
     return k_bytes + red_bytes + p_bytes + row_bytes + off_bytes
 
 
@@ -108,7 +106,7 @@ def copy_key_tile[
     stride: Int,
     vec_per_row: Int,
 ):
-    """Starts the copy of `kt` cache rows (offsets in `rowoff`, -1 = zeros) into `k_s` (the caller commits).
+    """Starts the copy of `kt` cache rows (offsets in `rowoff`, -1 = zeros) into `k_s`; one commit group.
 
     The thread copies 16-byte vectors `tid, tid + threads, ...` of the tile,
     `first = divmod(tid, vec_per_row)`, `step = divmod(threads, vec_per_row)`
@@ -128,6 +126,7 @@ def copy_key_tile[
         if c >= vec_per_row:
             c -= vec_per_row
             r += 1
+    async_copy_commit_group()
 
 
 @always_inline
@@ -141,7 +140,7 @@ def tile_row_offset(
 
 
 def attention_mma_kernel[
-    dtype: DType, groups: Int, kt: Int, gw: Int, stages: Int
+    dtype: DType, groups: Int, kt: Int, gw: Int
 ](
     q_full: FPtr,
     blocks: DPtr[dtype],
@@ -172,7 +171,6 @@ def attention_mma_kernel[
     `32 gw groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
     """
     comptime assert kt % 32 == 0, "kt must be a multiple of 32"
-    comptime assert stages >= 2, "at least two key-tile buffers"
     comptime assert MMA_ROWS % gw == 0 and (MMA_RANK_MAX // 8) % gw == 0, "gw must divide 16"
     comptime GROUP_THREADS = gw * WARP_SIZE
     comptime KS_MAX = mma_ks_max(gw)
@@ -225,9 +223,10 @@ def attention_mma_kernel[
     var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
     var stride = dim + MMA_KEY_PAD
     var off = 0
-    var k_buf_elems = ceil_div(kt * stride * size_of[dtype](), 16) * 16 // size_of[dtype]()
-    var k_base = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # `stages` buffers [kt][stride]
-    off += stages * k_buf_elems * size_of[dtype]()
+    var k_buf_bytes = ceil_div(kt * stride * size_of[dtype](), 16) * 16
+    var k_s0 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # two buffers [kt][stride]
+    var k_s1 = base.unsafe_offset(off + k_buf_bytes).unsafe_bitcast[Scalar[dtype]]()
+    off += 2 * k_buf_bytes
     var red_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][gw][16][RS]
     off += groups * gw * MMA_ROWS * RS * 4
     var p_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][16][RS]
@@ -247,7 +246,7 @@ def attention_mma_kernel[
     var pos_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
     off += ROWS_BLK * 4
     off = ceil_div(off, 16) * 16
-    var rowoff_s = base.unsafe_offset(off).unsafe_bitcast[Int64]()  # `stages` buffers [kt]
+    var rowoff_s = base.unsafe_offset(off).unsafe_bitcast[Int64]()  # two buffers [kt]
 
     if tid < ROWS_BLK:
         var gr = row0 + tid
@@ -317,49 +316,35 @@ def attention_mma_kernel[
     var p_g = p_s.unsafe_offset(group * MMA_ROWS * RS)
     var blocks_global = blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
 
-    # Key tiles in a ring of `stages` buffers (cp.async): while tile i is used, tiles
-    # i + 1 .. i + stages - 1 are in flight. Every thread commits one copy group per tile
-    # (empty past the keys), so `wait_group(stages - 2)` means tile i has landed. Thread
-    # `tid < kt` looks up the cache row of key `tid` of the tile one ahead of the next copy,
-    # in a register, so the lookup-table load is not waited for at the barrier.
+    # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used. Thread
+    # `tid < kt` looks up the cache row of key `tid` of a tile one tile ahead of its copy, in a
+    # register, so the lookup-table load is not waited for at the barrier.
     var copy_first = (tid // vec_per_row, tid % vec_per_row)
     var copy_step = (THREADS // vec_per_row, THREADS % vec_per_row)
     if tid < kt:
-        comptime for s in range(stages - 1):
-            rowoff_s.unsafe_store(
-                s * kt + tid, tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + s * kt + tid, kb_hi)
-            )
+        rowoff_s.unsafe_store(tid, tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + tid, kb_hi))
     var ro_ahead = Int64(-1)
     if tid < kt:
-        ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + (stages - 1) * kt + tid, kb_hi)
+        ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + kt + tid, kb_hi)
     barrier()
-    comptime for s in range(stages - 1):
-        if kb_lo + s * kt < kb_hi:
-            copy_key_tile[dtype, kt, THREADS](
-                blocks_global, rowoff_s.unsafe_offset(s * kt), k_base.unsafe_offset(s * k_buf_elems),
-                copy_first, copy_step, stride, vec_per_row,
-            )
-        async_copy_commit_group()
+    if kb_lo < kb_hi:
+        copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row)
     var j0 = kb_lo
-    var cur = 0  # buffer of the tile at j0
+    var cur = 0
     while j0 < kb_hi:
-        # The tile `stages - 1` ahead goes into the buffer of the previous tile.
-        var ahead = cur - 1 if cur > 0 else stages - 1
-        var ahead_rowoff = rowoff_s.unsafe_offset(ahead * kt)
+        var has_next = j0 + kt < kb_hi
+        var nxt_rowoff = rowoff_s.unsafe_offset((1 - cur) * kt)
         if tid < kt:
-            ahead_rowoff.unsafe_store(tid, ro_ahead)
-        async_copy_wait_group(Int32(stages - 2))
-        barrier()  # this tile is in k_s; every warp is done with the previous tile
-        var k_s = k_base.unsafe_offset(cur * k_buf_elems)
-        var j_ahead = j0 + (stages - 1) * kt
-        if j_ahead < kb_hi:
+            nxt_rowoff.unsafe_store(tid, ro_ahead)
+        async_copy_wait_group(0)
+        barrier()
+        var k_s = k_s0 if cur == 0 else k_s1
+        if has_next:
             copy_key_tile[dtype, kt, THREADS](
-                blocks_global, ahead_rowoff, k_base.unsafe_offset(ahead * k_buf_elems),
-                copy_first, copy_step, stride, vec_per_row,
+                blocks_global, nxt_rowoff, k_s1 if cur == 0 else k_s0, copy_first, copy_step, stride, vec_per_row
             )
             if tid < kt:
-                ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j_ahead + kt + tid, kb_hi)
-        async_copy_commit_group()
+                ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j0 + 2 * kt + tid, kb_hi)
 
         # Partial scores of this warp's k-steps.
         var s_acc = Array[SIMD[DType.float32, 4], NSP](fill=0)
@@ -450,7 +435,7 @@ def attention_mma_kernel[
         # No barrier here: the next iteration's first barrier orders this tile's reads of
         # k_s / p_s / red_s before they are written again.
         j0 += kt
-        cur = cur + 1 if cur + 1 < stages else 0
+        cur = 1 - cur
 
     # Results: rows g and g + 8 of the group, this warp's columns.
     var l_a = l_s.unsafe_load(group * MMA_ROWS + g)

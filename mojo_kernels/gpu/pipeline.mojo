@@ -53,7 +53,7 @@ from .addressing import (
     ELEMENTWISE_THREADS,
 )
 from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
-from .attention_mma import MMA_KEY_DIM_MAX, MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
+from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
 from .attention_wgmma import (
     WG_BLOCK_THREADS,
     WG_ROWS,
@@ -82,14 +82,17 @@ comptime MIN_KEYS_PER_PARTITION = 256
 
 # Tensor-core attention (attention_mma.mojo) for bf16 / f16 caches; False forces the FMA kernel.
 comptime USE_TENSOR_CORES = True
-# Its shapes, (16-row groups per block, keys per tile, warps per group, key-tile buffers), the
-# fastest of the variants timed on the H200 (benchmarks/results/gpu_variants.log; `gpu_smoke.mojo variants`):
-comptime MMA_MANY_HEADS = (2, 64, 4, 2)  # 32 heads or more: two groups share every key tile
-comptime MMA_FEW_HEADS = (1, 32, 8, 4)  # fewer heads; needs kv_lora_rank % 128 == 0
-comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4, 4)  # fewer heads, kv_lora_rank % 64 == 0
+# Its shapes, (16-row groups per block, keys per tile, warps per group), the fastest of the
+# variants timed on the H200 (benchmarks/results/gpu_variants.log; `gpu_smoke.mojo variants`):
+comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
+comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
+# (H200, 16 heads, B128 L32k, step 5: 1798.5 us; (1, 32, 4) 1895 us; (1, 32, 8) 2262 us, and
+# 2230-2256 us with a ring of 3-5 cp.async key buffers: deeper prefetch does not help;
+# benchmarks/results/h200-2026-12-03-attn/)
+comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64 == 0
 # The warpgroup kernel (attention_wgmma.mojo) in the same tuple: 4 groups = its 64 rows,
-# keys per tile, 0 warps per group marks it (two warpgroups of 4 warps), two buffers.
-comptime WGMMA_SHAPE = (WG_ROWS // MMA_ROWS, 64, 0, 2)
+# keys per tile, 0 warps per group marks it (two warpgroups of 4 warps).
+comptime WGMMA_SHAPE = (WG_ROWS // MMA_ROWS, 64, 0)
 comptime WGMMA_MIN_HEADS = 64  # heads from which it is the default (H200: 2.1x the MMA kernel at 128 heads,
 # half its speed at 16 heads; benchmarks/results/h200-2026-12-03-wgmma/gpu_variants.log)
 comptime MMA_REGISTERS = 256  # registers per thread the tensor-core kernels use (ptxas: 208-255)
@@ -312,7 +315,7 @@ def gpu_build_q_full[
 
 
 def gpu_attention[
-    dtype: DType, mma_groups: Int = 0, mma_kt: Int = 32, mma_gw: Int = 4, mma_stages: Int = 2
+    dtype: DType, mma_groups: Int = 0, mma_kt: Int = 32, mma_gw: Int = 4
 ](
     ctx: DeviceContext,
     q_full: FPtr,
@@ -338,10 +341,9 @@ def gpu_attention[
     the grid size and `max_cache_length_hint` (see `plan_partitions`).
     `force_fma` skips the tensor-core kernel (for tests). `mma_groups > 0`
     pins the tensor-core kernel's shape to (`mma_groups` 16-row groups per
-    block, `mma_kt` keys per tile, `mma_gw` warps per group, `mma_stages`
-    key-tile buffers; for timing the variants; `mma_gw = 0` pins the warpgroup
-    kernel with `mma_kt` keys per tile); by default the shape is `WGMMA_SHAPE`
-    or one of the `MMA_*` constants.
+    block, `mma_kt` keys per tile, `mma_gw` warps per group; for timing the
+    variants; `mma_gw = 0` pins the warpgroup kernel with `mma_kt` keys per
+    tile); by default the shape is `WGMMA_SHAPE` or one of the `MMA_*` constants.
     """
     if num_tokens == 0 or num_heads == 0:
         return
@@ -349,12 +351,8 @@ def gpu_attention[
     var rows = num_tokens * num_heads
 
     # Kernel choice: tensor cores for bf16 / f16 caches of supported sizes, shape by head count.
-    comptime PINNED = (mma_groups, mma_kt, mma_gw, mma_stages)
-    comptime for s in [MMA_MANY_HEADS, MMA_FEW_HEADS, MMA_FEW_HEADS_SMALL_RANK]:
-        comptime assert (
-            attention_mma_smem_bytes[DType.bfloat16](s[0], s[1], s[2], s[3], MMA_KEY_DIM_MAX) <= ATT_MAX_SMEM
-        ), "an MMA_* shape needs more shared memory than a block can have"
-    var shape = (0, 0, 0, 0)  # (groups, kt, gw, stages); groups 0 = the FMA kernel
+    comptime PINNED = (mma_groups, mma_kt, mma_gw)
+    var shape = (0, 0, 0)  # (groups, kt, gw); groups 0 = the FMA kernel
     comptime if USE_TENSOR_CORES and (dtype == DType.bfloat16 or dtype == DType.float16):
         if not force_fma:
             comptime if mma_groups > 0 and mma_gw == 0:
@@ -379,7 +377,7 @@ def gpu_attention[
     elif shape[0] > 0:
         rows_per_block = shape[0] * MMA_ROWS
         var threads = shape[0] * shape[2] * WARP_SIZE
-        var smem = attention_mma_smem_bytes[dtype](shape[0], shape[1], shape[2], shape[3], key_dim)
+        var smem = attention_mma_smem_bytes[dtype](shape[0], shape[1], shape[2], key_dim)
         blocks_per_sm = max(1, min(SM_REGISTERS // (MMA_REGISTERS * threads), SM_SHARED_MEMORY // (smem + 1024)))
     var parts = num_partitions
     if parts <= 0:
@@ -425,10 +423,10 @@ def gpu_attention[
         )
 
     @always_inline
-    def launch_mma[s: Tuple[Int, Int, Int, Int]]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
-        comptime groups, kt, gw, stages = s[0], s[1], s[2], s[3]
-        var smem = attention_mma_smem_bytes[dtype](groups, kt, gw, stages, key_dim)
-        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, gw, stages]](
+    def launch_mma[s: Tuple[Int, Int, Int]]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
+        comptime groups, kt, gw = s[0], s[1], s[2]
+        var smem = attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim)
+        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, gw]](
             q_full,
             cache.blocks,
             cache.lookup_table,

@@ -27,7 +27,6 @@ from mojo_kernels.common import DPtr, FPtr, U32Ptr, U8Ptr
 from mojo_kernels.fp8_matmul import Granularity
 from mojo_kernels.gpu.pipeline import (
     MMA_FEW_HEADS,
-    MMA_FEW_HEADS_SMALL_RANK,
     MMA_MANY_HEADS,
     WGMMA_SHAPE,
     gpu_attention,
@@ -535,13 +534,13 @@ struct DeviceCase[dtype: DType](Movable):
         )
 
     def attention[
-        groups: Int = 0, kt: Int = 32, gw: Int = 4, stages: Int = 2
+        groups: Int = 0, kt: Int = 32, gw: Int = 4
     ](
         self, ctx: DeviceContext, c: Case, q_full: DeviceBuffer[DType.float32], raw: DeviceBuffer[DType.float32],
         parts: Int, force_fma: Bool = False,
     ) raises:
         """Step 5 alone on this case's cache (`gpu_attention`'s parameters; `parts` 0 = planned)."""
-        gpu_attention[Self.dtype, groups, kt, gw, stages](
+        gpu_attention[Self.dtype, groups, kt, gw](
             ctx, untracked(q_full), self.cache(c), untracked(self.offsets), untracked(self.lengths), c.num_requests,
             c.num_tokens, c.heads, c.rank, parts, c.pages_per_request * c.page_size, c.scale,
             MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw), force_fma=force_fma,
@@ -708,15 +707,9 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow).
         d.attention(ctx, c, q_full_buf, raw_buf, 2, force_fma=True)
         ok = check_close("raw (FMA kernel, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
-        # Every tensor-core shape the op can pick, whatever this case's head count (many heads,
-        # few heads, small kv_lora_rank), and the two- and three-buffer key pipelines.
-        comptime PINNED_MMA = [MMA_MANY_HEADS, MMA_FEW_HEADS, MMA_FEW_HEADS_SMALL_RANK, (1, 32, 4, 2), (1, 32, 8, 3)]
-        comptime for s in PINNED_MMA:
-            d.attention[s[0], s[1], s[2], s[3]](ctx, c, q_full_buf, raw_buf, 2)
-            ok = check_close(
-                String("raw (tensor cores ", s[0], " x ", s[1], " x ", s[2], ", ", s[3], " stages, 2 partitions)"),
-                download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype](),
-            ) and ok
+        # The tensor-core shape for small kv_lora_rank (the op picks it only when the others do not fit).
+        d.attention[1, 32, 4](ctx, c, q_full_buf, raw_buf, 2)
+        ok = check_close("raw (tensor cores 1 x 32 x 4, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         # The warpgroup (wgmma) kernel on every case it supports, whatever the head count.
         if wgmma_supported[dtype](c.key_dim, c.rank):
             for parts in [1, 3]:
@@ -838,7 +831,7 @@ def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: I
 
 
 def bench_attention[
-    dtype: DType, groups: Int, kt: Int, gw: Int = 4, stages: Int = 2
+    dtype: DType, groups: Int, kt: Int, gw: Int = 4
 ](
     ctx: DeviceContext, c: Case, d: DeviceCase[dtype], q_full: DeviceBuffer[DType.float32],
     raw: DeviceBuffer[DType.float32], iters: Int, expected: List[Float32],
@@ -849,7 +842,7 @@ def bench_attention[
         if it == 1:
             ctx.synchronize()
             t0 = perf_counter_ns()
-        d.attention[groups, kt, gw, stages](ctx, c, q_full, raw, 0)
+        d.attention[groups, kt, gw](ctx, c, q_full, raw, 0)
     ctx.synchronize()
     var us = Float64(perf_counter_ns() - t0) / Float64(iters) / 1000.0
     var cache_bytes = Float64(c.num_requests * (Int(c.lengths[0]) + 1) * c.key_dim * size_of[dtype]())
@@ -860,7 +853,7 @@ def bench_attention[
         diff = max(diff, abs(got[i] - expected[i]))
         top = max(top, abs(expected[i]))
     print(
-        "  attention groups", groups, "kt", kt, "warps/group", gw, "stages", stages, ":", us, "us,", cache_bytes / us / 1e3,
+        "  attention groups", groups, "kt", kt, "warps/group", gw, ":", us, "us,", cache_bytes / us / 1e3,
         "GB/s of cache; max |diff| vs the op's kernel", diff / top, "x max|raw|",
     )
 
@@ -884,17 +877,13 @@ def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cac
     print("variants B", batch, "H", heads, "L", cache_len + 1)
     bench_attention[dtype, 0, 0](ctx, c, d, q_full, raw, iters, List[Float32](length=rows * c.rank, fill=0))
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
-    # (groups, kt, warps per group, stages): a launch that asks for too many registers is reported, not fatal.
-    # (kt 64 fits two key buffers only: three need more than 227 KB of shared memory at key dim 576.)
-    comptime VARIANTS = [
-        (1, 64, 8, 2), (1, 64, 4, 2), (1, 32, 8, 2), (1, 32, 8, 3), (1, 32, 8, 4), (1, 32, 8, 5),
-        (1, 32, 4, 2), (1, 32, 4, 3), (1, 32, 4, 4), (2, 32, 4, 3), (2, 64, 4, 2), (4, 64, 0, 2),
-    ]
+    # (groups, kt, warps per group): a launch that asks for too many registers is reported, not fatal.
+    comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8), (4, 32, 0), (4, 64, 0)]
     comptime for v in VARIANTS:
         try:
-            bench_attention[dtype, v[0], v[1], v[2], v[3]](ctx, c, d, q_full, raw, iters, expected)
+            bench_attention[dtype, v[0], v[1], v[2]](ctx, c, d, q_full, raw, iters, expected)
         except e:
-            print("  attention groups", v[0], "kt", v[1], "warps/group", v[2], "stages", v[3], ": launch failed:", e)
+            print("  attention groups", v[0], "kt", v[1], "warps/group", v[2], ": launch failed:", e)
 
 
 def main() raises:
