@@ -86,6 +86,9 @@ comptime USE_TENSOR_CORES = True
 # variants timed on the H200 (benchmarks/results/gpu_variants.log; `gpu_smoke.mojo variants`):
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
 comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
+# (H200, 16 heads, B128 L32k, step 5: 1798.5 us; (1, 32, 4) 1895 us; (1, 32, 8) 2262 us, and
+# 2230-2256 us with a ring of 3-5 cp.async key buffers: deeper prefetch does not help;
+# benchmarks/results/h200-2026-12-03-attn/)
 comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64 == 0
 # The warpgroup kernel (attention_wgmma.mojo) in the same tuple: 4 groups = its 64 rows,
 # keys per tile, 0 warps per group marks it (two warpgroups of 4 warps).
