@@ -227,52 +227,21 @@ def stage_activations[
         and (not do_copy or (copy_m_stride % 4 == 0 and copy_g_stride % 4 == 0))
     )
     if in_registers:
-        var vpi = ceil_div(lay.block_kp, SLOT)  # slots per item: 1, 2 or 4
-        if vpi == 3:
-            vpi = 4
-        var ipg = SEG_VECS // vpi  # items per warp step
-        for grp in range(wid, ceil_div(items, ipg), warps):
-            var v = Array[SIMD[DType.float32, 4], SEG_VECS](fill=0)
-            var slot_max = SIMD[DType.float32, SEG_VECS](0)
-            comptime for s in range(SEG_VECS):
-                var item = grp * ipg + s // vpi
-                var r = item // kb_count
-                var kb = item % kb_count
-                var kk = 4 * lane + SLOT * (s % vpi)
-                if item < items and m0 + r < rows and kk < min(bk, k_total - kb * bk):
-                    v[s] = (
-                        a_g.unsafe_offset((m0 + r) * ms + kb * bk + kk)
-                        .unsafe_load[width=4, alignment=4 * size_of[in_dtype]()](0)
-                        .cast[DType.float32]()
-                    )
-                    slot_max[s] = abs(v[s]).reduce_max()
-            # Slot maxima to item maxima (items s // vpi), then one reduction across the warp.
-            var item_max = SIMD[DType.float32, SEG_VECS](0)
-            comptime for s in range(SEG_VECS):
-                comptime for q in range(SEG_VECS):
-                    if s // vpi == q:
-                        item_max[q] = max(item_max[q], slot_max[s])
-            # (`warp.max` of a SIMD value reduces its elements too: one scalar reduction per item.)
-            comptime for q in range(SEG_VECS):
-                item_max[q] = warp.max(item_max[q])
-            comptime for s in range(SEG_VECS):
-                var item = grp * ipg + s // vpi
-                var r = item // kb_count
-                var kb = item % kb_count
-                var kk = 4 * lane + SLOT * (s % vpi)
-                var amax = item_max[s // vpi]
-                var scale = amax / FP8_MAX if amax > 0 else Float32(1)
-                if item < items and kk < lay.block_kp:
-                    var x = min(max(v[s] / scale, -FP8_MAX), FP8_MAX)
-                    sm.a_s.unsafe_offset(r * lay.a_stride + kb * lay.block_kp + kk).unsafe_store[alignment=8](
-                        0, x.cast[DType.float8_e4m3fn]().cast[DType.float16]()
-                    )
-                    if lane == 0 and s % vpi == 0:
-                        sm.sa_s.unsafe_store(item, scale)
-                    if do_copy and m0 + r < rows and kk < min(bk, k_total - kb * bk):
-                        copy_g.unsafe_offset((m0 + r) * copy_m_stride + kb * bk + kk).unsafe_store[
-                            alignment=4 * size_of[copy_dtype]()
-                        ](0, v[s].cast[copy_dtype]())
+        # Slots per item, 1, 2 or 4 (a 384-wide block takes 4), a compile-time parameter so that
+        # the item arithmetic of a warp step folds away.
+        var vpi = ceil_div(lay.block_kp, SLOT)
+        if vpi == 1:
+            quantize_rows_in_registers[in_dtype, out_dtype, copy_dtype, warps, 1](
+                p, lay, sm, g, m0, mt, copy, copy_g_stride, copy_m_stride, do_copy
+            )
+        elif vpi == 2:
+            quantize_rows_in_registers[in_dtype, out_dtype, copy_dtype, warps, 2](
+                p, lay, sm, g, m0, mt, copy, copy_g_stride, copy_m_stride, do_copy
+            )
+        else:
+            quantize_rows_in_registers[in_dtype, out_dtype, copy_dtype, warps, 4](
+                p, lay, sm, g, m0, mt, copy, copy_g_stride, copy_m_stride, do_copy
+            )
         return
 
     for item in range(wid, items, warps):
@@ -304,6 +273,91 @@ def stage_activations[
             dst.unsafe_store(kk, x.cast[DType.float8_e4m3fn]().cast[DType.float16]())
         if lane == 0:
             sm.sa_s.unsafe_store(item, scale)
+
+
+@always_inline
+def quantize_rows_in_registers[
+    in_dtype: DType, out_dtype: DType, copy_dtype: DType, warps: Int, VPI: Int
+](
+    p: Fp8Projection[in_dtype, out_dtype],
+    lay: TileLayout,
+    sm: TileSmem,
+    g: Int,
+    m0: Int,
+    mt: Int,
+    copy: DPtr[copy_dtype],
+    copy_g_stride: Int,
+    copy_m_stride: Int,
+    do_copy: Bool,
+):
+    """`stage_activations` for per-row scales (`bm == 1`) and K blocks of up to `VPI` float32x4 slots of a warp.
+
+    A warp step takes `SEG_VECS / VPI` items (row, K block) in `SEG_VECS`
+    slots: all loads first, then one max-reduction per item across the warp.
+    The items of a step are consecutive, so their rows and K blocks come from
+    one division per step.
+    """
+    comptime SLOT = 4 * WARP_SIZE
+    comptime IPG = SEG_VECS // VPI  # items per warp step
+    var lane = thread_idx.x % WARP_SIZE
+    var wid = thread_idx.x // WARP_SIZE
+    var rows = Int(p.rows)
+    var k_total = Int(p.depth)
+    var bk = Int(p.block_k)
+    var kb_count = lay.k_blocks
+    var items = mt * kb_count
+    var ms = Int(p.a_m_stride)
+    var a_g = p.a.unsafe_offset(g * Int(p.a_g_stride))
+    var copy_g = copy.unsafe_offset(g * copy_g_stride)
+    for grp in range(wid, ceil_div(items, IPG), warps):
+        # Row and K block of the step's items, and the valid width of each block.
+        var r_of = SIMD[DType.int32, IPG](0)
+        var kb_of = SIMD[DType.int32, IPG](0)
+        var r = (grp * IPG) // kb_count
+        var kb = (grp * IPG) % kb_count
+        comptime for q in range(IPG):
+            r_of[q] = Int32(r)
+            kb_of[q] = Int32(kb)
+            kb += 1
+            if kb == kb_count:
+                kb = 0
+                r += 1
+        var v = Array[SIMD[DType.float32, 4], SEG_VECS](fill=0)
+        var slot_max = SIMD[DType.float32, SEG_VECS](0)
+        comptime for s in range(SEG_VECS):
+            var rr = Int(r_of[s // VPI])
+            var kbb = Int(kb_of[s // VPI])
+            var kk = 4 * lane + SLOT * (s % VPI)
+            if rr < mt and m0 + rr < rows and kk < min(bk, k_total - kbb * bk):
+                v[s] = (
+                    a_g.unsafe_offset((m0 + rr) * ms + kbb * bk + kk)
+                    .unsafe_load[width=4, alignment=4 * size_of[in_dtype]()](0)
+                    .cast[DType.float32]()
+                )
+                slot_max[s] = abs(v[s]).reduce_max()
+        var item_max = SIMD[DType.float32, IPG](0)
+        comptime for s in range(SEG_VECS):
+            item_max[s // VPI] = max(item_max[s // VPI], slot_max[s])
+        # (`warp.max` of a SIMD value reduces its elements too: one scalar reduction per item.)
+        comptime for q in range(IPG):
+            item_max[q] = warp.max(item_max[q])
+        comptime for s in range(SEG_VECS):
+            var rr = Int(r_of[s // VPI])
+            var kbb = Int(kb_of[s // VPI])
+            var kk = 4 * lane + SLOT * (s % VPI)
+            var amax = item_max[s // VPI]
+            var scale = amax / FP8_MAX if amax > 0 else Float32(1)
+            if rr < mt and kk < lay.block_kp:
+                var x = min(max(v[s] / scale, -FP8_MAX), FP8_MAX)
+                sm.a_s.unsafe_offset(rr * lay.a_stride + kbb * lay.block_kp + kk).unsafe_store[alignment=8](
+                    0, x.cast[DType.float8_e4m3fn]().cast[DType.float16]()
+                )
+                if lane == 0 and s % VPI == 0:
+                    sm.sa_s.unsafe_store(rr * kb_count + kbb, scale)
+                if do_copy and m0 + rr < rows and kk < min(bk, k_total - kbb * bk):
+                    copy_g.unsafe_offset((m0 + rr) * copy_m_stride + kbb * bk + kk).unsafe_store[
+                        alignment=4 * size_of[copy_dtype]()
+                    ](0, v[s].cast[copy_dtype]())
 
 
 @always_inline

@@ -1,7 +1,7 @@
 """Steps 1-4 and step 6 on the GPU as one launch each, fp8 projections on tensor cores.
 
-* `q_step_kernel`: the new cache rows' RMSNorm + RoPE (the first `cache_rows.count`
-  blocks, `rope_norm_cache_row`), then one block per (head, row tile, column
+* `q_step_kernel`: the new cache rows' RMSNorm + RoPE (the last `cache_rows.count`
+  blocks, `rope_norm_cache_row`), before them one block per (head, row tile, column
   tile) of `q_full[:, :, :R] = rnd(fp8mm(q_nope, w_uk))` (`projection_mma.mojo`);
   the blocks of column tile 0 also write `q_full[:, :, R:] = rnd(rope(q_rope))`.
 * `out_step_kernel`: one block per (head, row tile, column tile) of
@@ -19,7 +19,7 @@ picks it from `PROJ_TILES` (`choose_proj_tile`).
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 
-from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
+from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
@@ -135,11 +135,13 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
     comptime MT = warps_m * tm * 16
     comptime NT = warps_n * tn * 8
     var blk = block_idx.x
-    var cache_count = Int(p.cache_rows.count)
-    if blk < cache_count:
-        rope_norm_cache_row[dtype, THREADS](p.cache_rows, blk)
+    # The cache rows are the last blocks: latency-bound (one scattered cache row each), they
+    # fill the projection's last, partial wave instead of holding SMs at the start.
+    var proj_blocks = grid_dim.x - Int(p.cache_rows.count)
+    if blk >= proj_blocks:
+        rope_norm_cache_row[dtype, THREADS](p.cache_rows, blk - proj_blocks)
         return
-    var tile = tile_of_block(blk - cache_count, Int(p.m_tiles), Int(p.n_tiles))
+    var tile = tile_of_block(blk, Int(p.m_tiles), Int(p.n_tiles))
     var g = tile[0]
     var m0 = tile[1] * MT
     var n0 = tile[2] * NT
