@@ -36,8 +36,12 @@ from .projection_mma import (
 from .rope_norm import CacheRowsArgs, rope_norm_cache_row, rope_q_pair, token_position
 
 # Tile shapes (warps_m, warps_n, m16 tiles per warp, n8 tiles per warp), smallest first:
-# 16 x 32, 16 x 64 (4 warps), 32 x 128 and 64 x 128 (8 warps).
-comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (2, 4, 1, 4), (2, 4, 2, 4))
+# 16 x 32, 16 x 64 (4 warps) and 32 x 128 (8 warps). Chosen on the H200 (2026-12-03, build
+# 93ae151, ncu GPU time of each step alone, bf16, `gpu_smoke proj`): 128 heads, 64 tokens:
+# q step 81.6 / 51.7 / 36.8 us, output step 61.5 / 39.3 / 23.1 us; 16 heads, 8 tokens: q 8.4 /
+# 8.6 / 9.5 us, output 15.9 / 17.5 / 23.1 us. A 64 x 128 tile (2, 4, 2, 4; 168 registers,
+# one block per SM) lost everywhere (q 44.9 and 14.3 us, output 27.1 and 40.3 us) and was dropped.
+comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (2, 4, 1, 4))
 # A larger tile replaces a smaller one when its grid still has this many blocks (one per SM
 # of the H200) and fewer of them (fewer re-staged activations and weights); the smallest
 # tile is the default.
