@@ -5,12 +5,15 @@ kernels on the stream of the op's `DeviceContext` (entry:
 `mla_decode_branch_fp8_gpu`, given the `DecodeProblem` that `execute` unpacked).
 This file plans and launches; the kernels live in one file per concern:
 
-1+2. `rope_norm_cache_kernel`   (rope_norm.mojo)   RMSNorm + RoPE of each new token's cache row
-1+4. `rope_q_kernel`            (rope_norm.mojo)   RoPE of q's rope part into `q_full[:, :, R:]`
-3.   `quantize_kernel`          (projection.mojo) dynamic fp8 quantization of q_nope (the scale rule
-                                of `pymla/quant.py`, bit for bit), kept dequantized in float32
-     `fp8_matmul_kernel`        (projection.mojo) `q_full[:, :, :R] = a_dq @ dq(w_uk).T` per head,
-                                fp8 widened in registers
+1-4. `q_step_kernel`          (steps_fused.mojo) one launch for bf16 / f16: RMSNorm + RoPE of each
+                                new token's cache row (extra blocks, `rope_norm_cache_row` of
+                                rope_norm.mojo), RoPE of q's rope part into `q_full[:, :, R:]`, and
+                                `q_full[:, :, :R] = fp8mm(q_nope, w_uk)` per head on tensor cores
+                                (projection_mma.mojo: dynamic fp8 quantization of q_nope, the scale
+                                rule of `pymla/quant.py` bit for bit, once per activation tile)
+     float32 (and tiles too large for shared memory): `rope_norm_cache_kernel`,
+                                `rope_q_kernel` (rope_norm.mojo), `quantize_kernel` +
+                                `fp8_matmul_kernel` (projection.mojo, float32 FMA)
 5.   `attention_wgmma_kernel`   (attention_wgmma.mojo) Hopper warpgroup tensor cores,
                                 64 packed rows per block (many heads), or
      `attention_mma_kernel`     (attention_mma.mojo) tensor cores, bf16 / f16 caches, or
@@ -18,7 +21,10 @@ This file plans and launches; the kernels live in one file per concern:
                                 sizes): one block per (request, tile of rows, key partition);
                                 all (token, head) rows of the block share each key tile
      `merge_kernel`             (merge.mojo) log-sum-exp merge of the key partitions
-6.   `quantize_kernel` + `fp8_matmul_kernel` again for the output projection.
+6.   `out_step_kernel`          (steps_fused.mojo) one launch for bf16 / f16: quantization of the
+                                attention output + `fp8mm(raw, w_uv)` on tensor cores, and the
+                                optional attention-output store; float32: `store_kernel` +
+                                `quantize_kernel` + `fp8_matmul_kernel`.
 
 Rounding points are the reference's: `q_full` and the attention output
 hold dtype values (in float32 buffers), the probabilities enter P V rounded
@@ -28,7 +34,8 @@ Nothing is read back to the host: a block finds its request on the device
 from `input_row_offsets`; sizes the host cannot know (tokens per request,
 cache lengths) only bound grids whose spare blocks exit at once.
 Kernel arguments are raw pointers and fixed-width scalars (`Int` is not
-`DevicePassable` in this version). Workspaces come from
+`DevicePassable` in this version); the fused steps take one parameter struct
+per launch (`QStepParams`, `OutStepParams`). Workspaces come from
 `ctx.enqueue_create_buffer` and are released in stream order.
 """
 
@@ -64,8 +71,18 @@ from .attention_wgmma import (
 from ..fp8 import FP8_MAX
 from .attention_fma import ATT_KT, ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .projection import MATMUL_M_TILE, MATMUL_SMEM_FLOATS, MATMUL_THREADS, QUANT_WARPS, fp8_matmul_kernel, quantize_kernel
+from .projection_mma import Fp8Projection
 from .merge import MAX_PARTITIONS, MERGE_THREADS, merge_kernel, store_kernel
-from .rope_norm import rope_norm_cache_kernel, rope_q_kernel
+from .rope_norm import CacheRowsArgs, rope_norm_cache_kernel, rope_q_kernel
+from .steps_fused import (
+    PROJ_TILES,
+    OutStepParams,
+    QStepParams,
+    choose_proj_tile,
+    enqueue_out_step,
+    tile_fits,
+    enqueue_q_step,
+)
 from ..fp8_matmul import Granularity
 from ..paged_cache import PagedLatentRows
 from ..problem import DecodeProblem
@@ -149,15 +166,14 @@ def check_gpu_shapes[
         raise Error("pymla gpu: key dim ", key_dim, " needs ", smem, " bytes of shared memory")
 
 
-def gpu_rotate_and_normalize_new_rows[
+def cache_rows_args[
     dtype: DType
 ](
-    ctx: DeviceContext,
     cache: PagedLatentRows[dtype],
     input_row_offsets: U32Ptr,
     cache_lengths: U32Ptr,
     num_requests: Int,
-    num_tokens: Int,
+    count: Int,
     freqs_cis: DPtr[dtype],
     kv_norm_gamma: DPtr[dtype],
     epsilon: Float32,
@@ -165,11 +181,9 @@ def gpu_rotate_and_normalize_new_rows[
     rope_dim: Int,
     new_rows: DPtr[dtype],
     has_new_rows: Bool,
-) raises:
-    """Steps 1 and 2 on the new tokens' cache rows (raw rows from `new_rows` when given)."""
-    if num_tokens == 0:
-        return
-    ctx.enqueue_function[rope_norm_cache_kernel[dtype]](
+) -> CacheRowsArgs[dtype]:
+    """Steps 1 and 2 on `count` new tokens' cache rows, as kernel parameters (`count` 0: none)."""
+    return CacheRowsArgs[dtype](
         cache.blocks,
         cache.lookup_table,
         Int32(cache.pages_per_request),
@@ -187,9 +201,38 @@ def gpu_rotate_and_normalize_new_rows[
         Int32(rope_dim),
         new_rows,
         Int32(1 if has_new_rows else 0),
-        grid_dim=num_tokens,
-        block_dim=ELEMENTWISE_THREADS,
+        Int32(count),
     )
+
+
+def gpu_rotate_and_normalize_new_rows[
+    dtype: DType
+](
+    ctx: DeviceContext,
+    cache: PagedLatentRows[dtype],
+    input_row_offsets: U32Ptr,
+    cache_lengths: U32Ptr,
+    num_requests: Int,
+    num_tokens: Int,
+    freqs_cis: DPtr[dtype],
+    kv_norm_gamma: DPtr[dtype],
+    epsilon: Float32,
+    kv_lora_rank: Int,
+    rope_dim: Int,
+    new_rows: DPtr[dtype],
+    has_new_rows: Bool,
+) raises:
+    """Steps 1 and 2 on the new tokens' cache rows (raw rows from `new_rows` when given), alone.
+
+    The op folds this into `gpu_build_q_full`'s launch; this is the stage by itself.
+    """
+    if num_tokens == 0:
+        return
+    var rows = cache_rows_args[dtype](
+        cache, input_row_offsets, cache_lengths, num_requests, num_tokens, freqs_cis, kv_norm_gamma,
+        epsilon, kv_lora_rank, rope_dim, new_rows, has_new_rows,
+    )
+    ctx.enqueue_function[rope_norm_cache_kernel[dtype]](rows, grid_dim=num_tokens, block_dim=ELEMENTWISE_THREADS)
 
 
 def gpu_fp8_batched_matmul[
@@ -199,7 +242,6 @@ def gpu_fp8_batched_matmul[
     a: DPtr[in_dtype],
     a_g_stride: Int,
     a_m_stride: Int,
-    a_dq: FPtr,
     w: U8Ptr,
     w_scale: FPtr,
     c: DPtr[out_dtype],
@@ -211,14 +253,19 @@ def gpu_fp8_batched_matmul[
     depth: Int,
     granularity: Granularity,
 ) raises:
-    """Steps 3 and 6: `c[g, m, :] = fp8mm(a[g, m, :], w[g])` for every group `g`.
+    """Steps 3 and 6 on float32 FMA units: `c[g, m, :] = fp8mm(a[g, m, :], w[g])` for every group `g`.
 
     `a[g, m, k]` sits at `a + g a_g_stride + m a_m_stride + k`, `c[g, m, n]` at
-    `c + g c_g_stride + m c_m_stride + n`; `a_dq` is a workspace of at least
-    `G M K` floats for the quantized activations.
+    `c + g c_g_stride + m c_m_stride + n`. Two launches (quantize, then
+    matmul) with a workspace of `G M K` floats. The path of float32 (whose
+    products the tensor-core path would sum with a shorter accumulator than
+    its float32 tolerance allows) and of sizes whose tiles do not fit in
+    shared memory; bf16 / f16 take `q_step_kernel` / `out_step_kernel`.
     """
     if num_groups == 0 or num_rows == 0 or n_out == 0:
         return
+    var a_dq_buf = ctx.enqueue_create_buffer[DType.float32](num_groups * num_rows * depth)
+    var a_dq = a_dq_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var blocks = granularity.resolve(num_rows, n_out, depth)
     var quant_blocks = num_groups * ceil_div(num_rows, blocks.m) * ceil_div(depth, blocks.k)
     ctx.enqueue_function[quantize_kernel[in_dtype]](
@@ -252,10 +299,32 @@ def gpu_fp8_batched_matmul[
         grid_dim=(ceil_div(n_out, MATMUL_THREADS), num_groups, ceil_div(num_rows, m_tile)),
         block_dim=MATMUL_THREADS,
     )
+    _ = a_dq_buf^  # freed in stream order
+
+
+comptime NO_TILE = (0, 0, 0, 0)
+"""The `tile` parameter of `gpu_build_q_full` / `gpu_project_output` when the size picks it."""
+
+
+def proj_tile_choice[
+    dtype: DType, tile: Tuple[Int, Int, Int, Int]
+](groups: Int, rows: Int, n_out: Int, depth: Int, block_k: Int, force_fma: Bool) raises -> Int:
+    """Which launch a projection takes: an index in PROJ_TILES, len(PROJ_TILES) for a pinned
+    `tile` (an error when it does not fit in shared memory), or -1 for the FMA path (float32,
+    `force_fma`, or no tile fits in shared memory)."""
+    comptime if dtype == DType.float32:
+        return -1
+    if force_fma:
+        return -1
+    comptime if tile[0] > 0:
+        if not tile_fits(tile, depth, block_k):
+            raise Error("pymla gpu: projection tile does not fit in shared memory")
+        return len(PROJ_TILES)
+    return choose_proj_tile(groups, rows, n_out, depth, block_k)
 
 
 def gpu_build_q_full[
-    dtype: DType
+    dtype: DType, tile: Tuple[Int, Int, Int, Int] = NO_TILE
 ](
     ctx: DeviceContext,
     q: DPtr[dtype],
@@ -272,46 +341,92 @@ def gpu_build_q_full[
     w_uk_scale: FPtr,
     granularity: Granularity,
     q_full: FPtr,
-    a_dq: FPtr,
+    new_cache_rows: CacheRowsArgs[dtype],
+    force_fma: Bool = False,
 ) raises:
-    """Steps 1, 3 and 4 on q: `q_full [T, H, R + Dr] = rnd(concat(fp8mm(q_nope, w_uk), rope(q_rope)))`.
+    """Steps 1, 3 and 4 on q: `q_full [T, H, R + Dr] = rnd(concat(fp8mm(q_nope, w_uk), rope(q_rope)))`,
+    and steps 1-2 on `new_cache_rows` (`count` 0: none; see `cache_rows_args`).
 
-    `a_dq` is a workspace of at least `H T nope_dim` floats.
+    bf16 / f16: one launch of `q_step_kernel` (tensor cores; `tile` pins its
+    shape, else `choose_proj_tile`); float32, `force_fma` (tests) or tiles too
+    large for shared memory: `rope_norm_cache_kernel`, `rope_q_kernel` and the
+    FMA matmul (`gpu_fp8_batched_matmul`).
     """
     if num_tokens == 0 or num_heads == 0:
         return
     var key_dim = kv_lora_rank + rope_dim
-    ctx.enqueue_function[rope_q_kernel[dtype]](
-        q,
+    var blocks = granularity.resolve(num_tokens, kv_lora_rank, nope_dim)
+    var choice = proj_tile_choice[dtype, tile](num_heads, num_tokens, kv_lora_rank, nope_dim, blocks.k, force_fma)
+    if choice < 0:
+        if new_cache_rows.count > 0:
+            ctx.enqueue_function[rope_norm_cache_kernel[dtype]](
+                new_cache_rows, grid_dim=Int(new_cache_rows.count), block_dim=ELEMENTWISE_THREADS
+            )
+        ctx.enqueue_function[rope_q_kernel[dtype]](
+            q,
+            input_row_offsets,
+            cache_lengths,
+            Int32(num_requests),
+            freqs_cis,
+            q_full,
+            Int32(num_heads),
+            Int32(nope_dim),
+            Int32(rope_dim),
+            Int32(kv_lora_rank),
+            grid_dim=num_tokens,
+            block_dim=ELEMENTWISE_THREADS,
+        )
+        gpu_fp8_batched_matmul[dtype, DType.float32, dtype](
+            ctx,
+            q,
+            nope_dim + rope_dim,
+            num_heads * (nope_dim + rope_dim),
+            w_uk,
+            w_uk_scale,
+            q_full,
+            key_dim,
+            num_heads * key_dim,
+            num_heads,
+            num_tokens,
+            kv_lora_rank,
+            nope_dim,
+            granularity,
+        )
+        return
+    var params = QStepParams[dtype](
+        Fp8Projection[dtype, DType.float32](
+            q,
+            Int64(nope_dim + rope_dim),
+            Int64(num_heads * (nope_dim + rope_dim)),
+            w_uk,
+            w_uk_scale,
+            q_full,
+            Int64(key_dim),
+            Int64(num_heads * key_dim),
+            Int32(num_tokens),
+            Int32(kv_lora_rank),
+            Int32(nope_dim),
+            Int32(blocks.m),
+            Int32(blocks.n),
+            Int32(blocks.k),
+        ),
+        freqs_cis,
         input_row_offsets,
         cache_lengths,
         Int32(num_requests),
-        freqs_cis,
-        q_full,
-        Int32(num_heads),
         Int32(nope_dim),
         Int32(rope_dim),
         Int32(kv_lora_rank),
-        grid_dim=num_tokens,
-        block_dim=ELEMENTWISE_THREADS,
+        Int32(0),
+        Int32(0),
+        new_cache_rows,
     )
-    gpu_fp8_batched_matmul[dtype, DType.float32, dtype](
-        ctx,
-        q,
-        nope_dim + rope_dim,
-        num_heads * (nope_dim + rope_dim),
-        a_dq,
-        w_uk,
-        w_uk_scale,
-        q_full,
-        key_dim,
-        num_heads * key_dim,
-        num_heads,
-        num_tokens,
-        kv_lora_rank,
-        nope_dim,
-        granularity,
-    )
+    comptime if tile[0] > 0:
+        enqueue_q_step[dtype, tile](ctx, params, num_heads)
+    else:
+        comptime for i in range(len(PROJ_TILES)):
+            if choice == i:
+                enqueue_q_step[dtype, PROJ_TILES[i]](ctx, params, num_heads)
 
 
 def gpu_attention[
@@ -525,7 +640,7 @@ def gpu_attention[
 
 
 def gpu_project_output[
-    dtype: DType
+    dtype: DType, tile: Tuple[Int, Int, Int, Int] = NO_TILE
 ](
     ctx: DeviceContext,
     raw: FPtr,
@@ -537,26 +652,73 @@ def gpu_project_output[
     kv_lora_rank: Int,
     v_head_dim: Int,
     granularity: Granularity,
-    a_dq: FPtr,
+    attention_output: DPtr[dtype],
+    has_attention_output: Bool,
+    force_fma: Bool = False,
 ) raises:
-    """Step 6: `output[t, h, :] = fp8mm(raw[t, h, :], w_uv[h])`; `a_dq` holds `H T R` floats."""
-    gpu_fp8_batched_matmul[DType.float32, dtype](
-        ctx,
-        raw,
-        kv_lora_rank,
-        num_heads * kv_lora_rank,
-        a_dq,
-        w_uv,
-        w_uv_scale,
-        output,
-        v_head_dim,
-        num_heads * v_head_dim,
-        num_heads,
-        num_tokens,
-        v_head_dim,
-        kv_lora_rank,
-        granularity,
+    """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`; with `has_attention_output`
+    also `attention_output = raw` as dtype.
+
+    bf16 / f16: one launch of `out_step_kernel` (tensor cores; `tile` pins
+    its shape, else `choose_proj_tile`); float32, `force_fma` (tests) or tiles
+    too large for shared memory: `store_kernel` and the FMA matmul.
+    """
+    if num_tokens == 0 or num_heads == 0:
+        return
+    var rows = num_tokens * num_heads
+    var blocks = granularity.resolve(num_tokens, v_head_dim, kv_lora_rank)
+    var choice = proj_tile_choice[dtype, tile](num_heads, num_tokens, v_head_dim, kv_lora_rank, blocks.k, force_fma)
+    if choice < 0:
+        if has_attention_output:
+            ctx.enqueue_function[store_kernel[dtype]](
+                raw, attention_output, Int64(rows * kv_lora_rank),
+                grid_dim=ceil_div(rows * kv_lora_rank, ELEMENTWISE_THREADS), block_dim=ELEMENTWISE_THREADS,
+            )
+        gpu_fp8_batched_matmul[DType.float32, dtype](
+            ctx,
+            raw,
+            kv_lora_rank,
+            num_heads * kv_lora_rank,
+            w_uv,
+            w_uv_scale,
+            output,
+            v_head_dim,
+            num_heads * v_head_dim,
+            num_heads,
+            num_tokens,
+            v_head_dim,
+            kv_lora_rank,
+            granularity,
+        )
+        return
+    var params = OutStepParams[dtype](
+        Fp8Projection[DType.float32, dtype](
+            raw,
+            Int64(kv_lora_rank),
+            Int64(num_heads * kv_lora_rank),
+            w_uv,
+            w_uv_scale,
+            output,
+            Int64(v_head_dim),
+            Int64(num_heads * v_head_dim),
+            Int32(num_tokens),
+            Int32(v_head_dim),
+            Int32(kv_lora_rank),
+            Int32(blocks.m),
+            Int32(blocks.n),
+            Int32(blocks.k),
+        ),
+        attention_output,
+        Int32(1 if has_attention_output else 0),
+        Int32(0),
+        Int32(0),
     )
+    comptime if tile[0] > 0:
+        enqueue_out_step[dtype, tile](ctx, params, num_heads)
+    else:
+        comptime for i in range(len(PROJ_TILES)):
+            if choice == i:
+                enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, num_heads)
 
 
 def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: DeviceContext) raises:
@@ -597,36 +759,30 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     var key_dim = kv_lora_rank + rope_dim
     var rows = num_tokens * num_heads
 
-    gpu_rotate_and_normalize_new_rows[dtype](
-        ctx, cache, input_row_offsets, cache_lengths, num_requests, num_tokens,
+    # Steps 1-4: the new cache rows and q_full, one launch (bf16 / f16).
+    var new_cache_rows = cache_rows_args[dtype](
+        cache, input_row_offsets, cache_lengths, num_requests, num_tokens,
         freqs_cis, kv_norm_gamma, epsilon, kv_lora_rank, rope_dim, p.new_rows, p.has_new_rows,
     )
-
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](rows * key_dim)
-    var a_dq_buf = ctx.enqueue_create_buffer[DType.float32](rows * max(nope_dim, kv_lora_rank))
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](rows * kv_lora_rank)
     var q_full = q_full_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var a_dq = a_dq_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var raw = raw_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
     gpu_build_q_full[dtype](
         ctx, q, input_row_offsets, cache_lengths, num_requests, num_tokens, num_heads,
-        nope_dim, rope_dim, kv_lora_rank, freqs_cis, w_uk, w_uk_scale, granularity, q_full, a_dq,
+        nope_dim, rope_dim, kv_lora_rank, freqs_cis, w_uk, w_uk_scale, granularity, q_full, new_cache_rows,
     )
     gpu_attention[dtype](
         ctx, q_full, cache, input_row_offsets, cache_lengths, num_requests, num_tokens, num_heads,
         kv_lora_rank, 0, max_cache_length_hint, scale, mask, score_mod, raw,
     )
-    if p.has_attention_output:
-        ctx.enqueue_function[store_kernel[dtype]](
-            raw, p.attention_output, Int64(rows * kv_lora_rank),
-            grid_dim=ceil_div(rows * kv_lora_rank, ELEMENTWISE_THREADS), block_dim=ELEMENTWISE_THREADS,
-        )
+    # Step 6 and the optional attention-output store, one launch (bf16 / f16).
     gpu_project_output[dtype](
-        ctx, raw, w_uv, w_uv_scale, output, num_tokens, num_heads, kv_lora_rank, v_head_dim, granularity, a_dq
+        ctx, raw, w_uv, w_uv_scale, output, num_tokens, num_heads, kv_lora_rank, v_head_dim, granularity,
+        p.attention_output, p.has_attention_output,
     )
 
     # The workspaces are freed in stream order, after the kernels above.
     _ = q_full_buf^
-    _ = a_dq_buf^
     _ = raw_buf^

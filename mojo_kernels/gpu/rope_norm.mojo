@@ -1,31 +1,59 @@
-"""Steps 1, 2 and the rope part of 4 on the GPU: RMSNorm + RoPE of the new cache rows, RoPE of q."""
+"""Steps 1, 2 and the rope part of 4 on the GPU: RMSNorm + RoPE of the new cache rows, RoPE of q.
 
-from std.math import exp, sqrt
-from std.memory import bitcast, stack_allocation
-from std.sys import size_of
-from std.utils.numerics import neg_inf
+The work of one token is a device function (`rope_norm_cache_row`, `rope_q_pair`)
+so that the fused q kernel (`steps_fused.mojo`) runs it as extra blocks of its
+own launch; `rope_norm_cache_kernel` and `rope_q_kernel` launch it alone.
+"""
+
+from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
+from std.math import sqrt
+from std.memory import stack_allocation
 
 from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
-from max.gpu.host import DeviceContext, FuncAttribute
-from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
+from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from ..attention import MaskSpec
-from .addressing import (
-    row_attention_meta,
-    attention_slots,
-    cache_row_offset,
-    find_request,
-    find_slot_request,
-    slot_start,
-    ELEMENTWISE_THREADS,
-)
-from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
-from ..fp8 import FP8_MAX
-from ..fp8_matmul import Granularity
-from ..paged_cache import PagedLatentRows
+from .addressing import cache_row_offset, find_request, ELEMENTWISE_THREADS
+from ..common import DPtr, FPtr, U32Ptr
 
 
+@fieldwise_init
+struct CacheRowsArgs[dtype: DType](DevicePassable, TrivialRegisterPassable):
+    """Steps 1 and 2 on the new tokens' cache rows: where the rows are and how to normalize them.
+
+    Plain pointers and fixed-width scalars (a kernel parameter; `Int` is not
+    `DevicePassable` in this Mojo). `count` rows (the new tokens; 0 = none);
+    the raw row of token `t` is `new_rows[t]` when `has_new_rows`, else the
+    cache row itself.
+    """
+
+    var blocks: DPtr[Self.dtype]
+    var lookup: U32Ptr
+    var pages_per_request: Int32
+    var page_size: Int32
+    var page_stride: Int64
+    var layer_offset: Int64
+    var key_dim: Int32
+    var offsets: U32Ptr
+    var cache_lengths: U32Ptr
+    var num_requests: Int32
+    var freqs_cis: DPtr[Self.dtype]
+    var gamma: DPtr[Self.dtype]
+    var epsilon: Float32
+    var kv_lora_rank: Int32
+    var rope_dim: Int32
+    var new_rows: DPtr[Self.dtype]
+    var has_new_rows: Int32
+    var count: Int32
+
+    comptime device_type: AnyType = Self
+
+    def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
+        encoder.encode(self, target)
+
+    @staticmethod
+    def get_type_name() -> String:
+        return "CacheRowsArgs"
 
 
 # ---------------------------------------------------------------------------
@@ -33,47 +61,28 @@ from ..paged_cache import PagedLatentRows
 # ---------------------------------------------------------------------------
 
 
-def rope_norm_cache_kernel[
-    dtype: DType
-](
-    blocks: DPtr[dtype],
-    lookup: U32Ptr,
-    pages_per_request: Int32,
-    page_size: Int32,
-    page_stride: Int64,
-    layer_offset: Int64,
-    key_dim: Int32,
-    offsets: U32Ptr,
-    cache_lengths: U32Ptr,
-    num_requests: Int32,
-    freqs_cis: DPtr[dtype],
-    gamma: DPtr[dtype],
-    epsilon: Float32,
-    kv_lora_rank: Int32,
-    rope_dim: Int32,
-    new_rows: DPtr[dtype],
-    has_new_rows: Int32,
-):
-    """One block per new token: RMSNorm of `row[:R]`, RoPE of `row[R:]`.
+@always_inline
+def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsArgs[dtype], t: Int):
+    """RMSNorm of `row[:R]`, RoPE of `row[R:]` for new token `t`, by a block of `threads` threads.
 
-    The raw row is `new_rows[t]` when `has_new_rows`, else the cache row itself.
+    Every thread of the block calls it (it has a barrier).
     """
-    var sums = stack_allocation[ELEMENTWISE_THREADS // WARP_SIZE, Float32, address_space=AddressSpace.SHARED]()
+    var sums = stack_allocation[threads // WARP_SIZE, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
-    var t = block_idx.x
-    var rank = Int(kv_lora_rank)
-    var rope = Int(rope_dim)
-    var b = find_request(offsets, Int(num_requests), t)
-    var pos = Int(cache_lengths.unsafe_load(b)) + t - Int(offsets.unsafe_load(b))
-    var row = blocks.unsafe_offset(
+    var rank = Int(a.kv_lora_rank)
+    var rope = Int(a.rope_dim)
+    var b = find_request(a.offsets, Int(a.num_requests), t)
+    var pos = Int(a.cache_lengths.unsafe_load(b)) + t - Int(a.offsets.unsafe_load(b))
+    var row = a.blocks.unsafe_offset(
         cache_row_offset(
-            lookup, Int(pages_per_request), Int(page_size), Int(page_stride), Int(layer_offset), Int(key_dim), b, pos
+            a.lookup, Int(a.pages_per_request), Int(a.page_size), Int(a.page_stride), Int(a.layer_offset),
+            Int(a.key_dim), b, pos,
         )
     )
 
-    var src = new_rows.unsafe_offset(t * Int(key_dim)) if has_new_rows != 0 else row
+    var src = a.new_rows.unsafe_offset(t * Int(a.key_dim)) if a.has_new_rows != 0 else row
     var sum_sq = Float32(0)
-    for i in range(tid, rank, ELEMENTWISE_THREADS):
+    for i in range(tid, rank, threads):
         var x = src.unsafe_load(i).cast[DType.float32]()
         sum_sq += x * x
     sum_sq = warp.sum(sum_sq)
@@ -81,18 +90,18 @@ def rope_norm_cache_kernel[
         sums.unsafe_store(tid // WARP_SIZE, sum_sq)
     barrier()
     var total = Float32(0)
-    comptime for w in range(ELEMENTWISE_THREADS // WARP_SIZE):
+    comptime for w in range(threads // WARP_SIZE):
         total += sums.unsafe_load(w)
-    var inv = Float32(1.0) / sqrt(total / Float32(rank) + epsilon)
-    for i in range(tid, rank, ELEMENTWISE_THREADS):
+    var inv = Float32(1.0) / sqrt(total / Float32(rank) + a.epsilon)
+    for i in range(tid, rank, threads):
         var x = src.unsafe_load(i).cast[DType.float32]()
-        var g = gamma.unsafe_load(i).cast[DType.float32]()
+        var g = a.gamma.unsafe_load(i).cast[DType.float32]()
         row.unsafe_store(i, (x * inv * g).cast[dtype]())
 
     var rsrc = src.unsafe_offset(rank)
     var rrow = row.unsafe_offset(rank)
-    var freqs = freqs_cis.unsafe_offset(pos * rope)
-    for j in range(tid, rope // 2, ELEMENTWISE_THREADS):
+    var freqs = a.freqs_cis.unsafe_offset(pos * rope)
+    for j in range(tid, rope // 2, threads):
         var x0 = rsrc.unsafe_load(2 * j).cast[DType.float32]()
         var x1 = rsrc.unsafe_load(2 * j + 1).cast[DType.float32]()
         var c = freqs.unsafe_load(2 * j).cast[DType.float32]()
@@ -101,9 +110,34 @@ def rope_norm_cache_kernel[
         rrow.unsafe_store(2 * j + 1, (x0 * s + x1 * c).cast[dtype]())
 
 
+def rope_norm_cache_kernel[dtype: DType](a: CacheRowsArgs[dtype]):
+    """One block of ELEMENTWISE_THREADS per new token (grid `a.count`)."""
+    rope_norm_cache_row[dtype, ELEMENTWISE_THREADS](a, block_idx.x)
+
+
 # ---------------------------------------------------------------------------
 # Steps 1 and 4 on q: rope part of q_full
 # ---------------------------------------------------------------------------
+
+
+@always_inline
+def rope_q_pair[
+    dtype: DType
+](q_row: DPtr[dtype], freqs_row: DPtr[dtype], q_full_row: FPtr, nope: Int, rank: Int, j: Int):
+    """`q_full_row[R + 2j : R + 2j + 2] = rnd(rope(q_row[Dn + 2j : Dn + 2j + 2]))` (dtype values as float32)."""
+    var x0 = q_row.unsafe_load(nope + 2 * j).cast[DType.float32]()
+    var x1 = q_row.unsafe_load(nope + 2 * j + 1).cast[DType.float32]()
+    var c = freqs_row.unsafe_load(2 * j).cast[DType.float32]()
+    var s = freqs_row.unsafe_load(2 * j + 1).cast[DType.float32]()
+    q_full_row.unsafe_store(rank + 2 * j, (x0 * c - x1 * s).cast[dtype]().cast[DType.float32]())
+    q_full_row.unsafe_store(rank + 2 * j + 1, (x0 * s + x1 * c).cast[dtype]().cast[DType.float32]())
+
+
+@always_inline
+def token_position(offsets: U32Ptr, cache_lengths: U32Ptr, num_requests: Int, t: Int) -> Int:
+    """Sequence position of new token `t`."""
+    var b = find_request(offsets, num_requests, t)
+    return Int(cache_lengths.unsafe_load(b)) + t - Int(offsets.unsafe_load(b))
 
 
 def rope_q_kernel[
@@ -127,20 +161,12 @@ def rope_q_kernel[
     var nope = Int(nope_dim)
     var rope = Int(rope_dim)
     var rank = Int(kv_lora_rank)
-    var q_stride = nope + rope
-    var full_stride = rank + rope
-    var b = find_request(offsets, Int(num_requests), t)
-    var pos = Int(cache_lengths.unsafe_load(b)) + t - Int(offsets.unsafe_load(b))
+    var pos = token_position(offsets, cache_lengths, Int(num_requests), t)
     var freqs = freqs_cis.unsafe_offset(pos * rope)
     var pairs = rope // 2
     for e in range(tid, heads * pairs, ELEMENTWISE_THREADS):
         var h = e // pairs
-        var j = e % pairs
-        var src = q.unsafe_offset((t * heads + h) * q_stride + nope + 2 * j)
-        var dst = q_full.unsafe_offset((t * heads + h) * full_stride + rank + 2 * j)
-        var x0 = src.unsafe_load(0).cast[DType.float32]()
-        var x1 = src.unsafe_load(1).cast[DType.float32]()
-        var c = freqs.unsafe_load(2 * j).cast[DType.float32]()
-        var s = freqs.unsafe_load(2 * j + 1).cast[DType.float32]()
-        dst.unsafe_store(0, (x0 * c - x1 * s).cast[dtype]().cast[DType.float32]())
-        dst.unsafe_store(1, (x0 * s + x1 * c).cast[dtype]().cast[DType.float32]())
+        rope_q_pair[dtype](
+            q.unsafe_offset((t * heads + h) * (nope + rope)), freqs,
+            q_full.unsafe_offset((t * heads + h) * (rank + rope)), nope, rank, e % pairs,
+        )

@@ -4,6 +4,7 @@
 #     mojo run -I . tests/gpu/gpu_smoke.mojo            # correctness cases
 #     mojo run -I . tests/gpu/gpu_smoke.mojo bench      # plus timings of DeepSeek-sized decode steps
 #     mojo run -I . tests/gpu/gpu_smoke.mojo bench-only 64:128:8191:5   # timings only, BATCH:HEADS:CACHE_LEN[:ITERS]
+#     mojo run -I . tests/gpu/gpu_smoke.mojo proj 64:128:0:50   # steps 1-4 on q and step 6 alone, every tile shape
 # Build without a GPU (checks that every kernel compiles for sm_90, emits PTX):
 #     mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/gpu_smoke.mojo -o /tmp/smoke/smoke.s
 #
@@ -29,12 +30,14 @@ from mojo_kernels.gpu.pipeline import (
     MMA_FEW_HEADS,
     MMA_MANY_HEADS,
     WGMMA_SHAPE,
+    cache_rows_args,
     gpu_attention,
     gpu_build_q_full,
     gpu_project_output,
     gpu_rotate_and_normalize_new_rows,
     mla_decode_branch_fp8_gpu,
 )
+from mojo_kernels.gpu.steps_fused import PROJ_TILES, tile_fits
 from mojo_kernels.gpu.attention_wgmma import wgmma_supported
 from mojo_kernels.paged_cache import PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
@@ -546,6 +549,33 @@ struct DeviceCase[dtype: DType](Movable):
             MaskSpec(c.mask_kind, c.window), c.score_mod, untracked(raw), force_fma=force_fma,
         )
 
+    def build_q_full[
+        tile: Tuple[Int, Int, Int, Int] = (0, 0, 0, 0)
+    ](self, ctx: DeviceContext, c: Case, q_full: DeviceBuffer[DType.float32], force_fma: Bool = False) raises:
+        """Steps 1, 3, 4 on q alone (no cache rows): `gpu_build_q_full` with `tile` pinned (0: the op's choice)."""
+        var no_rows = cache_rows_args[Self.dtype](
+            self.cache(c), untracked(self.offsets), untracked(self.lengths), c.num_requests, 0,
+            untracked(self.freqs), untracked(self.gamma), c.epsilon, c.rank, c.rope, untracked(self.q), False,
+        )
+        gpu_build_q_full[Self.dtype, tile](
+            ctx, untracked(self.q), untracked(self.offsets), untracked(self.lengths), c.num_requests, c.num_tokens, c.heads,
+            c.nope, c.rope, c.rank, untracked(self.freqs), untracked(self.w_uk), untracked(self.w_uk_scale),
+            Granularity(c.gm, c.gn, c.gk), untracked(q_full), no_rows, force_fma=force_fma,
+        )
+
+    def project_output[
+        tile: Tuple[Int, Int, Int, Int] = (0, 0, 0, 0)
+    ](
+        self, ctx: DeviceContext, c: Case, raw: DeviceBuffer[DType.float32], att_out: DeviceBuffer[Self.dtype],
+        force_fma: Bool = False,
+    ) raises:
+        """Step 6 alone into `self.output`, storing the attention output in `att_out`."""
+        gpu_project_output[Self.dtype, tile](
+            ctx, untracked(raw), untracked(self.w_uv), untracked(self.w_uv_scale), untracked(self.output),
+            c.num_tokens, c.heads, c.rank, c.v_dim, Granularity(c.gm, c.gn, c.gk), untracked(att_out), True,
+            force_fma=force_fma,
+        )
+
     def run_op(self, ctx: DeviceContext, c: Case) raises:
         var problem = DecodeProblem[Self.dtype](
             untracked(self.output), untracked(self.q),
@@ -684,16 +714,23 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     ok = check_cache[dtype](c, gpu_blocks, ref_blocks) and ok
 
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](max(rows * c.key_dim, 1))
-    var a_dq_buf = ctx.enqueue_create_buffer[DType.float32](max(rows * max(c.nope, c.rank), 1))
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](max(rows * c.rank, 1))
-    gpu_build_q_full[dtype](
-        ctx, untracked(d.q), untracked(d.offsets), untracked(d.lengths), c.num_requests, c.num_tokens, c.heads,
-        c.nope, c.rope, c.rank, untracked(d.freqs), untracked(d.w_uk), untracked(d.w_uk_scale),
-        Granularity(c.gm, c.gn, c.gk), untracked(q_full_buf), untracked(a_dq_buf),
-    )
-    var gpu_q_full = download[DType.float32](ctx, q_full_buf, rows * c.key_dim)
     var ref_q_full = c.cpu_q_full[dtype]()
     # q_full: dtype values; a float32 sum in another order may round one ulp the other way.
+    # Every tile shape of the tensor-core kernel and the FMA path, then the op's own choice (kept).
+    comptime if dtype != DType.float32:
+        var q_bk = Granularity(c.gm, c.gn, c.gk).resolve(c.num_tokens, c.rank, c.nope).k
+        comptime for i in range(len(PROJ_TILES)):
+            if tile_fits(PROJ_TILES[i], c.nope, q_bk):
+                d.build_q_full[PROJ_TILES[i]](ctx, c, q_full_buf)
+                ok = check_close(String("q_full (tile ", PROJ_TILES[i][0], "x", PROJ_TILES[i][1], "x", PROJ_TILES[i][2], "x", PROJ_TILES[i][3], ")"),
+                                 download[DType.float32](ctx, q_full_buf, rows * c.key_dim), ref_q_full, ulp_of[dtype]()) and ok
+            else:
+                print("  q_full: tile", i, "does not fit in shared memory, skipped")
+        d.build_q_full(ctx, c, q_full_buf, force_fma=True)
+        ok = check_close("q_full (FMA path)", download[DType.float32](ctx, q_full_buf, rows * c.key_dim), ref_q_full, ulp_of[dtype]()) and ok
+    d.build_q_full(ctx, c, q_full_buf)
+    var gpu_q_full = download[DType.float32](ctx, q_full_buf, rows * c.key_dim)
     ok = check_close("q_full", gpu_q_full, ref_q_full, ulp_of[dtype]()) and ok
 
     var raw_from_gpu = c.cpu_attention[dtype](gpu_q_full, gpu_blocks)
@@ -718,15 +755,27 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         # Restore the op's own raw for the output stage.
         d.attention(ctx, c, q_full_buf, raw_buf, 0)
 
-    gpu_project_output[dtype](
-        ctx, untracked(raw_buf), untracked(d.w_uv), untracked(d.w_uv_scale), untracked(d.output),
-        c.num_tokens, c.heads, c.rank, c.v_dim, Granularity(c.gm, c.gn, c.gk), untracked(a_dq_buf),
-    )
-    var gpu_out_stage = download[dtype](ctx, d.output, rows * c.v_dim)
     var ref_out_stage = c.cpu_output(gpu_raw)
     for i in range(len(ref_out_stage)):
         ref_out_stage[i] = round_to[dtype](ref_out_stage[i])
+    var att_out = ctx.enqueue_create_buffer[dtype](max(rows * c.rank, 1))
+    comptime if dtype != DType.float32:
+        var o_bk = Granularity(c.gm, c.gn, c.gk).resolve(c.num_tokens, c.v_dim, c.rank).k
+        comptime for i in range(len(PROJ_TILES)):
+            if tile_fits(PROJ_TILES[i], c.rank, o_bk):
+                d.project_output[PROJ_TILES[i]](ctx, c, raw_buf, att_out)
+                ok = check_parity[dtype](String("output stage (tile ", PROJ_TILES[i][0], "x", PROJ_TILES[i][1], "x", PROJ_TILES[i][2], "x", PROJ_TILES[i][3], ")"),
+                                         download[dtype](ctx, d.output, rows * c.v_dim), ref_out_stage) and ok
+            else:
+                print("  output stage: tile", i, "does not fit in shared memory, skipped")
+        d.project_output(ctx, c, raw_buf, att_out, force_fma=True)
+        ok = check_parity[dtype]("output stage (FMA path)", download[dtype](ctx, d.output, rows * c.v_dim), ref_out_stage) and ok
+    ctx.enqueue_memset(att_out, Scalar[dtype](0))
+    d.project_output(ctx, c, raw_buf, att_out)
+    var gpu_out_stage = download[dtype](ctx, d.output, rows * c.v_dim)
     ok = check_parity[dtype]("output stage", gpu_out_stage, ref_out_stage) and ok
+    # The attention output the op stores on request: raw as dtype, exactly.
+    ok = check_close("attention output store", download[dtype](ctx, att_out, rows * c.rank), gpu_raw, 0) and ok
 
     # The whole op on fresh inputs against the CPU pipeline.
     var d2 = DeviceCase[dtype](ctx, c)
@@ -745,8 +794,8 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         ok = check_close("op output (end to end)", out, ref_out, 2 * ulp_of[dtype]() + Float32(2.0) ** -5) and ok
     ok = check_cache[dtype](c, blocks_after, ref_blocks) and ok
     _ = q_full_buf^
-    _ = a_dq_buf^
     _ = raw_buf^
+    _ = att_out^
     return ok
 
 
@@ -784,6 +833,16 @@ def correctness(ctx: DeviceContext) raises -> Bool:
     ) and ok
     ok = run_case[DType.bfloat16](
         ctx, "128 heads", Case.__init__[DType.bfloat16](11, 128, ints(300, 17), ints(1, 2), page_size=64)
+    ) and ok
+    # Small dims on tensor cores: per-channel K blocks of 64 (q) and 256 (output: two float32x4
+    # slots per lane and item in `stage_activations`).
+    ok = run_case[DType.bfloat16](
+        ctx, "per_channel, small dims, bf16",
+        Case.__init__[DType.bfloat16](13, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, gm=1, gn=1, gk=0),
+    ) and ok
+    # Several row tiles of every projection tile shape (73 tokens), f16, per-channel scales.
+    ok = run_case[DType.float16](
+        ctx, "73 tokens, per_channel", Case.__init__[DType.float16](12, 4, ints(5, 60, 0), ints(33, 40, 0), gm=1, gn=1, gk=0)
     ) and ok
     return ok
 
@@ -886,6 +945,58 @@ def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cac
             print("  attention groups", v[0], "kt", v[1], "warps/group", v[2], ": launch failed:", e)
 
 
+def time_us(ctx: DeviceContext, start: Int) raises -> Float64:
+    ctx.synchronize()
+    return Float64(perf_counter_ns() - start) / 1000.0
+
+
+def bench_proj_tile[
+    dtype: DType, tile: Tuple[Int, Int, Int, Int]
+](
+    ctx: DeviceContext, c: Case, d: DeviceCase[dtype], q_full: DeviceBuffer[DType.float32],
+    raw: DeviceBuffer[DType.float32], att_out: DeviceBuffer[dtype], iters: Int, force_fma: Bool = False,
+) raises:
+    """Times steps 1-4 on q (`gpu_build_q_full`) and step 6 (`gpu_project_output`) alone, `tile` pinned."""
+    d.build_q_full[tile](ctx, c, q_full, force_fma=force_fma)
+    ctx.synchronize()
+    var t0 = perf_counter_ns()
+    for _ in range(iters):
+        d.build_q_full[tile](ctx, c, q_full, force_fma=force_fma)
+    var q_us = time_us(ctx, t0) / Float64(iters)
+    d.project_output[tile](ctx, c, raw, att_out, force_fma=force_fma)
+    ctx.synchronize()
+    t0 = perf_counter_ns()
+    for _ in range(iters):
+        d.project_output[tile](ctx, c, raw, att_out, force_fma=force_fma)
+    var o_us = time_us(ctx, t0) / Float64(iters)
+    var name = String("FMA path") if force_fma else (String("op's choice") if tile[0] == 0 else String("tile ", tile[0], "x", tile[1], "x", tile[2], "x", tile[3]))
+    print("  ", name, ": q_full", q_us, "us, output (+attention output)", o_us, "us")
+
+
+def bench_proj[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, iters: Int) raises:
+    """Steps 1-4 on q and step 6 alone on one decode step (one token per request), every tile shape."""
+    var lengths = List[Int]()
+    var news = List[Int]()
+    for _ in range(batch):
+        lengths.append(15)
+        news.append(1)
+    var c = Case.__init__[dtype](99, heads, lengths, news, page_size=64, num_layers=1, layer=0)
+    var d = DeviceCase[dtype](ctx, c)
+    var rows = c.num_tokens * c.heads
+    var q_full = ctx.enqueue_create_buffer[DType.float32](rows * c.key_dim)
+    var raw_host = List[Float32]()
+    var rng = Rng(7)
+    for _ in range(rows * c.rank):
+        raw_host.append(round_to[dtype](rng.normal()))
+    var raw = upload[DType.float32](ctx, raw_host)
+    var att_out = ctx.enqueue_create_buffer[dtype](rows * c.rank)
+    print("proj B", batch, "H", heads, "(time per call, launch included)")
+    bench_proj_tile[dtype, (0, 0, 0, 0)](ctx, c, d, q_full, raw, att_out, iters)
+    comptime for i in range(len(PROJ_TILES)):
+        bench_proj_tile[dtype, PROJ_TILES[i]](ctx, c, d, q_full, raw, att_out, iters)
+    bench_proj_tile[dtype, (0, 0, 0, 0)](ctx, c, d, q_full, raw, att_out, iters, force_fma=True)
+
+
 def main() raises:
     comptime if not has_accelerator():
         print("gpu_smoke: no GPU in this build (compile with --target-accelerator=sm_90 on a GPU machine)")
@@ -895,8 +1006,12 @@ def main() raises:
         var args = argv()
         var mode = String(args[1]) if len(args) > 1 else String("")
         var ok = True
-        if mode != "bench-only" and mode != "variants":
+        if mode != "bench-only" and mode != "variants" and mode != "proj":
             ok = correctness(ctx)
+        if mode == "proj":
+            for i in range(2, len(args)):
+                var f = String(args[i]).split(":")
+                bench_proj[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[3]) if len(f) > 3 else 50)
         if mode == "variants":
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")

@@ -1,0 +1,240 @@
+"""Steps 1-4 and step 6 on the GPU as one launch each, fp8 projections on tensor cores.
+
+* `q_step_kernel`: the new cache rows' RMSNorm + RoPE (the last `cache_rows.count`
+  blocks, `rope_norm_cache_row`), before them one block per (head, row tile, column
+  tile) of `q_full[:, :, :R] = rnd(fp8mm(q_nope, w_uk))` (`projection_mma.mojo`);
+  the blocks of column tile 0 also write `q_full[:, :, R:] = rnd(rope(q_rope))`.
+* `out_step_kernel`: one block per (head, row tile, column tile) of
+  `output = rnd(fp8mm(raw, w_uv))`; the blocks of column tile 0 also store the
+  attention output (`raw` as dtype) when it is wanted.
+
+Each launch takes one parameter struct (FlashMLA's `Flash_fwd_mla_params`
+style): plain pointers and fixed-width scalars (`Int` is not `DevicePassable`
+in this Mojo), made `DevicePassable` by bit copy.
+
+The tile shape is a compile-time `(warps_m, warps_n, tm, tn)`: a block of
+`warps_m x warps_n` warps, each owning `16 tm` rows x `8 tn` columns; the host
+picks it from `PROJ_TILES` (`choose_proj_tile`).
+"""
+
+from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
+
+from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
+from max.gpu.host import DeviceContext, FuncAttribute
+from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
+
+from ..common import DPtr, FPtr, U32Ptr, ceil_div
+from .projection_mma import (
+    MMA_SMEM_LIMIT,
+    Fp8Projection,
+    TileLayout,
+    TileSmem,
+    project_tile,
+    stage_activations,
+    stage_weights,
+)
+from .rope_norm import CacheRowsArgs, rope_norm_cache_row, rope_q_pair, token_position
+
+# Tile shapes (warps_m, warps_n, m16 tiles per warp, n8 tiles per warp), smallest first:
+# 16 x 32, 16 x 64 (4 warps) and 32 x 128 (8 warps). Chosen on the H200 (2026-12-03, build
+# 93ae151, ncu GPU time of each step alone, bf16, `gpu_smoke proj`): 128 heads, 64 tokens:
+# q step 81.6 / 51.7 / 36.8 us, output step 61.5 / 39.3 / 23.1 us; 16 heads, 8 tokens: q 8.4 /
+# 8.6 / 9.5 us, output 15.9 / 17.5 / 23.1 us. A 64 x 128 tile (2, 4, 2, 4; 168 registers,
+# one block per SM) lost everywhere (q 44.9 and 14.3 us, output 27.1 and 40.3 us) and was dropped.
+comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (2, 4, 1, 4))
+# A larger tile replaces a smaller one when its grid still has this many blocks (one per SM
+# of the H200) and fewer of them (fewer re-staged activations and weights); the smallest
+# tile is the default.
+comptime PROJ_MIN_BLOCKS = 132
+
+
+def tile_rows(tile: Tuple[Int, Int, Int, Int]) -> Int:
+    return tile[0] * tile[2] * 16
+
+
+def tile_cols(tile: Tuple[Int, Int, Int, Int]) -> Int:
+    return tile[1] * tile[3] * 8
+
+
+def tile_threads(tile: Tuple[Int, Int, Int, Int]) -> Int:
+    return tile[0] * tile[1] * WARP_SIZE
+
+
+def tile_fits(tile: Tuple[Int, Int, Int, Int], depth: Int, block_k: Int) -> Bool:
+    """Whether a block of `tile` on a projection of depth `depth`, K blocks `block_k`, fits in shared memory."""
+    return TileLayout.create(depth, block_k).smem_bytes(tile_rows(tile), tile_cols(tile)) <= MMA_SMEM_LIMIT
+
+
+def choose_proj_tile(groups: Int, rows: Int, n_out: Int, depth: Int, block_k: Int) -> Int:
+    """Index in PROJ_TILES of the tile for a projection, or -1 when none fits in shared memory."""
+    var best = -1
+    var best_blocks = 0
+    comptime for i in range(len(PROJ_TILES)):
+        comptime t = PROJ_TILES[i]
+        if tile_fits(t, depth, block_k):
+            var blocks = groups * ceil_div(rows, tile_rows(t)) * ceil_div(n_out, tile_cols(t))
+            if best < 0 or (blocks >= PROJ_MIN_BLOCKS and blocks < best_blocks):
+                best = i
+                best_blocks = blocks
+    return best
+
+
+@fieldwise_init
+struct QStepParams[dtype: DType](DevicePassable, TrivialRegisterPassable):
+    """Parameters of `q_step_kernel`: steps 1-4 (q_full) and steps 1-2 (the new cache rows)."""
+
+    var proj: Fp8Projection[Self.dtype, DType.float32]  # a = q_nope (q [T, H, Dn + Dr]), c = q_full [T, H, R + Dr]
+    var freqs_cis: DPtr[Self.dtype]
+    var offsets: U32Ptr
+    var cache_lengths: U32Ptr
+    var num_requests: Int32
+    var nope_dim: Int32
+    var rope_dim: Int32
+    var kv_lora_rank: Int32
+    var m_tiles: Int32
+    var n_tiles: Int32
+    var cache_rows: CacheRowsArgs[Self.dtype]  # count = 0: no cache rows in this launch
+
+    comptime device_type: AnyType = Self
+
+    def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
+        encoder.encode(self, target)
+
+    @staticmethod
+    def get_type_name() -> String:
+        return "QStepParams"
+
+
+@fieldwise_init
+struct OutStepParams[dtype: DType](DevicePassable, TrivialRegisterPassable):
+    """Parameters of `out_step_kernel`: step 6 and the optional attention-output store."""
+
+    var proj: Fp8Projection[DType.float32, Self.dtype]  # a = raw [T, H, R], c = output [T, H, Dv]
+    var attention_output: DPtr[Self.dtype]  # [T, H, R] when has_attention_output
+    var has_attention_output: Int32
+    var m_tiles: Int32
+    var n_tiles: Int32
+
+    comptime device_type: AnyType = Self
+
+    def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
+        encoder.encode(self, target)
+
+    @staticmethod
+    def get_type_name() -> String:
+        return "OutStepParams"
+
+
+@always_inline
+def tile_of_block(blk: Int, m_tiles: Int, n_tiles: Int) -> Tuple[Int, Int, Int]:
+    """(group, row tile, column tile) of projection block `blk`; neighbours share their weight tile."""
+    var per_group = m_tiles * n_tiles
+    var rest = blk % per_group
+    return (blk // per_group, rest % m_tiles, rest // m_tiles)
+
+
+def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: QStepParams[dtype]):
+    """Grid `cache_rows.count + H m_tiles n_tiles`, `32 warps_m warps_n` threads, `smem_bytes` dynamic."""
+    comptime THREADS = warps_m * warps_n * WARP_SIZE
+    comptime MT = warps_m * tm * 16
+    comptime NT = warps_n * tn * 8
+    var blk = block_idx.x
+    # The cache rows are the last blocks: latency-bound (one scattered cache row each), they
+    # fill the projection's last, partial wave instead of holding SMs at the start.
+    var proj_blocks = grid_dim.x - Int(p.cache_rows.count)
+    if blk >= proj_blocks:
+        rope_norm_cache_row[dtype, THREADS](p.cache_rows, blk - proj_blocks)
+        return
+    var tile = tile_of_block(blk, Int(p.m_tiles), Int(p.n_tiles))
+    var g = tile[0]
+    var m0 = tile[1] * MT
+    var n0 = tile[2] * NT
+    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k))
+    var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16](), lay, MT, NT)
+
+    stage_weights[dtype, DType.float32, THREADS](p.proj, lay, sm, g, n0, NT)
+    stage_activations[dtype, DType.float32, DType.float32, THREADS // WARP_SIZE](
+        p.proj, lay, sm, g, m0, MT, p.proj.c, 0, 0, False
+    )
+    if tile[2] == 0:
+        # q_full[t, g, R:] = rope(q[t, g, Dn:]): THREADS / MT threads per row, one position lookup each.
+        comptime TPR = max(1, THREADS // MT)
+        var rope = Int(p.rope_dim)
+        var rows = min(MT, Int(p.proj.rows) - m0)
+        for r in range(thread_idx.x // TPR, rows, THREADS // TPR):
+            var t = m0 + r
+            var pos = token_position(p.offsets, p.cache_lengths, Int(p.num_requests), t)
+            var q_row = p.proj.a.unsafe_offset(g * Int(p.proj.a_g_stride) + t * Int(p.proj.a_m_stride))
+            var freqs = p.freqs_cis.unsafe_offset(pos * rope)
+            var out_row = p.proj.c.unsafe_offset(g * Int(p.proj.c_g_stride) + t * Int(p.proj.c_m_stride))
+            for j in range(thread_idx.x % TPR, rope // 2, TPR):
+                rope_q_pair[dtype](q_row, freqs, out_row, Int(p.nope_dim), Int(p.kv_lora_rank), j)
+    async_copy_wait_all()
+    barrier()
+    project_tile[dtype, DType.float32, dtype, warps_m, warps_n, tm, tn](p.proj, lay, sm, g, m0, n0)
+
+
+def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: OutStepParams[dtype]):
+    """Grid `H m_tiles n_tiles`, `32 warps_m warps_n` threads, `smem_bytes` dynamic."""
+    comptime THREADS = warps_m * warps_n * WARP_SIZE
+    comptime MT = warps_m * tm * 16
+    comptime NT = warps_n * tn * 8
+    var tile = tile_of_block(block_idx.x, Int(p.m_tiles), Int(p.n_tiles))
+    var g = tile[0]
+    var m0 = tile[1] * MT
+    var n0 = tile[2] * NT
+    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k))
+    var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16](), lay, MT, NT)
+
+    stage_weights[DType.float32, dtype, THREADS](p.proj, lay, sm, g, n0, NT)
+    # raw and the attention output share their layout [T, H, R].
+    stage_activations[DType.float32, dtype, dtype, THREADS // WARP_SIZE](
+        p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a_g_stride), Int(p.proj.a_m_stride),
+        p.has_attention_output != 0 and tile[2] == 0,
+    )
+    async_copy_wait_all()
+    barrier()
+    project_tile[DType.float32, dtype, dtype, warps_m, warps_n, tm, tn](p.proj, lay, sm, g, m0, n0)
+
+
+# ---------------------------------------------------------------------------
+# Host side: one launch each
+# ---------------------------------------------------------------------------
+
+
+def enqueue_q_step[
+    dtype: DType, tile: Tuple[Int, Int, Int, Int]
+](ctx: DeviceContext, p: QStepParams[dtype], groups: Int) raises:
+    """Launches `q_step_kernel` with `tile` over `groups` heads (`p.m_tiles`, `p.n_tiles` are set here)."""
+    comptime MT = tile[0] * tile[2] * 16
+    comptime NT = tile[1] * tile[3] * 8
+    var params = p
+    params.m_tiles = Int32(ceil_div(Int(p.proj.rows), MT))
+    params.n_tiles = Int32(ceil_div(Int(p.proj.n_out), NT))
+    var smem = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k)).smem_bytes(MT, NT)
+    ctx.enqueue_function[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]]](
+        params,
+        grid_dim=Int(p.cache_rows.count) + groups * Int(params.m_tiles) * Int(params.n_tiles),
+        block_dim=tile[0] * tile[1] * WARP_SIZE,
+        shared_mem_bytes=smem,
+        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+    )
+
+
+def enqueue_out_step[
+    dtype: DType, tile: Tuple[Int, Int, Int, Int]
+](ctx: DeviceContext, p: OutStepParams[dtype], groups: Int) raises:
+    """Launches `out_step_kernel` with `tile` over `groups` heads (`p.m_tiles`, `p.n_tiles` are set here)."""
+    comptime MT = tile[0] * tile[2] * 16
+    comptime NT = tile[1] * tile[3] * 8
+    var params = p
+    params.m_tiles = Int32(ceil_div(Int(p.proj.rows), MT))
+    params.n_tiles = Int32(ceil_div(Int(p.proj.n_out), NT))
+    var smem = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k)).smem_bytes(MT, NT)
+    ctx.enqueue_function[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]]](
+        params,
+        grid_dim=groups * Int(params.m_tiles) * Int(params.n_tiles),
+        block_dim=tile[0] * tile[1] * WARP_SIZE,
+        shared_mem_bytes=smem,
+        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+    )
