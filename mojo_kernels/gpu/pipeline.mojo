@@ -80,8 +80,8 @@ from .steps_fused import (
     QStepParams,
     choose_proj_tile,
     enqueue_out_step,
-    tile_fits,
     enqueue_q_step,
+    tile_fits,
 )
 from ..fp8_matmul import Granularity
 from ..paged_cache import PagedLatentRows
@@ -205,34 +205,13 @@ def cache_rows_args[
     )
 
 
-def gpu_rotate_and_normalize_new_rows[
-    dtype: DType
-](
-    ctx: DeviceContext,
-    cache: PagedLatentRows[dtype],
-    input_row_offsets: U32Ptr,
-    cache_lengths: U32Ptr,
-    num_requests: Int,
-    num_tokens: Int,
-    freqs_cis: DPtr[dtype],
-    kv_norm_gamma: DPtr[dtype],
-    epsilon: Float32,
-    kv_lora_rank: Int,
-    rope_dim: Int,
-    new_rows: DPtr[dtype],
-    has_new_rows: Bool,
-) raises:
-    """Steps 1 and 2 on the new tokens' cache rows (raw rows from `new_rows` when given), alone.
+def gpu_rotate_and_normalize_new_rows[dtype: DType](ctx: DeviceContext, rows: CacheRowsArgs[dtype]) raises:
+    """Steps 1 and 2 on the new tokens' cache rows alone (`cache_rows_args`; `count` 0: nothing).
 
-    The op folds this into `gpu_build_q_full`'s launch; this is the stage by itself.
+    bf16 / f16 fold this into `q_step_kernel`'s launch (`gpu_build_q_full`).
     """
-    if num_tokens == 0:
-        return
-    var rows = cache_rows_args[dtype](
-        cache, input_row_offsets, cache_lengths, num_requests, num_tokens, freqs_cis, kv_norm_gamma,
-        epsilon, kv_lora_rank, rope_dim, new_rows, has_new_rows,
-    )
-    ctx.enqueue_function[rope_norm_cache_kernel[dtype]](rows, grid_dim=num_tokens, block_dim=ELEMENTWISE_THREADS)
+    if rows.count > 0:
+        ctx.enqueue_function[rope_norm_cache_kernel[dtype]](rows, grid_dim=Int(rows.count), block_dim=ELEMENTWISE_THREADS)
 
 
 def gpu_fp8_batched_matmul[
@@ -358,10 +337,7 @@ def gpu_build_q_full[
     var blocks = granularity.resolve(num_tokens, kv_lora_rank, nope_dim)
     var choice = proj_tile_choice[dtype, tile](num_heads, num_tokens, kv_lora_rank, nope_dim, blocks.k, force_fma)
     if choice < 0:
-        if new_cache_rows.count > 0:
-            ctx.enqueue_function[rope_norm_cache_kernel[dtype]](
-                new_cache_rows, grid_dim=Int(new_cache_rows.count), block_dim=ELEMENTWISE_THREADS
-            )
+        gpu_rotate_and_normalize_new_rows[dtype](ctx, new_cache_rows)
         ctx.enqueue_function[rope_q_kernel[dtype]](
             q,
             input_row_offsets,

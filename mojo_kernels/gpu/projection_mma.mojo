@@ -76,6 +76,11 @@ struct Fp8Projection[in_dtype: DType, out_dtype: DType](TrivialRegisterPassable)
     var block_n: Int32
     var block_k: Int32
 
+    def tile_grid(self, mt: Int, nt: Int) -> Tuple[Int, Int, Int]:
+        """(row tiles, column tiles, dynamic shared memory per block) in tiles of `mt` x `nt`."""
+        var smem = TileLayout.create(Int(self.depth), Int(self.block_k)).smem_bytes(mt, nt)
+        return (ceil_div(Int(self.rows), mt), ceil_div(Int(self.n_out), nt), smem)
+
 
 @fieldwise_init
 struct TileLayout(TrivialRegisterPassable):

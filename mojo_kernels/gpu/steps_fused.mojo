@@ -206,18 +206,16 @@ def enqueue_q_step[
     dtype: DType, tile: Tuple[Int, Int, Int, Int]
 ](ctx: DeviceContext, p: QStepParams[dtype], groups: Int) raises:
     """Launches `q_step_kernel` with `tile` over `groups` heads (`p.m_tiles`, `p.n_tiles` are set here)."""
-    comptime MT = tile[0] * tile[2] * 16
-    comptime NT = tile[1] * tile[3] * 8
+    var grid = p.proj.tile_grid(tile_rows(tile), tile_cols(tile))
     var params = p
-    params.m_tiles = Int32(ceil_div(Int(p.proj.rows), MT))
-    params.n_tiles = Int32(ceil_div(Int(p.proj.n_out), NT))
-    var smem = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k)).smem_bytes(MT, NT)
+    params.m_tiles = Int32(grid[0])
+    params.n_tiles = Int32(grid[1])
     ctx.enqueue_function[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]]](
         params,
-        grid_dim=Int(p.cache_rows.count) + groups * Int(params.m_tiles) * Int(params.n_tiles),
-        block_dim=tile[0] * tile[1] * WARP_SIZE,
-        shared_mem_bytes=smem,
-        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+        grid_dim=Int(p.cache_rows.count) + groups * grid[0] * grid[1],
+        block_dim=tile_threads(tile),
+        shared_mem_bytes=grid[2],
+        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(grid[2])),
     )
 
 
@@ -225,16 +223,14 @@ def enqueue_out_step[
     dtype: DType, tile: Tuple[Int, Int, Int, Int]
 ](ctx: DeviceContext, p: OutStepParams[dtype], groups: Int) raises:
     """Launches `out_step_kernel` with `tile` over `groups` heads (`p.m_tiles`, `p.n_tiles` are set here)."""
-    comptime MT = tile[0] * tile[2] * 16
-    comptime NT = tile[1] * tile[3] * 8
+    var grid = p.proj.tile_grid(tile_rows(tile), tile_cols(tile))
     var params = p
-    params.m_tiles = Int32(ceil_div(Int(p.proj.rows), MT))
-    params.n_tiles = Int32(ceil_div(Int(p.proj.n_out), NT))
-    var smem = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k)).smem_bytes(MT, NT)
+    params.m_tiles = Int32(grid[0])
+    params.n_tiles = Int32(grid[1])
     ctx.enqueue_function[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]]](
         params,
-        grid_dim=groups * Int(params.m_tiles) * Int(params.n_tiles),
-        block_dim=tile[0] * tile[1] * WARP_SIZE,
-        shared_mem_bytes=smem,
-        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+        grid_dim=groups * grid[0] * grid[1],
+        block_dim=tile_threads(tile),
+        shared_mem_bytes=grid[2],
+        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(grid[2])),
     )

@@ -29,6 +29,7 @@ from mojo_kernels.fp8_matmul import Granularity
 from mojo_kernels.gpu.pipeline import (
     MMA_FEW_HEADS,
     MMA_MANY_HEADS,
+    NO_TILE,
     WGMMA_SHAPE,
     cache_rows_args,
     gpu_attention,
@@ -550,7 +551,7 @@ struct DeviceCase[dtype: DType](Movable):
         )
 
     def build_q_full[
-        tile: Tuple[Int, Int, Int, Int] = (0, 0, 0, 0)
+        tile: Tuple[Int, Int, Int, Int] = NO_TILE
     ](self, ctx: DeviceContext, c: Case, q_full: DeviceBuffer[DType.float32], force_fma: Bool = False) raises:
         """Steps 1, 3, 4 on q alone (no cache rows): `gpu_build_q_full` with `tile` pinned (0: the op's choice)."""
         var no_rows = cache_rows_args[Self.dtype](
@@ -564,7 +565,7 @@ struct DeviceCase[dtype: DType](Movable):
         )
 
     def project_output[
-        tile: Tuple[Int, Int, Int, Int] = (0, 0, 0, 0)
+        tile: Tuple[Int, Int, Int, Int] = NO_TILE
     ](
         self, ctx: DeviceContext, c: Case, raw: DeviceBuffer[DType.float32], att_out: DeviceBuffer[Self.dtype],
         force_fma: Bool = False,
@@ -706,8 +707,11 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     var d = DeviceCase[dtype](ctx, c)
     var cache = d.cache(c)
     gpu_rotate_and_normalize_new_rows[dtype](
-        ctx, cache, untracked(d.offsets), untracked(d.lengths), c.num_requests, c.num_tokens,
-        untracked(d.freqs), untracked(d.gamma), c.epsilon, c.rank, c.rope, untracked(d.q), False,
+        ctx,
+        cache_rows_args[dtype](
+            cache, untracked(d.offsets), untracked(d.lengths), c.num_requests, c.num_tokens,
+            untracked(d.freqs), untracked(d.gamma), c.epsilon, c.rank, c.rope, untracked(d.q), False,
+        ),
     )
     var gpu_blocks = download[dtype](ctx, d.blocks, len(c.blocks))
     var ref_blocks = c.cpu_cache_rows[dtype]()
@@ -994,10 +998,10 @@ def bench_proj[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, iters: 
     var raw = upload[DType.float32](ctx, raw_host)
     var att_out = ctx.enqueue_create_buffer[dtype](rows * c.rank)
     print("proj B", batch, "H", heads, "(time per call, launch included)")
-    bench_proj_tile[dtype, (0, 0, 0, 0)](ctx, c, d, q_full, raw, att_out, iters)
+    bench_proj_tile[dtype, NO_TILE](ctx, c, d, q_full, raw, att_out, iters)
     comptime for i in range(len(PROJ_TILES)):
         bench_proj_tile[dtype, PROJ_TILES[i]](ctx, c, d, q_full, raw, att_out, iters)
-    bench_proj_tile[dtype, (0, 0, 0, 0)](ctx, c, d, q_full, raw, att_out, iters, force_fma=True)
+    bench_proj_tile[dtype, NO_TILE](ctx, c, d, q_full, raw, att_out, iters, force_fma=True)
 
 
 def main() raises:
