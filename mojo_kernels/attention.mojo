@@ -27,7 +27,7 @@ from std.utils.numerics import neg_inf
 
 from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32_WIDTH, ceil_div, dot_block, run_tasks, scratch
 from .cpu_bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16, unpermute_value_columns
-from .paged_cache import PagedLatentRows, RaggedBatch
+from .paged_cache import PagedLatentRows, RaggedBatch, partition_keys
 
 comptime KEY_TILE = F32_WIDTH  # keys per tile of the float32 path: one score vector per row
 comptime BF16_KEY_TILE = 2 * F32_WIDTH
@@ -337,9 +337,9 @@ def attend_partitions[
         var h0 = hg * shape.heads_per_group
         var h1 = min(h0 + shape.heads_per_group, shape.num_heads)
         var visible = batch.visible(b)
-        var part_len = ceil_div(visible, shape.num_partitions)
-        var k0 = part * part_len
-        var k1 = min(k0 + part_len, visible)
+        var part_keys = partition_keys(part, shape.num_partitions, visible)
+        var k0 = part_keys[0]
+        var k1 = part_keys[1]
         var t0 = batch.start(b)
         var t1 = batch.stop(b)
         var key_dim = shape.key_dim

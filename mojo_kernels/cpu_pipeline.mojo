@@ -120,6 +120,8 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     """The six steps on the CPU, each a parallel stage over host memory."""
     if p.num_tokens == 0:
         return
+    # The attention path first: a refused PYMLA_CPU_PATH raises before any cache row changes.
+    var bf16_units = use_bf16_units[dtype]()
     var key_dim = p.key_dim()
 
     # Steps 1 and 2 on the cache: the new rows (from `new_rows` when given), rotated and
@@ -149,7 +151,7 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     var part_sum_buf = List[Float32](length=rows, fill=0)
     var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
     attend_partitions[dtype](
-        q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, use_bf16_units[dtype]()
+        q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, bf16_units
     )
     # The attention output, in dtype: into `attention_output` when the caller wants it.
     var raw_buf = List[Scalar[dtype]](

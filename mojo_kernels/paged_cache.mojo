@@ -76,3 +76,19 @@ struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
         return self.blocks.unsafe_offset(
             page * self.page_stride + self.layer_offset + (pos % self.page_size) * self.head_dim
         )
+
+
+@always_inline
+def partition_keys(part: Int, num_partitions: Int, visible: Int) -> Tuple[Int, Int]:
+    """Half-open key range `[k0, k1)` of partition `part` of a request's `visible` keys.
+
+    The one definition of step 5's split-KV partitions, for every CPU and GPU
+    attention kernel (the merge weighs a partition that saw no key by 0).
+    Partitions are consecutive runs of `ceil(visible / num_partitions)` keys;
+    the plan sizes `num_partitions` on the batch's longest request, so a
+    shorter request's high partitions are empty: `k0 == k1 == visible`,
+    never a start past the request's last key.
+    """
+    var part_len = (visible + num_partitions - 1) // num_partitions
+    var k0 = min(part * part_len, visible)
+    return (k0, min(k0 + part_len, visible))

@@ -1,27 +1,90 @@
-"""The CPU code paths of the op's attention (step 5) and which ones this machine has.
+"""The CPU code paths of the op's attention (step 5): which ones the compiled kernel has.
 
 The kernel picks a path per call from the environment variable
 ``PYMLA_CPU_PATH``:
 
-- ``auto`` (the default): the fastest path the CPU has for the cache's dtype;
+- ``auto`` (the default, also when unset or empty): the fastest path the
+  compiled kernel has for the cache's dtype;
 - ``f32``: keys widened to float32, float32 FMAs (every CPU, every dtype);
 - ``avx512bf16``: bf16 dot products summed in float32 with ``vdpbf16ps``
-  (bfloat16 caches; other dtypes still take ``f32``). Forcing it on a CPU
-  without AVX512-BF16 makes the op raise.
+  (bfloat16 caches; other dtypes still take ``f32``).
 
 Both paths follow the same rounding points (``pymla/reference.py``); they
-differ only in the order of the float32 sums.
+differ only in the order of the float32 sums. :func:`check_cpu_path` refuses
+an unknown value, or a path the compiled kernel lacks, before any kernel runs.
+
+Which paths exist is decided when MAX compiles the op, for a target CPU:
+the host as LLVM names it, unless ``max.driver.set_virtual_cpu_target`` set
+another. On some virtual machines LLVM's name for the host lacks features the
+CPU has: an Intel Xeon guest (Sapphire Rapids, ``amx_bf16 amx_tile
+avx512_bf16`` in ``/proc/cpuinfo``) whose CPUID model 167 LLVM takes for
+``rocketlake``, without AVX512-BF16 or AMX. :func:`configure_cpu_target`
+(called before pymla compiles anything) then picks an LLVM CPU whose
+vector features the CPU has, so the compiled kernel has them too;
+``PYMLA_CPU_TARGET`` overrides it (an LLVM CPU name, or ``host`` to keep
+LLVM's host detection). The truth about the paths is read from a kernel
+compiled the same way (:func:`kernel_cpu_paths`), never from
+``/proc/cpuinfo`` alone.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import subprocess
+import threading
 from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pymla")
 
 PATHS = ("f32", "avx512bf16")
 """Every path the kernel has, in order of preference (last = fastest)."""
 
-REQUIRED_FLAGS = {"f32": (), "avx512bf16": ("avx512_bf16",)}
-"""The /proc/cpuinfo flags each path needs."""
+PATH_ENV = "PYMLA_CPU_PATH"
+TARGET_ENV = "PYMLA_CPU_TARGET"
+REQUESTS = ("auto", *PATHS)
+"""The values of ``PYMLA_CPU_PATH`` (unset and empty mean ``auto``)."""
+
+FEATURES = ("avx512bf16", "amx-tile", "amx-bf16")
+"""The LLVM features ``pymla.compiled_cpu_features`` reports, in its output's order."""
+
+PATH_FEATURES = {"f32": (), "avx512bf16": ("avx512bf16",)}
+"""The LLVM features each path needs compiled in."""
+
+PATH_DTYPES = {"f32": None, "avx512bf16": torch.bfloat16}
+"""The cache dtype a path serves (None: every dtype); other dtypes take ``f32``."""
+
+CANDIDATE_TARGETS = ("sapphirerapids", "cooperlake")
+"""LLVM CPUs :func:`configure_cpu_target` may pick, most capable first."""
+
+_CODEGEN_PREFIXES = (
+    "sse", "ssse3", "avx", "amx", "fma", "f16c", "bmi", "lzcnt", "popcnt",
+    "movbe", "adx", "sha", "aes", "vaes", "pclmul", "vpclmulqdq", "gfni", "crc32",
+)  # fmt: skip
+"""LLVM features the compiler may emit without being asked (vector and bit-manipulation ISA).
+
+Others (``waitpkg``, ``uintr``, ``serialize``, ...) appear only through
+intrinsics the op does not use, and a virtual machine often hides them."""
+
+_LLVM_TO_CPUINFO = {
+    "sse3": "pni",
+    "crc32": "sse42",
+    "lzcnt": "abm",
+    "pclmul": "pclmulqdq",
+    "bmi": "bmi1",
+    "sha": "shani",
+}
+"""LLVM feature names whose ``/proc/cpuinfo`` flag is spelled otherwise (after :func:`_norm`)."""
+
+
+def _norm(name: str) -> str:
+    return name.replace("_", "").replace("-", "").replace(".", "").lower()
+
+
+# ---------------------------------------------------------------- the machine
 
 
 def cpu_flags(cpuinfo: str | None = None) -> set[str]:
@@ -38,12 +101,6 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str]:
     return set()
 
 
-def available_cpu_paths(cpuinfo: str | None = None) -> tuple[str, ...]:
-    """The paths this machine can run, ``f32`` first: values for ``PYMLA_CPU_PATH``."""
-    flags = cpu_flags(cpuinfo)
-    return tuple(p for p in PATHS if all(f in flags for f in REQUIRED_FLAGS[p]))
-
-
 def cpu_model(cpuinfo: str | None = None) -> str:
     """The CPU's model name from /proc/cpuinfo (``unknown`` if not found)."""
     if cpuinfo is None:
@@ -56,3 +113,202 @@ def cpu_model(cpuinfo: str | None = None) -> str:
         if key.strip() == "model name":
             return " ".join(value.split())
     return "unknown"
+
+
+# ---------------------------------------------------------------- the compile target
+
+
+def _mojo() -> str:
+    from .graph import mojo_binary
+
+    return mojo_binary()
+
+
+@functools.cache
+def llvm_target(cpu: str = "") -> tuple[str, frozenset[str]]:
+    """``(cpu name, enabled LLVM features)`` of an LLVM target CPU (``""``: the host as LLVM sees it).
+
+    Asks the Mojo compiler MAX compiles with (``mojo build --print-effective-target``, ~0.1 s).
+    """
+    cmd = [_mojo(), "build", "--print-effective-target"]
+    if cpu:
+        cmd += ["--target-cpu", cpu]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    name, features = "", frozenset()
+    for line in result.stdout.splitlines():
+        option, _, value = line.strip().partition(" ")
+        if option == "--target-cpu":
+            name = value.strip()
+        elif option == "--target-features":
+            features = frozenset(f[1:] for f in value.strip().split(",") if f.startswith("+"))
+    if not name:
+        raise ValueError(
+            f"{TARGET_ENV}: expected an LLVM target CPU name, got {cpu!r} "
+            f"({(result.stderr or result.stdout).strip().splitlines()[-1:]})"
+        )
+    return name, features
+
+
+def missing_codegen_features(llvm_features: frozenset[str], flags: set[str]) -> set[str]:
+    """The features a target would let the compiler emit that ``/proc/cpuinfo`` ``flags`` lack."""
+    have = {_norm(f) for f in flags}
+    wanted = {f for f in llvm_features if f.startswith(_CODEGEN_PREFIXES)}
+    return {f for f in wanted if _LLVM_TO_CPUINFO.get(_norm(f), _norm(f)) not in have}
+
+
+def choose_cpu_target(
+    host_features: frozenset[str],
+    flags: set[str],
+    candidates: dict[str, frozenset[str]],
+) -> str:
+    """The LLVM CPU to compile for: ``""`` (the host's) unless it lacks a path's feature the CPU has.
+
+    Then the first candidate whose codegen features the CPU all has and that
+    has every path feature the CPU has; ``""`` when none fits.
+    """
+    have = {_norm(f) for f in flags}
+    wanted = {f for f in FEATURES if _norm(f) in have}
+    if wanted <= host_features:
+        return ""
+    for name, features in candidates.items():
+        if wanted <= features and not missing_codegen_features(features, flags):
+            return name
+    return ""
+
+
+_target_lock = threading.Lock()
+_configured: str | None = None
+
+
+def configure_cpu_target() -> str:
+    """Sets MAX's CPU target for the op's compiles (once per process); returns it (``""``: the host).
+
+    ``PYMLA_CPU_TARGET`` wins (an LLVM CPU name, or ``host``); a target already
+    set through ``max.driver.set_virtual_cpu_target`` is kept. Otherwise,
+    where LLVM's host CPU lacks a feature of :data:`FEATURES` that
+    ``/proc/cpuinfo`` lists, the first of :data:`CANDIDATE_TARGETS` that fits
+    (:func:`choose_cpu_target`). MAX's setting is process-wide: CPU models
+    compiled later in the process target that CPU too.
+    """
+    global _configured
+    with _target_lock:
+        if _configured is not None:
+            return _configured
+        from max import driver
+
+        requested = os.environ.get(TARGET_ENV, "").strip()
+        current = driver.get_virtual_cpu_target()
+        if requested == "host":
+            target = current
+        elif requested:
+            target = llvm_target(requested)[0]
+        elif current:
+            target = current
+        else:
+            flags = cpu_flags()
+            target = ""
+            if any(_norm(f) in {_norm(x) for x in flags} for f in FEATURES):
+                target = choose_cpu_target(
+                    llvm_target()[1], flags, {c: llvm_target(c)[1] for c in CANDIDATE_TARGETS}
+                )
+            if target:
+                log.info(
+                    "pymla: compiling CPU kernels for %s (LLVM takes this host for %s, "
+                    "without %s, which /proc/cpuinfo lists)",
+                    target,
+                    llvm_target()[0],
+                    ", ".join(sorted(f for f in FEATURES if f not in llvm_target()[1])),
+                )
+        if target != current:
+            driver.set_virtual_cpu_target(target)
+        _configured = target
+        return target
+
+
+def compile_target_name() -> str:
+    """The LLVM CPU the op's CPU kernels are compiled for (after :func:`configure_cpu_target`)."""
+    return configure_cpu_target() or llvm_target()[0]
+
+
+# ---------------------------------------------------------------- the compiled kernel
+
+
+@functools.cache
+def compiled_features() -> frozenset[str]:
+    """The features of :data:`FEATURES` the op's CPU kernels are compiled with.
+
+    Runs ``pymla.compiled_cpu_features`` once per process (a small model; its
+    first compile takes as long as the op's, later loads come from MAX's cache).
+    """
+    from max.dtype import DType
+    from max.graph import BufferType, DeviceRef, Graph, ops
+
+    from . import bridge, runtime
+    from .graph import kernels_path
+
+    with Graph(
+        "pymla_compiled_cpu_features",
+        input_types=[BufferType(DType.uint8, [len(FEATURES)], DeviceRef.CPU())],
+        custom_extensions=[kernels_path()],
+    ) as graph:
+        ops.inplace_custom(
+            "pymla.compiled_cpu_features", device=DeviceRef.CPU(), values=[graph.inputs[0].buffer]
+        )
+        graph.output()
+    sess, _ = runtime.session(torch.device("cpu"))
+    flags = torch.zeros(len(FEATURES), dtype=torch.uint8)
+    sess.load(graph).execute(bridge.to_max(flags))
+    return frozenset(f for f, on in zip(FEATURES, flags.tolist(), strict=True) if on)
+
+
+def kernel_cpu_paths() -> tuple[str, ...]:
+    """The paths the compiled kernel has, ``f32`` first: the values ``PYMLA_CPU_PATH`` may force."""
+    features = compiled_features()
+    return tuple(p for p in PATHS if set(PATH_FEATURES[p]) <= features)
+
+
+def _parse(requested: str | None) -> str:
+    value = "auto" if requested in (None, "") else requested
+    if value not in REQUESTS:
+        raise ValueError(f"{PATH_ENV}: expected one of {', '.join(REQUESTS)}, got {requested!r}")
+    return value
+
+
+def _require(path: str) -> None:
+    paths = kernel_cpu_paths()
+    if path not in paths:
+        raise ValueError(
+            f"{PATH_ENV}: expected a path the compiled kernel has ({', '.join(paths)}; "
+            f"compiled for {compile_target_name()}), got {path!r}"
+        )
+
+
+def resolve_cpu_path(requested: str | None, dtype: torch.dtype) -> str:
+    """The path a call with ``PYMLA_CPU_PATH=requested`` runs for a cache of ``dtype``.
+
+    Raises:
+        ValueError: an unknown value, or a path the compiled kernel lacks.
+    """
+    value = _parse(requested)
+    if value == "f32":
+        return value
+    if value != "auto":
+        _require(value)
+    serves = [p for p in kernel_cpu_paths() if PATH_DTYPES[p] in (None, dtype)]
+    return value if value in serves else serves[-1]
+
+
+_checked_request: str | None = None
+
+
+def check_cpu_path() -> None:
+    """Refuses ``PYMLA_CPU_PATH`` when the compiled kernel cannot honour it (before a CPU launch).
+
+    Cheap on every call: a forced path is checked once, then remembered.
+    """
+    global _checked_request
+    requested = os.environ.get(PATH_ENV)
+    if requested == _checked_request or requested in (None, "", "auto", "f32"):
+        return
+    _require(_parse(requested))
+    _checked_request = requested

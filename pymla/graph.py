@@ -57,12 +57,24 @@ def _cache_dir() -> pathlib.Path:
     return path
 
 
+def mojo_binary() -> str:
+    """The Mojo compiler of this environment (next to the Python executable, else on PATH)."""
+    mojo = pathlib.Path(sys.executable).with_name("mojo")
+    return str(mojo) if mojo.exists() else "mojo"
+
+
 def kernels_path() -> pathlib.Path:
     """The compiled Mojo package (``.mojoc``) holding the op, built once per source version.
 
     The package is keyed by a hash of the sources and kept under
-    ``$PYMLA_CACHE_DIR`` (default ``~/.cache/pymla``).
+    ``$PYMLA_CACHE_DIR`` (default ``~/.cache/pymla``). Every graph with the op
+    needs it, so it also sets MAX's CPU target for the compile that follows
+    (:func:`pymla.cpu_paths.configure_cpu_target`: the host's, unless LLVM
+    misnames a CPU whose features the kernels use).
     """
+    from .cpu_paths import configure_cpu_target
+
+    configure_cpu_target()
     src = _source_dir()
     digest = hashlib.sha256()
     for f in sorted(src.rglob("*.mojo")):
@@ -70,8 +82,7 @@ def kernels_path() -> pathlib.Path:
         digest.update(f.read_bytes())
     target = _cache_dir() / f"mojo_kernels_{digest.hexdigest()[:16]}.mojoc"
     if not target.exists():
-        mojo = pathlib.Path(sys.executable).with_name("mojo")
-        cmd = [str(mojo) if mojo.exists() else "mojo", "precompile", str(src), "-o"]
+        cmd = [mojo_binary(), "precompile", str(src), "-o"]
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             staged = pathlib.Path(tmp) / target.name
             # env: importing max.nn putenv()s PYTHONEXECUTABLE (a Python outside this venv)
@@ -101,8 +112,8 @@ def mask_code(mask: str | Mask) -> int:
     """The kernel's code for a mask (:class:`pymla.Mask` or its name)."""
     if isinstance(mask, Mask):
         return int(mask)
-    if mask not in MASKS:
-        raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
+    if not isinstance(mask, str) or mask.lower() not in MASKS:
+        raise ValueError(f"mask: expected one of {MASKS} (any case), got {mask!r}")
     return int(Mask[mask.upper()])
 
 
@@ -110,8 +121,8 @@ def score_mod_code(score_mod: str | ScoreMod) -> int:
     """The kernel's code for a score mod (:class:`pymla.ScoreMod` or its name)."""
     if isinstance(score_mod, ScoreMod):
         return int(score_mod)
-    if score_mod not in SCORE_MODS:
-        raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
+    if not isinstance(score_mod, str) or score_mod.lower() not in SCORE_MODS:
+        raise ValueError(f"score_mod: expected one of {SCORE_MODS} (any case), got {score_mod!r}")
     return int(ScoreMod[score_mod.upper()])
 
 

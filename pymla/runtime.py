@@ -23,6 +23,7 @@ from max import driver, engine
 from max.graph import DeviceRef
 
 from . import bridge
+from .cpu_paths import check_cpu_path
 from .graph import OpConfig, build_graph
 
 log = logging.getLogger("pymla")
@@ -67,6 +68,12 @@ def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
         model = _models.get(config)
         if model is not None:
             return model
+        log.info(
+            "pymla: compiling mla_decode_branch_fp8 for %s, %s (first call in this process: "
+            "about 20 s, a few seconds from MAX's disk cache)",
+            device,
+            config.dtype.name,
+        )
         entries = _max_cache_entries()
         start = time.perf_counter()
         model = sess.load(build_graph(config))
@@ -159,7 +166,7 @@ def op_stream(device: torch.device | str) -> torch.cuda.ExternalStream:
 def launcher(model: engine.Model, device: torch.device):
     """``launch(model, device, ·)`` with the per-device lookups done once: a function of the buffers.
 
-    On the CPU: ``model``'s execute. On a GPU: when torch's current stream is
+    On the CPU: ``model``'s execute, after :func:`pymla.cpu_paths.check_cpu_path`. On a GPU: when torch's current stream is
     MAX's queue (:func:`op_stream`), the execute alone; otherwise MAX's queue
     waits for torch's current stream (an event recorded there), the op is
     enqueued, torch's current stream waits for MAX's queue (an event recorded
@@ -169,7 +176,12 @@ def launcher(model: engine.Model, device: torch.device):
     """
     execute = executor(model)
     if device.type == "cpu":
-        return execute
+
+        def launch_on_cpu(buffers: list) -> None:
+            check_cpu_path()  # PYMLA_CPU_PATH refused here, before the kernel touches anything
+            execute(buffers)
+
+        return launch_on_cpu
     queues = _queues_for(device)
     max_stream, max_handle = queues.stream, queues.handle
     index = device.index if device.index is not None else torch.cuda.current_device()

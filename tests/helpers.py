@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 
+import pytest
 import torch
 
 import pymla
+from pymla.cpu_paths import PATHS, compile_target_name, kernel_cpu_paths
 from pymla.parity import compare_attention, compare_cache, compare_output, compare_projection
 from pymla.quant import ScaleGranularity
 from pymla.reference import project_output
@@ -61,22 +63,22 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 """Where the op is tested: the CPU always, a CUDA GPU when there is one."""
 
 
-def _cpu_paths() -> list[str]:
-    try:
-        from pymla.cpu_paths import available_cpu_paths
-    except ImportError:  # a kernel with one CPU path
-        return ["auto"]
-    return list(available_cpu_paths())
+TARGETS = [f"cpu:{path}" for path in PATHS] + DEVICES[1:]
+"""Every CPU code path of the kernel (``PYMLA_CPU_PATH``), then the GPU if there is one.
 
-
-TARGETS = [f"cpu:{path}" for path in _cpu_paths()] + DEVICES[1:]
-"""Every CPU code path this machine has (``PYMLA_CPU_PATH``), then the GPU if there is one."""
+A path the compiled kernel lacks (:func:`pymla.cpu_paths.kernel_cpu_paths`)
+is skipped by :func:`on_target`, with the reason."""
 
 
 @contextlib.contextmanager
 def on_target(target: str):
     """Yields the torch device of ``target``, with its CPU path forced for the duration."""
     device, _, path = target.partition(":")
+    if path and path != "f32" and path not in kernel_cpu_paths():
+        pytest.skip(
+            f"the compiled kernel has no {path} path (it has {', '.join(kernel_cpu_paths())}; "
+            f"compiled for {compile_target_name()})"
+        )
     previous = os.environ.get("PYMLA_CPU_PATH")
     if path:
         os.environ["PYMLA_CPU_PATH"] = path

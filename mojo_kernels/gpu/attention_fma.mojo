@@ -22,7 +22,7 @@ from .addressing import (
 from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
 from ..fp8 import FP8_MAX
 from ..fp8_matmul import Granularity
-from ..paged_cache import PagedLatentRows
+from ..paged_cache import PagedLatentRows, partition_keys
 
 
 # ATT_ROWS (token, head) rows of one request per block, ATT_KT keys
@@ -117,9 +117,9 @@ def attention_fma_kernel[
     var total_rows = Int(offsets.unsafe_load(nreq)) * heads
     var cache_len = Int(cache_lengths.unsafe_load(b))
     var visible = cache_len + o1 - o0
-    var part_len = ceil_div(visible, parts)
-    var k0 = part * part_len
-    var k1 = min(k0 + part_len, visible)
+    var part_keys = partition_keys(part, parts, visible)
+    var k0 = part_keys[0]
+    var k1 = part_keys[1]
 
     # Shared memory regions (byte offsets are multiples of 16).
     var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()

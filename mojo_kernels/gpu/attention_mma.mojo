@@ -39,6 +39,7 @@ from max.gpu.primitives import warp
 
 from ..attention import MaskSpec
 from ..common import DPtr, FPtr, U32Ptr, ceil_div
+from ..paged_cache import partition_keys
 from .addressing import (
     row_attention_meta,
     cache_row_offset,
@@ -215,9 +216,9 @@ def attention_mma_kernel[
     var total_rows = Int(offsets.unsafe_load(nreq)) * heads
     var cache_len = Int(cache_lengths.unsafe_load(b))
     var visible = cache_len + o1 - o0
-    var part_len = ceil_div(visible, parts)
-    var k0 = part * part_len
-    var k1 = min(k0 + part_len, visible)
+    var part_keys = partition_keys(part, parts, visible)
+    var k0 = part_keys[0]
+    var k1 = part_keys[1]
 
     # Shared memory.
     var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()

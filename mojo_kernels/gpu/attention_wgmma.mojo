@@ -42,7 +42,8 @@ from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, as
 from max.gpu.primitives.warp import shuffle_xor
 
 from ..attention import MaskSpec
-from ..common import DPtr, FPtr, U32Ptr, ceil_div
+from ..common import DPtr, FPtr, U32Ptr
+from ..paged_cache import partition_keys
 from .attention_mma import tile_row_offset
 from .addressing import find_slot_request, row_attention_meta, slot_start
 
@@ -205,9 +206,9 @@ def attention_wgmma_kernel[
     var total_rows = Int(offsets.unsafe_load(nreq)) * heads
     var cache_len = Int(cache_lengths.unsafe_load(b))
     var visible = cache_len + o1 - o0
-    var part_len = ceil_div(visible, parts)
-    var k0 = part * part_len
-    var k1 = min(k0 + part_len, visible)
+    var part_keys = partition_keys(part, parts, visible)
+    var k0 = part_keys[0]
+    var k1 = part_keys[1]
 
     # Shared memory.
     comptime chunks = dim // 8  # 16-byte vectors per row
