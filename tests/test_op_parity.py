@@ -26,6 +26,7 @@ MASKS = ("null", "causal", "sliding_window_causal", "chunked_causal")
 SCORE_MODS = ("no_pos", "alibi_pos")
 HEADS = (1, 16, 128)
 PAGE_SIZES = (1, 16, 64, 128)
+WINDOWED = ("sliding_window_causal", "chunked_causal")
 
 GRID = list(itertools.product(DTYPES, GRANULARITIES, MASKS, SCORE_MODS))
 
@@ -53,7 +54,7 @@ def test_grid(dtype, granularity, mask, score_mod, target):
         granularity=granularity,
         mask=mask,
         score_mod=score_mod,
-        local_window_size=int(torch.randint(1, 40, (1,), generator=g)),
+        local_window_size=int(torch.randint(1, 40, (1,), generator=g)) if mask in WINDOWED else 0,
     )
     check_parity(case, target)
 
@@ -115,6 +116,65 @@ def test_many_requests_mixed_lengths(target):
         ),
         target,
     )
+
+
+# Batches that mix a long request with a short or empty one. Key partitions are planned on the
+# longest request, so a short one's high partitions hold no key: before
+# `paged_cache.partition_keys` they started past their end and read past the request's last
+# page (CPU: a segfault at [513, 0], 1 head, page 1; H200: an illegal address at [5000, 0],
+# 16 heads, page 16). Cases: (cache_lengths, new_tokens, heads, page_size, dtype, mask).
+MIXED = [
+    ((513, 0), (1, 1), 1, 1, torch.float32, "causal"),
+    ((513, 0), (1, 1), 1, 1, torch.bfloat16, "null"),
+    ((1030, 2), (1, 1), 1, 1, torch.float16, "causal"),
+    ((5000, 0), (2, 3), 16, 16, torch.float32, "causal"),
+    ((0, 5000), (1, 1), 16, 16, torch.bfloat16, "sliding_window_causal"),
+    ((5000, 5), (2, 3), 16, 16, torch.bfloat16, "causal"),
+    ((4400, 0), (1, 1), 16, 16, torch.float16, "chunked_causal"),
+    ((3000, 0, 17, 1), (1, 2, 0, 1), 32, 8, torch.bfloat16, "null"),
+]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(
+    ("cache_lengths", "new_tokens", "num_heads", "page_size", "dtype", "mask"),
+    MIXED,
+    ids=[f"{c}-{n}-h{h}-p{p}-{str(d)[6:]}-{m}" for c, n, h, p, d, m in MIXED],
+)
+def test_long_request_beside_short_or_empty(
+    cache_lengths, new_tokens, num_heads, page_size, dtype, mask, target
+):
+    i = MIXED.index((cache_lengths, new_tokens, num_heads, page_size, dtype, mask))
+    case = make_case(
+        3400 + i,
+        dtype=dtype,
+        num_heads=num_heads,
+        page_size=page_size,
+        cache_lengths=cache_lengths,
+        new_tokens=new_tokens,
+        num_layers=1,
+        layer_idx=0,
+        mask=mask,
+        score_mod=("no_pos", "alibi_pos")[i % 2],
+        local_window_size=300 if mask in WINDOWED else 0,
+    )
+    check_parity(case, target)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("num_heads", (1, 2, 4, 8, 16, 32, 64, 128))
+def test_every_partition_count_with_an_empty_request(num_heads, target):
+    """Head counts change the partition count (CPU tasks, GPU row tiles per wave)."""
+    case = make_case(
+        3500 + num_heads,
+        num_heads=num_heads,
+        page_size=16,
+        cache_lengths=(2100, 0, 3),
+        new_tokens=(1, 1, 2),
+        num_layers=1,
+        layer_idx=0,
+    )
+    check_parity(case, target)
 
 
 @pytest.mark.parametrize("target", TARGETS)
