@@ -4,11 +4,15 @@
                                       cache, layer_idx, w_uk, w_uk_scale, w_uv, w_uv_scale,
                                       scale=scale)
 
-A serving loop plans each decode step once and runs it per layer:
+A serving loop plans each decode step once and runs it per layer, passing each
+layer's new latent rows as it computes them:
 
     weights = pymla.LayerWeights(w_uk, w_uk_scale, w_uv, w_uv_scale, kv_norm_gamma)
-    step = pymla.plan(cache, input_row_offsets, freqs_cis, pymla.DecodeOptions(scale=scale))
-    out = step.run(q, layer_idx, weights)
+    cache.reserve(b, n)  # for every request b with n new tokens
+    step = pymla.plan(cache, input_row_offsets, freqs_cis, pymla.DecodeOptions(scale=scale),
+                      new_rows=True)
+    out = step.run(q, layer_idx, weights, new_rows=rows)  # per layer
+    cache.advance()  # after the last layer
 
 On a GPU, ``run()`` orders itself after torch's current stream with events; torch
 work issued on :func:`op_stream` (``with torch.cuda.stream(pymla.op_stream(dev))``)
@@ -18,7 +22,7 @@ The math is specified in :mod:`pymla.reference`.
 """
 
 import logging as _logging
-import os as _os
+from importlib import metadata as _metadata
 
 from .args import Mask, ScoreMod
 from .cache import PagedLatentCache
@@ -32,7 +36,7 @@ from .quant import (
     make_mla_weights,
     quantize_fp8,
 )
-from .reference import KVCacheTensors, mla_decode_branch_fp8_reference
+from .reference import KVCacheTensors, mla_decode_branch_fp8_reference, rope_freqs_cis
 from .runtime import op_stream
 from .validate import StaleCacheRowsError
 
@@ -55,14 +59,24 @@ __all__ = [
     "mla_decode_branch_fp8_reference",
     "op_stream",
     "quantize_fp8",
+    "rope_freqs_cis",
 ]
 
-_log = _logging.getLogger("pymla")
-if not _log.handlers and not _os.environ.get("PYMLA_QUIET"):
-    # Compile progress goes to stderr unless the application configures logging
-    # (pytest captures it, so test runs stay quiet).
-    _handler = _logging.StreamHandler()
-    _handler.setFormatter(_logging.Formatter("%(message)s"))
-    _log.addHandler(_handler)
-    _log.setLevel(_logging.INFO)
-    _log.propagate = False
+
+def _version() -> str:
+    """The installed distribution's version; in a source checkout not installed, pyproject's."""
+    try:
+        return _metadata.version("pymla")
+    except _metadata.PackageNotFoundError:
+        import pathlib
+        import tomllib
+
+        pyproject = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
+__version__ = _version()
+
+# The library convention: pymla's records (compile progress at INFO) go wherever the
+# application's logging sends them; the command line shows them on stderr itself.
+_logging.getLogger("pymla").addHandler(_logging.NullHandler())

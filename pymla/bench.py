@@ -13,10 +13,13 @@ x context x page size x CPU path, everything measured in the same run:
 - plain torch (pymla.plain_torch: the faster of its matmul and SDPA
   attention) and the op's speed-up over it.
 
-The table is printed; JSON and PNG are saved under --output-dir, named after
-the CPU model (e.g. cpu-amd-epyc.json). The default folder is a new one,
-./pymla-bench-results; an existing result file is never overwritten unless
---force is given.
+Each row names the CPU path that ran (``auto`` resolved for the dtype); a
+requested path the compiled kernel lacks is skipped with the reason. The JSON
+is saved under --output-dir after every case (a crash keeps the rows
+measured; ``meta.cases`` is the number planned), the table and a PNG at the
+end, named after the CPU model (e.g. cpu-amd-epyc.json). The default folder
+is a new one, ./pymla-bench-results; an existing result file is never
+overwritten unless --force is given.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from .cpu_paths import available_cpu_paths, cpu_model
+from .__main__ import CommandParser, int_at_least
+from .cpu_paths import PATHS, cpu_model, kernel_cpu_paths, resolve_cpu_path
 from .op import mla_decode_branch_fp8
 from .plain_torch import PlainTorchDecode
 from .scenario import Case, make_case
@@ -81,12 +85,32 @@ def attention_flops(case: Case) -> int:
     return 2 * visible_keys(case) * heads * (case.cache.head_dim + rank)
 
 
-def resolve_path(path: str, dtype: torch.dtype) -> str:
-    """The path the kernel takes for ``PYMLA_CPU_PATH=path`` and ``dtype`` (see pymla.cpu_paths)."""
-    if path != "auto":
-        return path if dtype == torch.bfloat16 else "f32"
-    best = available_cpu_paths()[-1]
-    return best if dtype == torch.bfloat16 else "f32"
+def paths_to_run(requested: list[str], dtype: torch.dtype) -> list[str]:
+    """The paths the requested ``PYMLA_CPU_PATH`` values run for ``dtype``, in order.
+
+    A path the compiled kernel lacks, or one that runs the same path as an
+    earlier one, is left out with a printed reason.
+    """
+    runs: list[str] = []
+    for path in requested:
+        try:
+            resolved = resolve_cpu_path(path, dtype)
+        except ValueError as e:
+            print(f"skipping --path {path}: {e}", file=sys.stderr)
+            continue
+        if resolved in runs:
+            print(f"skipping --path {path}: it runs {resolved}, already listed", file=sys.stderr)
+            continue
+        runs.append(resolved)
+    return runs
+
+
+def output_dir(text: str) -> Path:
+    """The --output-dir type: a folder, or a path where one can be made."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a folder, got the file {text!r}")
+    return path
 
 
 def bench_one(
@@ -100,6 +124,7 @@ def bench_one(
     mm_rate: float,
     repeat: int,
 ) -> dict:
+    """One case with ``PYMLA_CPU_PATH=path``, a path of :func:`paths_to_run` (so ``path`` runs)."""
     case = make_case(
         7,
         dtype=dtype,
@@ -154,7 +179,7 @@ def bench_one(
         "batch": batch,
         "context": context,
         "page_size": page_size,
-        "path": resolve_path(path, dtype),
+        "path": path,
         "op_ms": op_s * 1e3,
         "roofline_ms": roofline_s * 1e3,
         "roofline_bound": "memory" if memory_s >= compute_s else "compute",
@@ -217,36 +242,48 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def save_json(path: Path, payload: dict) -> None:
+    """Writes ``payload`` to ``path`` whole or not at all (through a temporary file)."""
+    partial = path.with_suffix(".json.tmp")
+    partial.write_text(json.dumps(payload, indent=1) + "\n")
+    partial.replace(path)
+
+
 def file_stem(model: str) -> str:
     """``cpu-<model>``, lower case, runs of other characters as one dash."""
     return "cpu-" + (re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-") or "unknown")
 
 
-def run(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pymla bench",
-        description="Time per call of the op against its roofline and against plain torch "
+def run(argv: list[str], prog: str) -> int:
+    parser = CommandParser(
+        prog,
+        "Time per call of the op against its roofline and against plain torch "
         "(DeepSeek-V3 shapes, causal mask, one new token per request).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    paths = available_cpu_paths()
-    parser.add_argument("--heads", type=int, nargs="+", default=[16, 128], help="head counts")
-    parser.add_argument("--batch", type=int, nargs="+", default=[8], help="requests per call")
-    parser.add_argument("--context", type=int, nargs="+", default=[16384], help="keys per request")
-    parser.add_argument("--page-size", type=int, nargs="+", default=[64], help="cache page sizes")
+    count = int_at_least(1)
+    parser.add_argument("--heads", type=count, nargs="+", default=[16, 128], help="head counts")
+    parser.add_argument("--batch", type=count, nargs="+", default=[8], help="requests per call")
+    parser.add_argument(
+        "--context", type=count, nargs="+", default=[16384], help="keys per request"
+    )
+    parser.add_argument("--page-size", type=count, nargs="+", default=[64], help="cache page sizes")
     parser.add_argument(
         "--path",
         nargs="+",
         default=["auto"],
-        choices=["auto", *paths],
-        help="CPU paths of step 5 (PYMLA_CPU_PATH); auto is the fastest this CPU has",
+        choices=["auto", *PATHS],
+        help="CPU paths of step 5 (PYMLA_CPU_PATH); auto is the fastest the kernel has for "
+        "the dtype; paths the kernel lacks are skipped",
     )
     parser.add_argument(
         "--dtype", default="bfloat16", choices=list(DTYPES), help="activation dtype"
     )
-    parser.add_argument("--repeat", type=int, default=5, help="timed calls per case (median)")
+    parser.add_argument("--repeat", type=count, default=5, help="timed calls per case (median)")
     parser.add_argument(
-        "--output-dir", type=Path, default=DEFAULT_OUTPUT_DIR, help="folder for the JSON and PNG"
+        "--output-dir",
+        type=output_dir,
+        default=DEFAULT_OUTPUT_DIR,
+        help="folder for the JSON and PNG",
     )
     parser.add_argument(
         "--force", action="store_true", help="overwrite result files that already exist"
@@ -258,16 +295,23 @@ def run(argv: list[str] | None = None) -> int:
     outputs = [stem.with_suffix(".json"), stem.with_suffix(".png")]
     existing = [p for p in outputs if p.exists()]
     if existing and not args.force:
-        print(
-            f"{existing[0]} exists: pass --force to overwrite it or choose another --output-dir",
-            file=sys.stderr,
+        parser.error(
+            f"argument --output-dir: {existing[0]} exists: pass --force to overwrite it "
+            "or choose another folder"
         )
-        return 2
 
     dtype = DTYPES[args.dtype]
+    kernel_paths = kernel_cpu_paths()
+    paths = paths_to_run(args.path, dtype)
+    if not paths:
+        parser.error(
+            f"argument --path: the kernel has none of {' '.join(args.path)} "
+            f"(it has {' '.join(kernel_paths)})"
+        )
     print(
-        f"pymla bench on {model} ({os.cpu_count()} cores; CPU paths {', '.join(paths)}), "
-        f"torch {torch.__version__} ({torch.get_num_threads()} threads), {args.dtype}",
+        f"pymla bench on {model} ({os.cpu_count()} cores; kernel CPU paths "
+        f"{', '.join(kernel_paths)}), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), {args.dtype}",
         flush=True,
     )
     copy_bw = measure_copy_bandwidth()
@@ -277,10 +321,23 @@ def run(argv: list[str] | None = None) -> int:
         f"bf16 matmul (torch mm 2048^3): {mm_rate / 1e9:.0f} GFLOP/s",
         flush=True,
     )
-    configs = list(
-        itertools.product(args.heads, args.batch, args.context, args.page_size, args.path)
-    )
-    rows = []
+    configs = list(itertools.product(args.heads, args.batch, args.context, args.page_size, paths))
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_model": model,
+        "cpu_paths": list(kernel_paths),
+        "machine": platform.platform(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "copy_bandwidth_bytes_per_s": copy_bw,
+        "bf16_matmul_flops_per_s": mm_rate,
+        "dtype": args.dtype,
+        "mask": "causal",
+        "cases": len(configs),
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
     for i, (heads, batch, context, page_size, path) in enumerate(configs, 1):
         print(
             f"[{i}/{len(configs)}] heads {heads}, batch {batch}, context {context}, "
@@ -291,24 +348,9 @@ def run(argv: list[str] | None = None) -> int:
         rows.append(
             bench_one(heads, batch, context, page_size, path, dtype, copy_bw, mm_rate, args.repeat)
         )
+        save_json(outputs[0], {"meta": meta, "rows": rows})  # a later crash keeps these rows
     print()
     print_table(rows)
-
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "cpu_model": model,
-        "cpu_paths": list(paths),
-        "machine": platform.platform(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "copy_bandwidth_bytes_per_s": copy_bw,
-        "bf16_matmul_flops_per_s": mm_rate,
-        "dtype": args.dtype,
-        "mask": "causal",
-    }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    outputs[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(f"\nsaved {outputs[0]}")
     try:
         plot(rows, f"pymla op on {model}, {args.dtype}, {meta['date']}", outputs[1])

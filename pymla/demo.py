@@ -8,11 +8,9 @@ then times both. Exits non-zero when parity fails.
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import torch
 
+from .__main__ import CommandParser, int_at_least, torch_device
 from .op import mla_decode_branch_fp8
 from .parity import compare_cache, compare_output
 from .scenario import make_case, run_reference
@@ -22,41 +20,24 @@ CACHE_LENGTHS = (37, 250, 1024, 2000, 3071, 4095)
 NEW_TOKENS = (1, 1, 2, 1, 1, 3)
 
 
-def _argument_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the command line, in one line (None when nothing is)."""
-    for name in ("heads", "page_size", "repeat"):
-        if getattr(args, name) < 1:
-            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as e:
-        return f"--device {args.device!r}: {e}"
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device"
-    if device.type not in ("cpu", "cuda"):
-        return f"--device {args.device}: expected cpu or cuda"
-    return None
-
-
-def run(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m pymla demo",
-        description="Run the op on DeepSeek-V3-like shapes against the torch reference "
+def run(argv: list[str], prog: str) -> int:
+    parser = CommandParser(
+        prog,
+        "Run the op on DeepSeek-V3-like shapes against the torch reference "
         "(output and cache), then time both. Exits non-zero when parity fails.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--heads", type=int, default=16, help="attention heads")
-    parser.add_argument("--page-size", type=int, default=64, help="cache page size in tokens")
+    parser.add_argument("--heads", type=int_at_least(1), default=16, help="attention heads")
+    parser.add_argument(
+        "--page-size", type=int_at_least(1), default=64, help="cache page size in tokens"
+    )
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="op dtype"
     )
-    parser.add_argument("--device", default="cpu", help="torch device of the inputs (cpu or cuda)")
-    parser.add_argument("--repeat", type=int, default=10, help="timed calls")
+    parser.add_argument(
+        "--device", type=torch_device, default="cpu", help="torch device of the inputs"
+    )
+    parser.add_argument("--repeat", type=int_at_least(1), default=10, help="timed calls")
     args = parser.parse_args(argv)
-    problem = _argument_problem(args)
-    if problem:
-        print(f"pymla demo: {problem}", file=sys.stderr)
-        return 2
 
     dtype = getattr(torch, args.dtype)
     print(
@@ -121,7 +102,3 @@ def run(argv: list[str] | None = None) -> int:
         else f"PARITY FAILED: output {output_report.describe()}; cache {cache_report.describe()}"
     )
     return 0 if passed else 1
-
-
-if __name__ == "__main__":
-    sys.exit(run())

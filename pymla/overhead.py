@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -28,22 +27,14 @@ import time
 import torch
 
 from . import runtime
+from .__main__ import CommandParser, int_at_least, torch_device
+from .cpu_paths import cpu_model
 from .plan import DecodeOptions, LayerWeights, plan
 from .scenario import make_case
 from .timing import time_call
 
 NUM_LAYERS = 61  # DeepSeek-V3
 HEADS = 16
-
-
-def cpu_model() -> str:
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _sync(device: torch.device) -> None:
@@ -147,10 +138,19 @@ def _interleaved(
     return samples
 
 
-def _devices(requested: str) -> list[str]:
-    if requested != "all":
-        return [requested]
-    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+def _devices(text: str) -> list[str]:
+    """The --device type: cpu, cuda[:N], or all (the CPU, and cuda where torch sees a GPU)."""
+    if text == "all":
+        return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [torch_device(text)]
+
+
+def _json_path(text: str) -> pathlib.Path:
+    """The --json type: a file to write in a folder that exists (checked before measuring)."""
+    path = pathlib.Path(text)
+    if path.is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file in an existing folder, got {text!r}")
+    return path
 
 
 def _print_table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None:
@@ -173,42 +173,45 @@ def _machine() -> dict:
     return info
 
 
-def _save(path: str | None, payload: dict) -> None:
+def _save(path: pathlib.Path | None, payload: dict) -> None:
     if path:
-        pathlib.Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+        path.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"saved {path}")
 
 
-def _parser(prog: str, doc: str) -> argparse.ArgumentParser:
-    """The options both commands share: device, dtype and the JSON file."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=doc, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+def _parser(prog: str, doc: str) -> CommandParser:
+    """The options both commands share: device, dtype, repeats and the JSON file."""
+    parser = CommandParser(prog, doc)
+    parser.add_argument(
+        "--device", type=_devices, default="all", help="cpu, cuda[:N], or all available"
     )
-    parser.add_argument("--device", default="all", help="cpu, cuda, or all available")
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="op dtype"
     )
-    parser.add_argument("--json", metavar="PATH", help="also save the results as JSON here")
+    parser.add_argument(
+        "--json", metavar="PATH", type=_json_path, help="also save the results as JSON here"
+    )
     return parser
 
 
-def run_overhead(argv: list[str] | None = None) -> int:
+def run_overhead(argv: list[str], prog: str) -> int:
     parser = _parser(
-        "python -m pymla overhead",
+        prog,
         "Host overhead per run(): time per run() minus time per execute of the same "
         "compiled model on prepared buffers (1 request, 1 new token, 16 cached tokens, 1 head).",
     )
-    parser.add_argument("--repeat", type=int, default=15, help="timed batches per measurement")
-    parser.add_argument("--inner", type=int, default=100, help="calls per timed batch")
+    parser.add_argument(
+        "--repeat", type=int_at_least(1), default=15, help="timed batches per measurement"
+    )
+    parser.add_argument("--inner", type=int_at_least(1), default=100, help="calls per timed batch")
     args = parser.parse_args(argv)
     try:
-        devices = _devices(args.device)
         results = [
             measure_overhead(d, getattr(torch, args.dtype), args.repeat, args.inner)
-            for d in devices
+            for d in args.device
         ]
     except (RuntimeError, ValueError, TypeError) as e:
-        print(f"pymla overhead: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 1
     machine = _machine()
     us = 1e6
@@ -362,26 +365,29 @@ def measure_step(device: str, dtype: torch.dtype, batch: int, context: int, repe
     return result
 
 
-def run_step(argv: list[str] | None = None) -> int:
+def run_step(argv: list[str], prog: str) -> int:
     parser = _parser(
-        "python -m pymla step",
+        prog,
         f"One decode step: plan once, run {NUM_LAYERS} layers (DeepSeek-V3 shapes, {HEADS} heads); "
         "step wall time against the sum of its kernel times.",
     )
-    parser.add_argument("--batch", type=int, default=4, help="requests, one new token each")
-    parser.add_argument("--context", type=int, default=512, help="cached tokens per request")
-    parser.add_argument("--repeat", type=int, default=5, help="timed steps per measurement")
+    parser.add_argument(
+        "--batch", type=int_at_least(1), default=4, help="requests, one new token each"
+    )
+    parser.add_argument(
+        "--context", type=int_at_least(0), default=512, help="cached tokens per request"
+    )
+    parser.add_argument(
+        "--repeat", type=int_at_least(1), default=5, help="timed steps per measurement"
+    )
     args = parser.parse_args(argv)
-    if args.batch < 1 or args.context < 0:
-        print("pymla step: --batch must be >= 1 and --context >= 0", file=sys.stderr)
-        return 2
     try:
         results = [
             measure_step(d, getattr(torch, args.dtype), args.batch, args.context, args.repeat)
-            for d in _devices(args.device)
+            for d in args.device
         ]
     except (RuntimeError, ValueError, TypeError) as e:
-        print(f"pymla step: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 1
     machine = _machine()
     ms = 1e3

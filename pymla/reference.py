@@ -99,6 +99,17 @@ def key_range(mask: str, position: int, visible: int, window: int) -> tuple[int,
     raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
 
 
+def rope_freqs_cis(max_seq_len: int, rope_dim: int = 64, theta: float = 10000.0) -> torch.Tensor:
+    """The standard RoPE table for ``freqs_cis``: float32 ``[max_seq_len, rope_dim]``.
+
+    Row ``p`` is ``[cos(p w_0), sin(p w_0), cos(p w_1), sin(p w_1), ...]`` with
+    ``w_j = theta ** (-2j / rope_dim)``; cast it to the op's dtype.
+    """
+    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    angles = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).reshape(max_seq_len, rope_dim).float()
+
+
 def rope_interleaved(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Step 1 on ``x [..., Dr]`` with ``freqs [..., Dr]`` rows ``[cos0, sin0, cos1, sin1, ...]``."""
     x = x.to(torch.float32)

@@ -13,14 +13,13 @@ import torch
 
 from .cache import PagedLatentCache
 from .quant import ScaleGranularity, make_mla_weights
-from .reference import KVCacheTensors, Stages, default_scale, mla_decode_branch_fp8_stages
-
-
-def rope_freqs_cis(max_seq_len: int, rope_dim: int = 64, theta: float = 10000.0) -> torch.Tensor:
-    """Standard RoPE table ``[max_seq_len, rope_dim]``, rows ``[cos0, sin0, cos1, sin1, ...]``."""
-    inv_freq = theta ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
-    angles = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).reshape(max_seq_len, rope_dim).float()
+from .reference import (
+    KVCacheTensors,
+    Stages,
+    default_scale,
+    mla_decode_branch_fp8_stages,
+    rope_freqs_cis,
+)
 
 
 @dataclass

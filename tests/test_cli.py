@@ -1,12 +1,23 @@
-"""``python -m pymla``: help, one-line errors, and the overhead / step benchmarks run."""
+"""``python -m pymla``: help, one-line usage errors, the program name, logging, the commands run."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
 
 import pytest
+import torch
 
+from pymla import bench, cpu_paths
 from pymla.__main__ import COMMANDS, main
+
+ROOT = Path(__file__).resolve().parent.parent
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
 def test_help_lists_every_command(capsys):
@@ -17,34 +28,148 @@ def test_help_lists_every_command(capsys):
     assert "``" not in text
 
 
-@pytest.mark.parametrize("command", ["demo", "overhead", "step"])
+@pytest.mark.parametrize("command", list(COMMANDS))
 def test_command_help_shows_defaults_without_rst(command, capsys):
     assert main(["help", command]) == 0
     text = capsys.readouterr().out
     assert "(default:" in text and "``" not in text
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["demo", "--heads", "0"], "pymla demo: --heads must be >= 1, got 0\n"),
-        (["demo", "--device", "cuda:0"], "pymla demo: --device cuda:0: "),
-        (["demo", "--device", "tpu"], "pymla demo: --device 'tpu': "),
+NO_GPU = "cuda:99"  # a GPU no machine here has
+BAD_OPTIONS = {
+    "demo": [
+        ("--heads", "0", "expected an integer >= 1, got '0'"),
+        ("--page-size", "x", "expected an integer >= 1, got 'x'"),
+        ("--dtype", "int8", "invalid choice: 'int8'"),
+        ("--device", "tpu", "expected cpu, cuda or cuda:N, got 'tpu'"),
+        ("--device", NO_GPU, f"{NO_GPU}: this torch ("),
+        ("--repeat", "0", "expected an integer >= 1, got '0'"),
     ],
-)
-def test_demo_argument_errors_are_one_line(argv, message, capsys):
-    import torch
+    "bench": [
+        ("--heads", "0", "expected an integer >= 1, got '0'"),
+        ("--batch", "-1", "expected an integer >= 1, got '-1'"),
+        ("--context", "0", "expected an integer >= 1, got '0'"),
+        ("--page-size", "1.5", "expected an integer >= 1, got '1.5'"),
+        ("--path", "avx2", "invalid choice: 'avx2'"),
+        ("--dtype", "int8", "invalid choice: 'int8'"),
+        ("--repeat", "0", "expected an integer >= 1, got '0'"),
+        ("--output-dir", __file__, f"expected a folder, got the file {__file__!r}"),
+    ],
+    "overhead": [
+        ("--device", "tpu", "expected cpu, cuda or cuda:N, got 'tpu'"),
+        ("--device", NO_GPU, f"{NO_GPU}: this torch ("),
+        ("--dtype", "int8", "invalid choice: 'int8'"),
+        ("--json", "/no/such/folder/x.json", "expected a file in an existing folder, got"),
+        ("--repeat", "0", "expected an integer >= 1, got '0'"),
+        ("--inner", "0", "expected an integer >= 1, got '0'"),
+    ],
+    "step": [
+        ("--device", NO_GPU, f"{NO_GPU}: this torch ("),
+        ("--dtype", "int8", "invalid choice: 'int8'"),
+        ("--json", str(ROOT), "expected a file in an existing folder, got"),
+        ("--batch", "0", "expected an integer >= 1, got '0'"),
+        ("--context", "-1", "expected an integer >= 0, got '-1'"),
+        ("--repeat", "0", "expected an integer >= 1, got '0'"),
+    ],
+}
 
-    if "cuda:0" in argv and torch.cuda.is_available():
-        pytest.skip("this machine has CUDA")
+
+def assert_one_line_usage_error(capsys, command: str, message: str) -> None:
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"python -m pymla {command}: error: {message}"), captured.err
+    assert captured.err.count("\n") == 1, captured.err
+
+
+@pytest.mark.parametrize(
+    "command, option, value, message",
+    [(command, *bad) for command, bads in BAD_OPTIONS.items() for bad in bads],
+)
+def test_a_bad_option_is_a_one_line_error(command, option, value, message, capsys):
+    assert main([command, option, value]) == 2
+    assert_one_line_usage_error(capsys, command, f"argument {option}: {message}")
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_option_has_a_bad_value_tested(command, capsys):
+    assert main([command, "--help"]) == 0
+    options = set(re.findall(r"^  (--[a-z-]+)", capsys.readouterr().out, flags=re.M))
+    switches = {"--help", "--force"}  # nothing to get wrong
+    assert options - switches == {option for option, _, _ in BAD_OPTIONS[command]}
+
+
+def test_cuda_on_a_torch_without_cuda_is_a_one_line_error(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a GPU")
+    for command in ("demo", "overhead", "step"):
+        assert main([command, "--device", "cuda"]) == 2
+        assert_one_line_usage_error(
+            capsys, command, f"argument --device: cuda: this torch ({torch.__version__}) sees no"
+        )
+
+
+@pytest.mark.parametrize("argv", [["benchmark"], ["help", "nosuch"]])
+def test_unknown_command_is_a_one_line_error(argv, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(message) and err.count("\n") == 1, err
+    name = argv[-1]
+    assert err.startswith(f"python -m pymla: error: unknown command {name!r}"), err
+    assert err.count("\n") == 1, err
 
 
-def test_unknown_command(capsys):
-    assert main(["benchmark"]) == 2
-    assert "unknown command 'benchmark'" in capsys.readouterr().err
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"pymla {VERSION}\n"
+
+
+@pytest.mark.parametrize(
+    "invocation, prog",
+    [(["-m", "pymla"], "python -m pymla"), ([], "pymla")],
+    ids=["python -m pymla", "console script"],
+)
+def test_usage_names_the_program_as_invoked(invocation, prog):
+    executable = (
+        [sys.executable, *invocation] if invocation else [Path(sys.executable).with_name("pymla")]
+    )
+    for argv, usage in (
+        (["help"], f"usage: {prog} COMMAND"),
+        (["help", "bench"], f"usage: {prog} bench"),
+    ):
+        result = subprocess.run(executable + argv, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(usage), result.stdout
+
+
+def test_commands_show_pymla_info_records_on_stderr(monkeypatch, capsys):
+    from pymla import demo
+
+    def logs(argv, prog):
+        logging.getLogger("pymla").info("pymla: compiling mla_decode_branch_fp8 (test)")
+        return 0
+
+    monkeypatch.setattr(demo, "run", logs)
+    handlers = list(logging.getLogger("pymla").handlers)
+    assert main(["demo"]) == 0
+    assert "pymla: compiling mla_decode_branch_fp8 (test)\n" in capsys.readouterr().err
+    assert logging.getLogger("pymla").handlers == handlers  # the command's handler is gone
+
+
+APPLICATION = """
+import logging, sys
+import pymla
+logging.basicConfig(filename=sys.argv[1], level=logging.INFO, format="%(name)s: %(message)s")
+logging.getLogger("pymla").info("a record from pymla")
+"""
+
+
+def test_an_applications_logging_receives_pymla_records(tmp_path):
+    log = tmp_path / "app.log"
+    result = subprocess.run(
+        [sys.executable, "-c", APPLICATION, str(log)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert log.read_text() == "pymla: a record from pymla\n"
+    assert "a record from pymla" not in result.stderr  # no handler of pymla's own
 
 
 def test_overhead_and_step_run_and_save_json(tmp_path, capsys):
@@ -59,3 +184,92 @@ def test_overhead_and_step_run_and_save_json(tmp_path, capsys):
     assert main(["step", "--device", "cpu", "--batch", "1", "--context", "8", "--repeat", "1"]) == 0
     text = capsys.readouterr().out
     assert "61 layers" in text and "saved" not in text.split("61 layers")[1]
+
+
+# ---------------------------------------------------------------- bench
+
+
+@pytest.fixture
+def fast_rooflines(monkeypatch):
+    """Made-up copy bandwidth and matmul rate instead of the second of measuring them."""
+    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda: 30e9)
+    monkeypatch.setattr(bench, "measure_matmul_rate", lambda: 400e9)
+
+
+@pytest.fixture
+def f32_only_kernel(monkeypatch, fast_rooflines):
+    """A compiled kernel with only the f32 path, as pymla.cpu_paths would report it."""
+
+    def resolve(requested, dtype):
+        if requested in ("auto", "f32"):
+            return "f32"
+        raise ValueError(
+            f"PYMLA_CPU_PATH: expected a path the compiled kernel has (f32), got {requested!r}"
+        )
+
+    monkeypatch.setattr(bench, "kernel_cpu_paths", lambda: ("f32",))
+    monkeypatch.setattr(bench, "resolve_cpu_path", resolve)
+
+
+SMALL = ["--heads", "1", "--batch", "1", "--page-size", "4", "--repeat", "1"]
+
+
+def test_bench_skips_paths_the_kernel_lacks_and_labels_the_path_that_ran(
+    f32_only_kernel, tmp_path, capsys
+):
+    argv = ["bench", *SMALL, "--context", "8", "--path", "avx512bf16", "auto", "f32"]
+    assert main([*argv, "--output-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "skipping --path avx512bf16: PYMLA_CPU_PATH: expected a path the compiled kernel has" in err
+    )
+    assert "skipping --path f32: it runs f32, already listed" in err
+    (saved,) = tmp_path.glob("cpu-*.json")
+    result = json.loads(saved.read_text())
+    assert [r["path"] for r in result["rows"]] == ["f32"]
+    assert result["meta"]["cpu_paths"] == ["f32"] and result["meta"]["cases"] == 1
+    assert result["rows"][0]["op_ms"] > 0
+
+
+def test_bench_with_no_path_the_kernel_has_is_a_one_line_error(f32_only_kernel, tmp_path, capsys):
+    assert main(["bench", "--path", "avx512bf16", "--output-dir", str(tmp_path)]) == 2
+    skip, error = capsys.readouterr().err.splitlines()
+    assert skip.startswith(
+        "skipping --path avx512bf16: PYMLA_CPU_PATH: expected a path the compiled kernel has"
+    )
+    assert error == (
+        "python -m pymla bench: error: argument --path: the kernel has none of avx512bf16 "
+        "(it has f32)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_saves_every_case_before_the_next(fast_rooflines, tmp_path, monkeypatch):
+    measured = []
+
+    def crash_on_second(*args):
+        if measured:
+            raise RuntimeError("the second case crashed")
+        measured.append(bench_one(*args))
+        return measured[-1]
+
+    bench_one = bench.bench_one
+    monkeypatch.setattr(bench, "bench_one", crash_on_second)
+    argv = ["bench", *SMALL, "--context", "8", "12", "--output-dir", str(tmp_path)]
+    with pytest.raises(RuntimeError, match="second case"):
+        main(argv)
+    (saved,) = tmp_path.glob("cpu-*.json")
+    result = json.loads(saved.read_text())
+    assert result["rows"] == measured and result["rows"][0]["context"] == 8
+    assert result["meta"]["cases"] == 2
+    assert measured[0]["path"] == cpu_paths.resolve_cpu_path("auto", torch.bfloat16)
+
+
+def test_bench_keeps_existing_results_without_force(tmp_path, capsys):
+    existing = tmp_path / f"{bench.file_stem(cpu_paths.cpu_model())}.json"
+    existing.write_text("{}")
+    assert main(["bench", "--output-dir", str(tmp_path)]) == 2
+    assert_one_line_usage_error(
+        capsys, "bench", f"argument --output-dir: {existing} exists: pass --force"
+    )
+    assert existing.read_text() == "{}"

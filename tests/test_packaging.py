@@ -1,14 +1,33 @@
-"""A regular (non-editable) wheel carries the Mojo kernels and runs the op from anywhere."""
+"""The version, and a regular (non-editable) wheel: it carries the Mojo kernels and py.typed,
+and runs the op from anywhere."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tomllib
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
+import pymla
+
 ROOT = Path(__file__).resolve().parent.parent
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_version_is_the_installed_distributions():
+    assert pymla.__version__ == metadata.version("pymla") == VERSION
+
+
+def test_version_of_a_source_checkout_is_pyprojects(monkeypatch):
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert pymla._version() == VERSION
+
 
 CALL = """
 import pathlib, sys, torch, pymla
@@ -20,6 +39,7 @@ ref, _ = run_reference(case)
 out = pymla.mla_decode_branch_fp8(*case.args(), **case.options)
 report = compare_output(out, ref)
 assert report.passed, report.describe()
+assert pymla.__version__ == sys.argv[2], pymla.__version__
 print("wheel OK", pymla.__file__)
 """
 
@@ -47,6 +67,7 @@ def test_wheel_ships_the_kernels_and_runs_from_another_directory(tmp_path):
     sources = sorted(p.name for p in (ROOT / "mojo_kernels").rglob("*.mojo"))
     shipped = sorted(Path(n).name for n in names if n.startswith("pymla/mojo_kernels/"))
     assert shipped == sources
+    assert "pymla/py.typed" in names
     site = tmp_path / "site"
     subprocess.run(
         [
@@ -67,7 +88,7 @@ def test_wheel_ships_the_kernels_and_runs_from_another_directory(tmp_path):
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site), "PYMLA_CACHE_DIR": str(tmp_path / "cache")}
     result = subprocess.run(
-        [sys.executable, "-c", CALL, str(site)],
+        [sys.executable, "-c", CALL, str(site), VERSION],
         cwd=elsewhere,
         env=env,
         capture_output=True,
