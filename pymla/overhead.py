@@ -60,7 +60,10 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
     case = make_case(7, dtype=dtype, num_heads=1, cache_lengths=(16,), new_tokens=(1,))
     case.to(dev)
     weights = _weights(case)
-    step = plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
+    # Every timed call runs the same layer again (its new rows are rotated once more each time).
+    step = plan(
+        case.cache, case.input_row_offsets, case.freqs_cis, _options(case), rerun_layers=True
+    )
     out = torch.empty(1, 1, 128, dtype=dtype, device=dev)
     layer = case.layer_idx
     step.run(case.q, layer, weights, out=out)  # compiles or loads the model
@@ -81,7 +84,7 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
     from .op import mla_decode_branch_fp8
 
     def one_shot() -> None:
-        mla_decode_branch_fp8(*case.args(), **case.options, out=out)
+        mla_decode_branch_fp8(*case.args(), **case.options, out=out, rerun_layers=True)
 
     # Interleaved batch by batch, so a change in the machine's load hits every series alike;
     # the overheads are medians of the differences within a batch group (paired), best of
@@ -306,13 +309,13 @@ def measure_step(device: str, dtype: torch.dtype, batch: int, context: int, repe
             s.run(qs[layer], layer, weights[layer], out=outs[layer])
 
     def checked_step() -> None:
-        s = plan(case.cache, case.input_row_offsets, case.freqs_cis, options)
+        s = plan(case.cache, case.input_row_offsets, case.freqs_cis, options, rerun_layers=True)
         for layer in range(NUM_LAYERS):
             s.run(qs[layer], layer, weights[layer], out=outs[layer])
 
     step()
     _sync(dev)
-    prepared = plan(case.cache, case.input_row_offsets, case.freqs_cis, options)
+    prepared = plan(case.cache, case.input_row_offsets, case.freqs_cis, options, rerun_layers=True)
     prepared.run(qs[0], 0, weights[0], out=outs[0])
     model = prepared.model
     buffers = [
