@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .__main__ import CommandParser, int_at_least
-from .cpu_paths import PATHS, cpu_model, kernel_cpu_paths, resolve_cpu_path
+from .cpu_paths import REQUESTS, cpu_model, kernel_cpu_paths, resolve_cpu_path
 from .op import mla_decode_branch_fp8
 from .plain_torch import PlainTorchDecode
 from .scenario import Case, make_case
@@ -271,7 +271,7 @@ def run(argv: list[str], prog: str) -> int:
         "--path",
         nargs="+",
         default=["auto"],
-        choices=["auto", *PATHS],
+        choices=REQUESTS,
         help="CPU paths of step 5 (PYMLA_CPU_PATH); auto is the fastest the kernel has for "
         "the dtype; paths the kernel lacks are skipped",
     )
