@@ -14,29 +14,79 @@ completed. A decode step first writes its new tokens' rows at positions
 runs the op on every layer, then calls :meth:`PagedLatentCache.advance`.
 
 The batch of an op call is the cache's requests in order: request ``b`` is
-row ``b`` of ``lookup_table`` and of ``cache_lengths``.
+row ``b`` of ``lookup_table`` and of ``cache_lengths``. Indices are stable:
+:meth:`PagedLatentCache.release` empties a finished request in place (its
+pages go back to the pool) rather than removing it.
+
+Step bookkeeping
+----------------
+The op rotates and normalizes a layer's new rows in place, so each layer's
+rows may be used by one op call per step. The cache records, per (request,
+layer), whether :meth:`~PagedLatentCache.append` wrote the new rows raw this
+step and whether an op call already rotated them
+(:meth:`~PagedLatentCache.new_rows_state`); :meth:`~PagedLatentCache.advance`
+clears it. :meth:`pymla.DecodePlan.run` and :func:`pymla.mla_decode_branch_fp8`
+refuse (:class:`pymla.StaleCacheRowsError`) a layer whose rows are not raw.
+
+Refusals
+--------
+Every method checks its arguments and the pool's capacity before it changes
+anything: a refused call raises (TypeError for a wrong type or dtype,
+ValueError for a wrong value or too few free pages) and leaves the blocks,
+the tables, the pending counts, the free pages and the step bookkeeping as
+they were.
 """
 
 from __future__ import annotations
 
 import torch
 
-UNUSED_PAGE = 0xFFFFFFFF  # lookup-table entry of a page a request does not own
+from .args import ACTIVATION_DTYPES
+from .validate import UNUSED_PAGE, as_bool, as_device, as_int, as_tensor
+
+__all__ = ["UNUSED_PAGE", "PagedLatentCache"]
+
+
+def _at_least(name: str, value: object, minimum: int) -> int:
+    """An int argument >= ``minimum`` (not a bool, not a float)."""
+    value = as_int(name, value)
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _generator(generator: object) -> torch.Generator | None:
+    """None or a CPU torch.Generator (the rows are drawn on the CPU)."""
+    if generator is None:
+        return None
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator: expected a torch.Generator or None, got {type(generator).__name__}"
+        )
+    if generator.device.type != "cpu":
+        raise ValueError(
+            f"generator: expected a CPU torch.Generator, got one on {generator.device}"
+        )
+    return generator
 
 
 class PagedLatentCache:
     """Paged latent cache whose tensors torch owns and the op updates in place.
 
     Args:
-        num_blocks: pages in the pool.
-        page_size: tokens per page (any positive size).
-        num_layers: layers stored per page.
-        dtype: element type (bfloat16, float16 or float32, like the op's q).
-        kv_lora_rank: latent width of a row (512 for DeepSeek-V3).
-        qk_rope_head_dim: rope width of a row (64 for DeepSeek-V3).
-        device: where the tensors live.
+        num_blocks: pages in the pool (an int >= 1).
+        page_size: tokens per page (any int >= 1).
+        num_layers: layers stored per page (an int >= 1).
+        dtype: element type: torch.bfloat16, torch.float16 or torch.float32 (the op's q dtype).
+        kv_lora_rank: latent width of a row (512 for DeepSeek-V3; an int >= 1).
+        qk_rope_head_dim: rope width of a row (64 for DeepSeek-V3; an even int >= 2).
+        device: where the tensors live (a torch.device or its name).
         shuffle_pages: hand out pages in a random order (as a long-running
             server would have them), from ``generator``.
+        generator: a CPU torch.Generator for ``shuffle_pages``, or None.
+
+    Raises:
+        TypeError, ValueError: ``"<arg>: expected <what>, got <actual>"``.
     """
 
     def __init__(
@@ -52,22 +102,27 @@ class PagedLatentCache:
         shuffle_pages: bool = False,
         generator: torch.Generator | None = None,
     ) -> None:
-        for name, value in (
-            ("num_blocks", num_blocks),
-            ("page_size", page_size),
-            ("num_layers", num_layers),
-        ):
-            if int(value) < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        self.page_size = int(page_size)
-        self.num_layers = int(num_layers)
-        self.kv_lora_rank = int(kv_lora_rank)
-        self.qk_rope_head_dim = int(qk_rope_head_dim)
+        num_blocks = _at_least("num_blocks", num_blocks, 1)
+        self.page_size = _at_least("page_size", page_size, 1)
+        self.num_layers = _at_least("num_layers", num_layers, 1)
+        self.kv_lora_rank = _at_least("kv_lora_rank", kv_lora_rank, 1)
+        self.qk_rope_head_dim = _at_least("qk_rope_head_dim", qk_rope_head_dim, 2)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(
+                f"qk_rope_head_dim: expected an even int (RoPE rotates pairs), got {qk_rope_head_dim}"
+            )
+        if not isinstance(dtype, torch.dtype) or dtype not in ACTIVATION_DTYPES:
+            expected = ", ".join(str(d) for d in ACTIVATION_DTYPES)
+            got = dtype if isinstance(dtype, torch.dtype) else type(dtype).__name__
+            raise TypeError(f"dtype: expected one of {expected}, got {got}")
+        device = as_device("device", device)
+        shuffle_pages = as_bool("shuffle_pages", shuffle_pages)
+        generator = _generator(generator)
         self.head_dim = self.kv_lora_rank + self.qk_rope_head_dim
-        self.device = torch.device(device)
         self.blocks = torch.zeros(
-            num_blocks, 1, num_layers, page_size, 1, self.head_dim, dtype=dtype, device=self.device
+            num_blocks, 1, num_layers, page_size, 1, self.head_dim, dtype=dtype, device=device
         )
+        self.device = self.blocks.device
         order = (
             torch.randperm(num_blocks, generator=generator).tolist()
             if shuffle_pages
@@ -77,6 +132,11 @@ class PagedLatentCache:
         self._pages: list[list[int]] = []
         self._lengths: list[int] = []
         self._pending: list[int] = []
+        # Step bookkeeping, per layer: the requests whose new rows (n >= 1) append() wrote raw
+        # since the last advance(), and those of them no op call has rotated yet (a subset).
+        # DecodePlan tests a run's requests against one of these sets and updates _unrotated.
+        self._appended: list[set[int]] = [set() for _ in range(self.num_layers)]
+        self._unrotated: list[set[int]] = [set() for _ in range(self.num_layers)]
         self.cache_lengths = torch.zeros(0, dtype=torch.uint32, device=self.device)
         self.lookup_table = torch.zeros(0, 1, dtype=torch.uint32, device=self.device)
 
@@ -86,8 +146,60 @@ class PagedLatentCache:
         return len(self._lengths)
 
     @property
+    def num_free_pages(self) -> int:
+        """Pages of the pool no request owns."""
+        return len(self._free_pages)
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.blocks.dtype
+
+    def _request(self, request: object) -> int:
+        request = as_int("request", request)
+        if not 0 <= request < self.num_requests:
+            raise ValueError(f"request: expected 0 <= request < {self.num_requests}, got {request}")
+        return request
+
+    def _layer(self, layer: object) -> int:
+        layer = as_int("layer", layer)
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {self.num_layers}, got {layer}")
+        return layer
+
+    def _rows(self, rows: object) -> torch.Tensor:
+        """``rows [n, head_dim]`` of a floating dtype, converted to the cache's dtype and device."""
+        as_tensor("rows", rows)
+        if not rows.dtype.is_floating_point:
+            raise TypeError(f"rows: expected a floating-point dtype, got {rows.dtype}")
+        if rows.dim() != 2 or rows.shape[1] != self.head_dim:
+            raise ValueError(f"rows: expected shape [n, {self.head_dim}], got {tuple(rows.shape)}")
+        return rows.to(device=self.device, dtype=self.dtype)
+
+    def _check_pending(self, request: int, n: int, name: str) -> None:
+        """A step's layers all bring the same number of new tokens."""
+        pending = self._pending[request]
+        if pending not in (0, n):
+            raise ValueError(
+                f"{name}: expected {pending} tokens (request {request} already has {pending} "
+                f"pending tokens this step), got {n}"
+            )
+
+    def _pages_to_take(self, request: int, total_tokens: int) -> int:
+        """Pages ``request`` must take to hold ``total_tokens``; refuses if the pool has too few."""
+        needed = -(-total_tokens // self.page_size) - len(self._pages[request])
+        if needed > len(self._free_pages):
+            raise ValueError(
+                f"request {request}: needs {needed} more page{'s' if needed != 1 else ''} of "
+                f"{self.page_size} tokens for {total_tokens} tokens, {len(self._free_pages)} "
+                f"free (num_blocks={self.blocks.shape[0]})"
+            )
+        return max(needed, 0)
+
+    def _take_pages(self, request: int, count: int) -> None:
+        """Gives ``request`` ``count`` free pages (checked by :meth:`_pages_to_take`)."""
+        if count:
+            self._pages[request].extend(self._free_pages.pop() for _ in range(count))
+            self._sync_tables()
 
     def add_request(self) -> int:
         """Adds an empty request at the end of the batch; returns its index."""
@@ -97,101 +209,168 @@ class PagedLatentCache:
         self._sync_tables()
         return self.num_requests - 1
 
+    def release(self, request: int) -> None:
+        """Ends a finished request: its pages go back to the pool, it stays as an empty request.
+
+        The request keeps its index (the other requests keep theirs: the batch
+        is the cache's requests in order) with length 0, nothing pending and no
+        pages; :meth:`fill` or :meth:`append` can start a new sequence in it.
+        Refused for a request with pending tokens: a step that appended or
+        reserved its rows is under way (its plan reads those pages); call
+        :meth:`advance` first. A plan made before the release is stale: plan again.
+        """
+        request = self._request(request)
+        if self._pending[request]:
+            raise ValueError(
+                f"request {request}: expected no pending tokens to release it (a step is under "
+                f"way: call advance() first), got {self._pending[request]}"
+            )
+        self._free_pages.extend(reversed(self._pages[request]))  # its first page is next out
+        self._pages[request] = []
+        self._lengths[request] = 0  # not in the step bookkeeping: it holds pending requests only
+        self._sync_tables()
+
     def length(self, request: int) -> int:
         """Tokens of ``request`` completed by earlier steps (its cache length)."""
-        return self._lengths[request]
+        return self._lengths[self._request(request)]
 
     def pending(self, request: int) -> int:
-        """New tokens written for ``request`` by :meth:`append` but not yet advanced."""
-        return self._pending[request]
+        """New tokens of ``request`` appended or reserved this step, not yet advanced."""
+        return self._pending[self._request(request)]
 
-    def _reserve(self, request: int, total_tokens: int) -> None:
-        pages = self._pages[request]
-        needed = -(-total_tokens // self.page_size)
-        while len(pages) < needed:
-            if not self._free_pages:
-                raise RuntimeError(
-                    f"PagedLatentCache: out of pages ({self.blocks.shape[0]} blocks of {self.page_size} tokens)"
-                )
-            pages.append(self._free_pages.pop())
+    def new_rows_state(self, request: int, layer: int) -> str:
+        """What the cache holds of ``request``'s new rows in ``layer`` this step.
+
+        ``"raw"``: :meth:`append` wrote them and no op call has run the layer
+        since; ``"rotated"``: appended, then an op call rotated and normalized
+        them in place; ``"none"``: nothing appended since the last
+        :meth:`advance` (rows reserved for ``new_rows`` included).
+        """
+        request, layer = self._request(request), self._layer(layer)
+        if request in self._unrotated[layer]:
+            return "raw"
+        return "rotated" if request in self._appended[layer] else "none"
 
     def append(self, request: int, layer: int, rows: torch.Tensor) -> None:
         """Writes the new tokens' latent rows of one layer after the request's cached tokens.
 
-        ``rows [n, head_dim]`` land at positions ``length(request) .. + n - 1``.
-        Every layer of a step must append the same number of rows; the op then
-        rotates and normalizes them in place. Call :meth:`advance` when the
-        step is done.
+        ``rows [n, head_dim]`` (any floating dtype, converted to the cache's)
+        land at positions ``length(request) .. + n - 1``; the request takes
+        the pages they need from the pool. Every layer of a step must append
+        the same number of rows; the op then rotates and normalizes them in
+        place, once (see the module's step bookkeeping). Appending a layer
+        again in the same step overwrites its rows and makes them raw again.
+        Call :meth:`advance` when the step is done.
         """
-        if rows.dim() != 2 or rows.shape[1] != self.head_dim:
-            raise ValueError(f"rows: expected shape [n, {self.head_dim}], got {tuple(rows.shape)}")
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer: expected 0 <= layer < {self.num_layers}, got {layer}")
+        request, layer = self._request(request), self._layer(layer)
+        rows = self._rows(rows)
         n = rows.shape[0]
-        if self._pending[request] not in (0, n):
-            raise ValueError(
-                f"rows: request {request} already has {self._pending[request]} pending tokens "
-                f"in another layer, got {n}"
-            )
-        self._pending[request] = n
+        self._check_pending(request, n, "rows")
         start = self._lengths[request]
-        self._reserve(request, start + n)
-        self._sync_tables()
-        self.write(request, layer, start, rows)
+        self._take_pages(request, self._pages_to_take(request, start + n))
+        self._pending[request] = n
+        self._write(request, layer, start, rows)
+        if n:  # no rows, nothing to rotate: a later reserve() must not find them "raw"
+            self._appended[layer].add(request)
+            self._unrotated[layer].add(request)
 
     def reserve(self, request: int, n: int) -> None:
         """Makes room for ``n`` new tokens of ``request`` without writing their rows.
 
         For steps whose rows reach the op as ``new_rows`` (the op writes them
-        into these slots); they count as pending until :meth:`advance`.
+        into these slots, so running a layer again with them is harmless);
+        they count as pending until :meth:`advance`.
         """
-        if self._pending[request] not in (0, n):
-            raise ValueError(
-                f"n: request {request} already has {self._pending[request]} pending tokens, got {n}"
-            )
+        request = self._request(request)
+        n = _at_least("n", n, 0)
+        self._check_pending(request, n, "n")
+        self._take_pages(request, self._pages_to_take(request, self._lengths[request] + n))
         self._pending[request] = n
-        self._reserve(request, self._lengths[request] + n)
-        self._sync_tables()
 
     def write(self, request: int, layer: int, start: int, rows: torch.Tensor) -> None:
-        """Writes ``rows`` at positions ``start ..`` of pages the request already owns."""
-        pages = self._pages[request]
-        pos = torch.arange(start, start + rows.shape[0])
-        if rows.shape[0] and int(pos[-1]) // self.page_size >= len(pages):
+        """Writes ``rows`` at positions ``start ..`` of pages the request already owns.
+
+        A plain write: it takes no pages and changes no bookkeeping (a step's
+        new rows go through :meth:`append`).
+        """
+        request, layer = self._request(request), self._layer(layer)
+        start = _at_least("start", start, 0)
+        rows = self._rows(rows)
+        capacity = len(self._pages[request]) * self.page_size
+        if start + rows.shape[0] > capacity:
             raise ValueError(
-                f"rows: positions up to {int(pos[-1])} exceed the pages of request {request}"
+                f"start: expected start + {rows.shape[0]} rows <= {capacity} (the "
+                f"{len(self._pages[request])} pages of {self.page_size} tokens request {request} "
+                f"owns), got {start} + {rows.shape[0]} = {start + rows.shape[0]}"
             )
-        page_ids = torch.tensor(pages, dtype=torch.long)[pos // self.page_size]
-        self.blocks[
-            page_ids.to(self.device), 0, layer, (pos % self.page_size).to(self.device), 0, :
-        ] = rows.to(self.blocks.dtype).to(self.device)
+        self._write(request, layer, start, rows)
+
+    def _write(self, request: int, layer: int, start: int, rows: torch.Tensor) -> None:
+        """``write`` on checked arguments (rows already in the cache's dtype and device)."""
+        page_ids, slots = self._slots(request, start, start + rows.shape[0])
+        self.blocks[page_ids, 0, layer, slots, 0, :] = rows
+
+    def _slots(self, request: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, row in block) of the request's positions ``start .. stop - 1``, on the device."""
+        pos = torch.arange(start, stop)
+        page_ids = torch.tensor(self._pages[request], dtype=torch.long)[pos // self.page_size]
+        return page_ids.to(self.device), (pos % self.page_size).to(self.device)
 
     def rows(
         self, request: int, layer: int, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
-        """A copy of the request's rows at positions ``start .. stop - 1`` (default: all written)."""
-        stop = self._lengths[request] + self._pending[request] if stop is None else stop
-        pos = torch.arange(start, stop)
-        page_ids = torch.tensor(self._pages[request], dtype=torch.long)[pos // self.page_size]
-        return self.blocks[
-            page_ids.to(self.device), 0, layer, (pos % self.page_size).to(self.device), 0, :
-        ]
+        """A copy of the request's rows at positions ``start .. stop - 1`` (default: all written).
+
+        ``0 <= start <= stop <= length(request) + pending(request)``.
+        """
+        request, layer = self._request(request), self._layer(layer)
+        written = self._lengths[request] + self._pending[request]
+        start = as_int("start", start)
+        stop = written if stop is None else as_int("stop", stop)
+        for name, value, low in (("start", start, 0), ("stop", stop, start)):
+            if not low <= value <= written:
+                raise ValueError(
+                    f"{name}: expected {low} <= {name} <= {written} (request {request}'s cached + "
+                    f"pending tokens), got {value}"
+                )
+        page_ids, slots = self._slots(request, start, stop)
+        return self.blocks[page_ids, 0, layer, slots, 0, :]
 
     def advance(self) -> None:
-        """Ends a step: every request's pending tokens join its cached tokens."""
+        """Ends a step: every request's pending tokens join its cached tokens.
+
+        Also clears the step bookkeeping: the next step's rows are appended afresh.
+        """
         for b, n in enumerate(self._pending):
             self._lengths[b] += n
             self._pending[b] = 0
+        for layer_sets in (self._appended, self._unrotated):
+            for requests in layer_sets:
+                requests.clear()
         self._sync_tables()
 
     def fill(self, request: int, num_tokens: int, generator: torch.Generator | None = None) -> None:
-        """Gives ``request`` ``num_tokens`` completed tokens of random rows in every layer."""
-        start = self._lengths[request] + self._pending[request]
-        self._reserve(request, start + num_tokens)
-        self._sync_tables()
-        for layer in range(self.num_layers):
-            rows = torch.randn(num_tokens, self.head_dim, generator=generator)
-            self.write(request, layer, start, rows)
+        """Gives ``request`` ``num_tokens`` completed tokens of random rows in every layer.
+
+        Between steps only: refused for a request with pending tokens.
+        """
+        request = self._request(request)
+        num_tokens = _at_least("num_tokens", num_tokens, 0)
+        generator = _generator(generator)
+        if self._pending[request]:
+            raise ValueError(
+                f"request {request}: expected no pending tokens to fill it (fill adds completed "
+                f"tokens: call advance() first), got {self._pending[request]}"
+            )
+        start = self._lengths[request]
+        count = self._pages_to_take(request, start + num_tokens)
+        layers = [
+            torch.randn(num_tokens, self.head_dim, generator=generator)
+            for _ in range(self.num_layers)
+        ]
+        self._take_pages(request, count)
+        for layer, rows in enumerate(layers):
+            self._write(request, layer, start, rows.to(device=self.device, dtype=self.dtype))
         self._lengths[request] += num_tokens
         self._sync_tables()
 
@@ -206,12 +385,13 @@ class PagedLatentCache:
             torch.tensor(self._lengths, dtype=torch.int64).to(torch.uint32).to(self.device)
         )
 
-    def to(self, device: str | torch.device) -> None:
-        """Moves the cache's tensors to ``device``."""
-        self.device = torch.device(device)
-        self.blocks = self.blocks.to(self.device)
+    def to(self, device: str | torch.device) -> PagedLatentCache:
+        """Moves the cache's tensors to ``device``; returns the cache (like ``nn.Module.to``)."""
+        blocks = self.blocks.to(as_device("device", device))
+        self.blocks, self.device = blocks, blocks.device
         self._sync_tables()
+        return self
 
     def pages_of(self, request: int) -> list[int]:
         """The block indices request ``request`` owns, in position order."""
-        return list(self._pages[request])
+        return list(self._pages[self._request(request)])

@@ -18,20 +18,25 @@ import numbers
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .args import BY_NAME
-from .cache import UNUSED_PAGE, PagedLatentCache
 from .quant import PRESETS, ScaleGranularity, scale_shape
 from .reference import MASKS, SCORE_MODS
+
+if TYPE_CHECKING:  # pymla.cache imports this module's checks
+    from .cache import PagedLatentCache
 
 FP8_DTYPE = torch.float8_e4m3fn
 INDEX_DTYPE = torch.uint32
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = torch.finfo(torch.float32).max
 WINDOWED_MASKS = ("sliding_window_causal", "chunked_causal")
+UNUSED_PAGE = 0xFFFFFFFF
+"""The lookup-table entry of a page a request does not own (:mod:`pymla.cache` writes it)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,13 @@ def as_float(name: str, value: object) -> float:
     return float(value)
 
 
+def as_bool(name: str, value: object) -> bool:
+    """A bool argument: TypeError otherwise (an int is not taken for one)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+    return value
+
+
 def as_str(name: str, value: object, choices: tuple[str, ...]) -> str:
     """A name out of ``choices``: TypeError for a non-str, ValueError for an unknown name."""
     if not isinstance(value, str):
@@ -85,6 +97,32 @@ def as_str(name: str, value: object, choices: tuple[str, ...]) -> str:
     if value not in choices:
         raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
     return value
+
+
+def as_device(name: str, value: object) -> torch.device:
+    """A torch device (a ``torch.device`` or its name) that this torch can use.
+
+    TypeError for another type, ValueError for an unknown name or a CUDA
+    device torch does not see.
+    """
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(
+            f"{name}: expected a torch.device or a device name such as 'cpu' or 'cuda:0', "
+            f"got {type(value).__name__}"
+        )
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: expected a device name such as 'cpu' or 'cuda:0', got {value!r}"
+        ) from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(
+                f"{name}: expected a CUDA device this torch sees ({count} found), got {device}"
+            )
+    return device
 
 
 def as_tensor(name: str, value: object) -> torch.Tensor:

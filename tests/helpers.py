@@ -19,12 +19,43 @@ __all__ = [
     "DEVICES",
     "TARGETS",
     "Case",
+    "assert_cache_unchanged",
+    "cache_snapshot",
     "check_parity",
     "make_case",
     "run_op_poisoned",
     "run_reference",
     "torch_op_args",
 ]
+
+
+def cache_snapshot(cache: pymla.PagedLatentCache) -> dict:
+    """What a refused cache method or op call must leave as it was: bytes, tables, bookkeeping."""
+    requests = range(cache.num_requests)
+    return {
+        "blocks": cache.blocks.view(torch.uint8).clone(),
+        "cache_lengths": cache.cache_lengths.clone(),
+        "lookup_table": cache.lookup_table.clone(),
+        "lengths": [cache.length(b) for b in requests],
+        "pending": [cache.pending(b) for b in requests],
+        "pages": [cache.pages_of(b) for b in requests],
+        "free_pages": list(cache._free_pages),  # in the order they are handed out
+        "new_rows_state": [
+            [cache.new_rows_state(b, layer) for layer in range(cache.num_layers)] for b in requests
+        ],
+    }
+
+
+def assert_cache_unchanged(cache: pymla.PagedLatentCache, before: dict) -> None:
+    after = cache_snapshot(cache)
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        same = (
+            torch.equal(after[key], value)
+            if isinstance(value, torch.Tensor)
+            else (after[key] == value)
+        )
+        assert same, f"the cache's {key} changed: {value!r} -> {after[key]!r}"
 
 
 def _poisoned(case: Case, width: int) -> torch.Tensor:

@@ -88,12 +88,3 @@ def test_cache_lookup_table_marks_unowned_pages():
     assert table.shape == (2, 3)
     assert table[1, 1:].tolist() == [UNUSED_PAGE, UNUSED_PAGE]
 
-
-def test_cache_refuses_mismatched_appends_and_exhaustion():
-    cache = pymla.PagedLatentCache(num_blocks=2, page_size=2, num_layers=2, dtype=torch.float32)
-    b = cache.add_request()
-    cache.append(b, 0, torch.randn(2, 576))
-    with pytest.raises(ValueError, match="pending"):
-        cache.append(b, 1, torch.randn(1, 576))
-    with pytest.raises(RuntimeError, match="out of pages"):
-        cache.fill(b, 10)
