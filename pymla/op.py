@@ -24,7 +24,7 @@ from .cache import PagedLatentCache
 from .plan import DecodeOptions, DecodePlan, LayerWeights, cache_tensors
 from .quant import ScaleGranularity
 from .reference import KVCacheTensors
-from .validate import _as_numpy, as_int, as_tensor, check_inputs, check_pending_rows
+from .validate import _as_numpy, as_bool, as_int, as_tensor, check_inputs, check_pending_rows
 
 # Names kept for callers of the earlier module layout (benchmarks/gpu_builtin.py).
 compiled_model = runtime.compiled_model
@@ -191,6 +191,7 @@ def mla_decode_branch_fp8(
     check_values: bool = True,
     attention_out: torch.Tensor | None = None,
     new_rows: torch.Tensor | None = None,
+    rerun_layers: bool = False,
 ) -> torch.Tensor:
     """The fused MLA decode branch with fp8 weights; the math is in :mod:`pymla.reference`.
 
@@ -202,7 +203,13 @@ def mla_decode_branch_fp8(
         kv_norm_gamma: ``[kv_lora_rank]`` RMSNorm weights, q's dtype.
         cache: a :class:`pymla.PagedLatentCache` (or its three tensors) whose
             new rows (positions ``cache_lengths[b] ..``) were already
-            appended; rotated and normalized in place.
+            appended; rotated and normalized in place. With a
+            ``PagedLatentCache`` and ``check_values`` the call is refused
+            (:class:`pymla.StaleCacheRowsError`) when a request's new rows of
+            ``layer_idx`` were not appended, or were rotated already by an
+            earlier call of this layer in this step; see
+            :meth:`pymla.DecodePlan.run` for what is not tracked (the three
+            tensors, ``check_values=False``, ``torch.compile``).
         layer_idx: the cache layer to use.
         w_uk: ``[H, kv_lora_rank, qk_nope_head_dim]`` float8_e4m3fn.
         w_uk_scale: float32 ``[H, ceil(kv_lora_rank / n), ceil(qk_nope_head_dim / k)]``.
@@ -226,6 +233,9 @@ def mla_decode_branch_fp8(
             of the new tokens, q's dtype: the op normalizes and rotates them and
             writes them into the cache at their positions. Without it the rows
             must have been appended to the cache already.
+        rerun_layers: for benchmarks and tests that call one layer again and
+            again in a step, as :func:`pymla.plan`'s: skips the "already
+            rotated" check; each call rotates the layer's new rows once more.
 
     Returns:
         ``[T, H, v_head_dim]`` in q's dtype, on q's device (``out`` when given).
@@ -260,6 +270,8 @@ def mla_decode_branch_fp8(
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
     layer_idx = as_int("layer_idx", layer_idx)
+    as_bool("rerun_layers", rerun_layers)
+    tracking = {}  # the stale-row tracking of a PagedLatentCache, with the value checks
     options = DecodeOptions(
         scale=scale,
         epsilon=epsilon,
@@ -300,9 +312,15 @@ def mla_decode_branch_fp8(
         ).num_tokens
         if check_values and isinstance(cache, PagedLatentCache):
             offsets = _as_numpy(input_row_offsets)  # checked by check_inputs
-            check_pending_rows(cache, offsets, new_rows_given=new_rows is not None)
+            tracking = dict(
+                _cache=cache,
+                _new_requests=check_pending_rows(
+                    cache, offsets, new_rows_given=new_rows is not None
+                ),
+                _rerun_layers=rerun_layers,
+            )
     # Plan then run, through the one launch path of DecodePlan.run (the checks above
-    # cover everything run() and plan() check).
+    # cover everything run() and plan() check; the launch checks the cache's rows).
     weights = LayerWeights(
         w_uk, w_uk_scale, w_uv, w_uv_scale, kv_norm_gamma, scale_granularity=g, _checked=True
     )
@@ -314,6 +332,7 @@ def mla_decode_branch_fp8(
         num_tokens=num_tokens,
         new_rows=new_rows is not None,
         _op_check_values=bool(check_values),
+        **tracking,
     )
     step._launch(q, layer_idx, weights, out, attention_out, new_rows)
     return out

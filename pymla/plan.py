@@ -246,7 +246,8 @@ class LayerWeights:
 class DecodePlan:
     """One decode step's checked metadata and MAX buffers; :meth:`run` once per layer.
 
-    Made by :func:`plan`.
+    Made by :func:`plan`. A plan of a :class:`~pymla.PagedLatentCache` made
+    with value checks tracks the cache's new rows per layer (see :meth:`run`).
     """
 
     def __init__(
@@ -259,6 +260,9 @@ class DecodePlan:
         num_tokens: int,
         new_rows: bool,
         _op_check_values: bool = False,
+        _cache: PagedLatentCache | None = None,
+        _new_requests: frozenset[int] = frozenset(),
+        _rerun_layers: bool = False,
     ) -> None:
         self.kv = kv
         self.input_row_offsets = input_row_offsets
@@ -280,6 +284,15 @@ class DecodePlan:
         self._template: list | None = None  # ARGS-ordered buffers, the step's filled in
         self._dl_device = bridge.dlpack_device(self.device)
         self._kv_span: tuple[int, int] | None = None  # kv_blocks' bytes, read on the first run
+        # Stale-row tracking (plan() of a PagedLatentCache with check_values): the requests
+        # with new tokens must be in the cache's per-layer set run() tests (appended raw, and
+        # with rerun_layers=False not rotated yet); each launch marks them rotated.
+        self._tracked = _cache
+        self._new_requests = _new_requests
+        self._rows_unrotated = None if _cache is None else _cache._unrotated
+        self._rows_tested = self._rows_unrotated
+        if _rerun_layers and _cache is not None:
+            self._rows_tested = _cache._appended
         if not torch.compiler.is_compiling():  # traced by torch.compile: wrapped when run eagerly
             self._prepare()
 
@@ -315,7 +328,17 @@ class DecodePlan:
     ) -> torch.Tensor:
         """The op on one layer: ``out [T, H, v_head_dim]`` (``out`` when given).
 
-        Checks shapes, dtypes and devices only; the step's values were checked by :func:`plan`.
+        Checks shapes, dtypes and devices only; the step's values were checked
+        by :func:`plan`. A plan of a :class:`~pymla.PagedLatentCache` made with
+        ``check_values`` also refuses (:class:`pymla.StaleCacheRowsError`,
+        before anything runs) a layer whose new rows are not raw in the cache:
+        never appended for this layer, or rotated by an earlier run of it in
+        this step (unless the plan was made with ``rerun_layers=True``). A run
+        that returns marks the layer's rows rotated. Not tracked: runs given
+        ``new_rows`` (the op writes those rows itself; they still mark the
+        layer rotated), plans of raw cache tensors or made with
+        ``check_values=False``, and runs traced by ``torch.compile`` (Python
+        runs only while tracing, so a compiled graph is never checked).
         """
         if type(weights) is not LayerWeights or weights._compat != self._compat:
             self._check_weights(weights)
@@ -406,7 +429,7 @@ class DecodePlan:
         The one path of every call: :meth:`run` and the one-shot
         :func:`pymla.mla_decode_branch_fp8` (and the torch op's own body) end here.
         """
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():  # no stale-row tracking: see run()
             from .op import call_torch_op
 
             call_torch_op(
@@ -424,11 +447,19 @@ class DecodePlan:
                 check_values=self._op_check_values,
             )
             return
+        cache = self._tracked
+        if cache is not None and new_rows is None:
+            tested = self._rows_tested[layer]
+            if not self._new_requests <= tested:
+                stale = min(self._new_requests - tested)
+                raise v.stale_rows_error(cache, self.input_row_offsets, stale, layer)
         if self.num_tokens:
             launch = self._launch_fn
             if launch is None:
                 launch = self._make_launcher()
             launch(self.buffers(q, layer, weights, out, attention_out, new_rows))
+        if cache is not None:  # launched: the layer's new rows are rotated now
+            self._rows_unrotated[layer].difference_update(self._new_requests)
         # The tensors the op writes: their version counters move as the torch op's would.
         increment_version(out)
         increment_version(self.kv.blocks)
@@ -527,6 +558,7 @@ def plan(
     new_rows: bool = False,
     check_values: bool = True,
     num_tokens: int | None = None,
+    rerun_layers: bool = False,
 ) -> DecodePlan:
     """Checks one decode step's metadata and prepares it for :meth:`DecodePlan.run`.
 
@@ -540,10 +572,20 @@ def plan(
             (instead of their having been appended to the cache).
         check_values: check the values the kernel indexes with (copies the
             metadata to the host on a GPU). With a ``PagedLatentCache`` also
-            checks that every request with new tokens has rows appended
-            (:class:`pymla.StaleCacheRowsError` otherwise).
+            checks that every request with new tokens has rows appended or
+            reserved, and makes each run check that the rows of its layer are
+            raw: appended for that layer and not yet rotated by an earlier run
+            in this step (:class:`pymla.StaleCacheRowsError` otherwise; see
+            :meth:`DecodePlan.run`). Without it, or with the cache's three
+            tensors (which carry no bookkeeping), nothing of this is tracked.
         num_tokens: the step's token count (``input_row_offsets[-1]``); without
             it and without the value checks the plan reads it from the offsets.
+        rerun_layers: for benchmarks and tests that run one layer again and
+            again in a step: runs skip the "already rotated" check (the rows
+            must still have been appended for the layer). Each rerun rotates
+            and normalizes the layer's new rows in the cache once more, so the
+            cache (and the output, which reads those rows) is no longer what
+            one run per layer gives. Not for serving.
 
     Raises:
         TypeError, ValueError: as :func:`pymla.mla_decode_branch_fp8`.
@@ -551,6 +593,8 @@ def plan(
     kv = cache_tensors(cache)
     if not isinstance(options, DecodeOptions):
         raise TypeError(f"options: expected a pymla.DecodeOptions, got {type(options).__name__}")
+    v.as_bool("rerun_layers", rerun_layers)
+    tracking = {}  # the stale-row tracking of a PagedLatentCache, set up with the value checks
     tensors = {
         "input_row_offsets": input_row_offsets,
         "freqs_cis": freqs_cis,
@@ -605,7 +649,11 @@ def plan(
             page_size=kv.blocks.shape[3],
         )
         if isinstance(cache, PagedLatentCache):
-            v.check_pending_rows(cache, offsets, new_rows_given=new_rows)
+            tracking = dict(
+                _cache=cache,
+                _new_requests=v.check_pending_rows(cache, offsets, new_rows_given=new_rows),
+                _rerun_layers=rerun_layers,
+            )
         if num_tokens is not None and num_tokens != int(offsets[-1]):
             raise ValueError(
                 f"num_tokens: expected input_row_offsets[-1] = {int(offsets[-1])}, got {num_tokens}"
@@ -614,5 +662,11 @@ def plan(
     elif num_tokens is None:
         num_tokens = int(input_row_offsets[-1])  # a device-to-host copy on a GPU
     return DecodePlan(
-        kv, input_row_offsets, freqs_cis, options, num_tokens=num_tokens, new_rows=new_rows
+        kv,
+        input_row_offsets,
+        freqs_cis,
+        options,
+        num_tokens=num_tokens,
+        new_rows=new_rows,
+        **tracking,
     )

@@ -125,6 +125,32 @@ def as_device(name: str, value: object) -> torch.device:
     return device
 
 
+def as_device(name: str, value: object) -> torch.device:
+    """A torch device (a ``torch.device`` or its name) that this torch can use.
+
+    TypeError for another type, ValueError for an unknown name or a CUDA
+    device torch does not see.
+    """
+    if not isinstance(value, (str, torch.device)):
+        raise TypeError(
+            f"{name}: expected a torch.device or a device name such as 'cpu' or 'cuda:0', "
+            f"got {type(value).__name__}"
+        )
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise ValueError(
+            f"{name}: expected a device name such as 'cpu' or 'cuda:0', got {value!r}"
+        ) from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise ValueError(
+                f"{name}: expected a CUDA device this torch sees ({count} found), got {device}"
+            )
+    return device
+
+
 def as_tensor(name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
@@ -634,19 +660,26 @@ def _check_distinct_new_rows(
 
 
 class StaleCacheRowsError(ValueError):
-    """A request has new tokens, but no rows were appended to the cache since its last advance().
+    """The cache does not hold the raw rows of a request's new tokens in the layer run.
 
-    The op would rotate and normalize whatever the cache holds at the new
-    positions (stale rows of an earlier step, or nothing written at all).
-    Append the rows (:meth:`pymla.PagedLatentCache.append`), or pass them as
-    ``new_rows`` (and reserve their slots with :meth:`~pymla.PagedLatentCache.reserve`).
+    The op rotates and normalizes the new rows in place, so it would work on
+    whatever the cache holds at the new positions: stale rows of an earlier
+    step, rows never written for this layer, or rows an earlier run of this
+    layer in the same step already rotated (a second rotation is silently
+    wrong). Append the rows (:meth:`pymla.PagedLatentCache.append`, once per
+    layer and step), or pass them as ``new_rows`` (and reserve their slots
+    with :meth:`~pymla.PagedLatentCache.reserve`).
     """
 
 
 def check_pending_rows(
     cache: PagedLatentCache, offsets: np.ndarray, *, new_rows_given: bool
-) -> None:
-    """Each request's new tokens are the rows appended (or reserved) since its last advance()."""
+) -> frozenset[int]:
+    """Each request's new tokens are the rows appended (or reserved) since its last advance().
+
+    Returns the requests with new tokens, which each run then checks per
+    layer (:func:`stale_rows_error`).
+    """
     steps = offsets[1:] - offsets[:-1]
     for b in range(min(cache.num_requests, steps.size)):
         new, pending = int(steps[b]), cache.pending(b)
@@ -662,3 +695,27 @@ def check_pending_rows(
                 "appended since its last advance() (call cache.append(...) for this step, or "
                 "pass new_rows= with slots from cache.reserve(...))"
             )
+    return frozenset(np.flatnonzero(steps).tolist())
+
+
+def stale_rows_error(
+    cache: PagedLatentCache, offsets: torch.Tensor, request: int, layer: int
+) -> StaleCacheRowsError:
+    """Why a run of ``layer`` may not use ``request``'s new rows (see ``new_rows_state``).
+
+    ``offsets``: the run's ``input_row_offsets`` (read on this error path only).
+    """
+    if cache.new_rows_state(request, layer) == "rotated":
+        return StaleCacheRowsError(
+            f"cache: request {request}'s new rows of layer {layer} were already rotated by an "
+            "earlier run in this step (another run would rotate them again); append them again "
+            f"(cache.append({request}, {layer}, rows)) to redo the layer, or pass "
+            "rerun_layers=True to repeat it on purpose"
+        )
+    start, stop = _as_numpy(offsets[request : request + 2])
+    n = int(stop - start)
+    return StaleCacheRowsError(
+        f"cache: request {request} has {n} new token{'s' if n != 1 else ''} but no rows "
+        f"appended for layer {layer} since its last advance() (call "
+        f"cache.append({request}, {layer}, rows) before running layer {layer}, or pass new_rows=)"
+    )

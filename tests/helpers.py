@@ -64,16 +64,26 @@ def _poisoned(case: Case, width: int) -> torch.Tensor:
 
 
 def run_op_poisoned(
-    case: Case, *, attention: bool = False, new_rows: torch.Tensor | None = None
+    case: Case,
+    *,
+    attention: bool = False,
+    new_rows: torch.Tensor | None = None,
+    rerun_layers: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Runs the op into NaN-poisoned outputs and checks every element was written.
 
     With ``attention`` also returns the attention output (``attention_out``).
+    ``rerun_layers``: the case's layer ran already this step (its rows restored since).
     """
     out = _poisoned(case, case.weights["w_uv"].shape[1])
     att = _poisoned(case, case.weights["w_uk"].shape[1]) if attention else None
     result = pymla.mla_decode_branch_fp8(
-        *case.args(), **case.options, out=out, attention_out=att, new_rows=new_rows
+        *case.args(),
+        **case.options,
+        out=out,
+        attention_out=att,
+        new_rows=new_rows,
+        rerun_layers=rerun_layers,
     )
     assert result is out
     for name, t in (("output", out), ("attention output", att)):

@@ -21,7 +21,7 @@ import pymla
 from pymla.args import ACTIVATION, ARGS, Mask, ScoreMod
 from pymla.scenario import rope_freqs_cis
 
-from helpers import make_case
+from helpers import assert_cache_unchanged, cache_snapshot, make_case
 
 KERNELS = pathlib.Path(__file__).resolve().parent.parent / "mojo_kernels"
 
@@ -238,6 +238,171 @@ def test_new_tokens_without_appended_rows_raise(api):
     assert torch.equal(cache.blocks.view(torch.uint8), before.view(torch.uint8))
     cache.reserve(0, 1)  # the rows will come as new_rows: no error then
     pymla.plan(cache, offsets, freqs, pymla.DecodeOptions(scale=0.1), new_rows=True)
+
+
+def _two_layer_step(seed: int, **plan_kwargs):
+    """A 2-layer case whose rows were appended for layer 0 only, its plan and layer weights."""
+    case = make_case(seed, num_heads=2, cache_lengths=(5, 9), new_tokens=(1, 2), num_layers=2)
+    for b in (0, 1):  # make_case appended both layers: start the step afresh
+        case.cache._appended[1].discard(b)
+        case.cache._unrotated[1].discard(b)
+    step = pymla.plan(
+        case.cache, case.input_row_offsets, case.freqs_cis, _options(case), **plan_kwargs
+    )
+    return case, step, _layer_weights(case)
+
+
+def _one_shot(case, layer, **kwargs):
+    w = case.weights
+    return pymla.mla_decode_branch_fp8(
+        case.q, case.input_row_offsets, case.freqs_cis, case.kv_norm_gamma, case.cache, layer,
+        w["w_uk"], w["w_uk_scale"], w["w_uv"], w["w_uv_scale"], **case.options, **kwargs,
+    )  # fmt: skip
+
+
+def _refused(case, call, message: str) -> None:
+    """``call`` raises StaleCacheRowsError with ``message``; the cache is as it was."""
+    before = cache_snapshot(case.cache)
+    with pytest.raises(pymla.StaleCacheRowsError, match="^" + re.escape(message) + "$"):
+        call()
+    assert_cache_unchanged(case.cache, before)
+
+
+NOT_APPENDED = (
+    "cache: request 0 has 1 new token but no rows appended for layer 1 since its last advance() "
+    "(call cache.append(0, 1, rows) before running layer 1, or pass new_rows=)"
+)
+ROTATED = (
+    "cache: request 0's new rows of layer 0 were already rotated by an earlier run in this step "
+    "(another run would rotate them again); append them again (cache.append(0, 0, rows)) to "
+    "redo the layer, or pass rerun_layers=True to repeat it on purpose"
+)
+
+
+@pytest.mark.parametrize("api", ["plan", "one_shot"])
+def test_a_layer_without_appended_rows_is_refused(api):
+    """Rows appended for layer 0 only: layer 1 would rotate rows never written this step."""
+    case, step, weights = _two_layer_step(91)
+    run = {
+        "plan": lambda layer: step.run(case.q, layer, weights),
+        "one_shot": lambda layer: _one_shot(case, layer),
+    }[api]
+    _refused(case, lambda: run(1), NOT_APPENDED)
+    run(0)
+    assert [case.cache.new_rows_state(b, 0) for b in (0, 1)] == ["rotated", "rotated"]
+    case.cache.append(0, 1, torch.randn(1, 576))
+    case.cache.append(1, 1, torch.randn(2, 576))
+    run(1)
+
+
+@pytest.mark.parametrize("api", ["plan", "one_shot"])
+def test_running_a_layer_twice_in_a_step_is_refused(api):
+    """A retry would rotate the layer's rows a second time; appending them again allows it."""
+    case, step, weights = _two_layer_step(92)
+    raw = [case.cache.rows(b, 0, case.cache.length(b)) for b in (0, 1)]
+    run = {
+        "plan": lambda: step.run(case.q, 0, weights),
+        "one_shot": lambda: _one_shot(case, 0),
+    }[api]
+    first = run()
+    _refused(case, run, ROTATED)
+    for b in (0, 1):
+        case.cache.append(b, 0, raw[b])
+    assert torch.equal(run().view(torch.uint8), first.view(torch.uint8))
+
+
+def test_state_is_per_step():
+    """advance() ends the step: the plan's layers are refused until the next step's rows come."""
+    case, step, weights = _two_layer_step(93)
+    step.run(case.q, 0, weights)
+    case.cache.advance()
+    assert case.cache.new_rows_state(0, 0) == "none"
+    message = NOT_APPENDED.replace("layer 1", "layer 0").replace("(0, 1,", "(0, 0,")
+    _refused(case, lambda: step.run(case.q, 0, weights), message)
+
+
+def test_rerun_layers_skips_only_the_rotated_check():
+    case, step, weights = _two_layer_step(94, rerun_layers=True)
+    for _ in range(3):
+        step.run(case.q, 0, weights)
+    assert case.cache.new_rows_state(0, 0) == "rotated"
+    _refused(case, lambda: step.run(case.q, 1, weights), NOT_APPENDED)
+    # A plan without the switch in the same step sees the rows as rotated.
+    strict = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
+    _refused(case, lambda: strict.run(case.q, 0, weights), ROTATED)
+    _one_shot(case, 0, rerun_layers=True)
+    with pytest.raises(TypeError, match=r"^rerun_layers: expected a bool, got int$"):
+        pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case),
+                   rerun_layers=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("untracked", ["check_values=False", "cache tensors"])
+def test_untracked_plans_do_not_check_rows(untracked):
+    """Without the value checks, or with the cache's bare tensors, there is no bookkeeping."""
+    case, _, weights = _two_layer_step(95)
+    cache = case.cache_tensors() if untracked == "cache tensors" else case.cache
+    step = pymla.plan(
+        cache, case.input_row_offsets, case.freqs_cis, _options(case),
+        check_values=untracked != "check_values=False",
+    )  # fmt: skip
+    step.run(case.q, 1, weights)  # layer 1 was never appended: not known here
+    step.run(case.q, 1, weights)
+    assert case.cache.new_rows_state(0, 1) == "none"
+
+
+def test_runs_with_new_rows_may_repeat_and_mark_the_layer_rotated():
+    """The op writes new_rows into the slots itself: running the layer again is harmless."""
+    case = make_case(96, num_heads=2, cache_lengths=(5, 9), new_tokens=(1, 2), num_layers=2)
+    rows = case.take_new_rows(seed=3)
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
+    weights = _layer_weights(case)
+    first = step.run(case.q, case.layer_idx, weights, new_rows=rows)
+    blocks = case.cache.blocks.clone()
+    again = step.run(case.q, case.layer_idx, weights, new_rows=rows)
+    assert torch.equal(again.view(torch.uint8), first.view(torch.uint8))
+    assert torch.equal(case.cache.blocks.view(torch.uint8), blocks.view(torch.uint8))
+    # The slots hold rotated rows now, so a run without new_rows is refused.
+    message = ROTATED.replace("layer 0", "layer 1").replace("(0, 0,", "(0, 1,")
+    _refused(case, lambda: step.run(case.q, case.layer_idx, weights), message)
+
+
+def test_reserved_rows_never_appended_are_refused_at_run():
+    """reserve() then a plan without new_rows: the slots were never written."""
+    case = make_case(
+        97, num_heads=2, cache_lengths=(4,), new_tokens=(0,), num_layers=1, layer_idx=0
+    )
+    case.cache.reserve(0, 1)
+    case.q = torch.randn(1, 2, 192).to(case.q.dtype)
+    case.input_row_offsets = torch.tensor([0, 1], dtype=torch.uint32)
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
+    message = NOT_APPENDED.replace("layer 1", "layer 0").replace("(0, 1,", "(0, 0,")
+    _refused(case, lambda: step.run(case.q, 0, _layer_weights(case)), message)
+
+
+def test_a_failed_launch_leaves_the_rows_raw(monkeypatch):
+    """Rows are marked rotated only after the launch returned: a refused PYMLA_CPU_PATH keeps them."""
+    case, step, weights = _two_layer_step(98)
+    before = cache_snapshot(case.cache)
+    monkeypatch.setenv("PYMLA_CPU_PATH", "no-such-path")
+    with pytest.raises(Exception, match="PYMLA_CPU_PATH"):
+        step.run(case.q, 0, weights)
+    assert_cache_unchanged(case.cache, before)
+    monkeypatch.delenv("PYMLA_CPU_PATH")
+    step.run(case.q, 0, weights)
+    assert case.cache.new_rows_state(0, 0) == "rotated"
+
+
+def test_a_released_request_rides_along_empty():
+    """release() keeps the batch's indices: the empty request gets no output rows."""
+    case = make_case(
+        99, num_heads=2, cache_lengths=(5, 9), new_tokens=(0, 1), num_layers=1, layer_idx=0
+    )
+    free = case.cache.num_free_pages
+    case.cache.release(0)
+    assert case.cache.num_free_pages == free + 1 and case.cache.cache_lengths.tolist() == [0, 9]
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
+    out = step.run(case.q, 0, _layer_weights(case))
+    assert out.shape == (1, 2, 128) and not torch.isnan(out).any()
 
 
 # ---------------------------------------------------------------- threads
