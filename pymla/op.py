@@ -184,8 +184,8 @@ def mla_decode_branch_fp8(
     scale: float,
     epsilon: float = 1e-6,
     scale_granularity: ScaleGranularity | tuple[int, int, int] | str = "blockwise",
-    mask: str = "causal",
-    score_mod: str = "no_pos",
+    mask: str | Mask = "causal",
+    score_mod: str | ScoreMod = "no_pos",
     local_window_size: int = 0,
     out: torch.Tensor | None = None,
     check_values: bool = True,
@@ -219,9 +219,11 @@ def mla_decode_branch_fp8(
         epsilon: RMSNorm epsilon.
         scale_granularity: ``(m, n, k)`` or a preset name (``"blockwise"``,
             ``"per_channel"``, ``"per_tensor"``); see :mod:`pymla.quant`.
-        mask: ``"null"``, ``"causal"``, ``"sliding_window_causal"`` or ``"chunked_causal"``.
-        score_mod: ``"no_pos"`` or ``"alibi_pos"``.
-        local_window_size: window (sliding) or chunk (chunked) size in tokens.
+        mask: ``"null"``, ``"causal"``, ``"sliding_window_causal"`` or
+            ``"chunked_causal"`` (any case), or a :class:`pymla.Mask`.
+        score_mod: ``"no_pos"`` or ``"alibi_pos"`` (any case), or a :class:`pymla.ScoreMod`.
+        local_window_size: window (sliding) or chunk (chunked) size in tokens;
+            0 (the default) for the other masks.
         out: optional ``[T, H, v_head_dim]`` tensor of q's dtype to write into.
         check_values: also check the values the kernel indexes with (offsets,
             cache lengths, lookup table, finite scales). On a GPU these checks

@@ -334,11 +334,13 @@ class DecodePlan:
         before anything runs) a layer whose new rows are not raw in the cache:
         never appended for this layer, or rotated by an earlier run of it in
         this step (unless the plan was made with ``rerun_layers=True``). A run
-        that returns marks the layer's rows rotated. Not tracked: runs given
-        ``new_rows`` (the op writes those rows itself; they still mark the
-        layer rotated), plans of raw cache tensors or made with
-        ``check_values=False``, and runs traced by ``torch.compile`` (Python
-        runs only while tracing, so a compiled graph is never checked).
+        that returns marks the layer's rows rotated. A run given ``new_rows``
+        is never refused (the op writes those rows into the slots itself, so
+        repeating it is harmless) and marks the layer rotated too. Not tracked
+        at all: plans of the cache's bare tensors (they carry no bookkeeping)
+        or made with ``check_values=False``, and runs traced by
+        ``torch.compile`` (Python runs only while tracing, so the compiled
+        graph's replays are never checked).
         """
         if type(weights) is not LayerWeights or weights._compat != self._compat:
             self._check_weights(weights)

@@ -34,6 +34,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 INDEX_DTYPE = torch.uint32
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_MIN_POSITIVE = 2.0**-149  # the smallest positive (subnormal) float32
 WINDOWED_MASKS = ("sliding_window_causal", "chunked_causal")
 UNUSED_PAGE = 0xFFFFFFFF
 """The lookup-table entry of a page a request does not own (:mod:`pymla.cache` writes it)."""
@@ -91,38 +92,16 @@ def as_bool(name: str, value: object) -> bool:
 
 
 def as_str(name: str, value: object, choices: tuple[str, ...]) -> str:
-    """A name out of ``choices``: TypeError for a non-str, ValueError for an unknown name."""
+    """A name out of the lower-case ``choices``, in any case; returns it lower-case.
+
+    TypeError for a non-str, ValueError for an unknown name.
+    """
     if not isinstance(value, str):
         raise TypeError(f"{name}: expected a str, one of {choices}, got {type(value).__name__}")
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {choices}, got {value!r}")
-    return value
-
-
-def as_device(name: str, value: object) -> torch.device:
-    """A torch device (a ``torch.device`` or its name) that this torch can use.
-
-    TypeError for another type, ValueError for an unknown name or a CUDA
-    device torch does not see.
-    """
-    if not isinstance(value, (str, torch.device)):
-        raise TypeError(
-            f"{name}: expected a torch.device or a device name such as 'cpu' or 'cuda:0', "
-            f"got {type(value).__name__}"
-        )
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise ValueError(
-            f"{name}: expected a device name such as 'cpu' or 'cuda:0', got {value!r}"
-        ) from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            raise ValueError(
-                f"{name}: expected a CUDA device this torch sees ({count} found), got {device}"
-            )
-    return device
+    lowered = value.lower()
+    if lowered not in choices:
+        raise ValueError(f"{name}: expected one of {choices} (any case), got {value!r}")
+    return lowered
 
 
 def as_device(name: str, value: object) -> torch.device:
@@ -305,19 +284,30 @@ def check_options(
     score_mod: str,
     local_window_size: int,
 ) -> None:
-    """The non-tensor options of the op."""
-    as_str("mask", mask, MASKS)
+    """The non-tensor options of the op.
+
+    ``mask`` and ``score_mod`` are names in any case. Only the windowed masks
+    (sliding_window_causal, chunked_causal) take a ``local_window_size``; the
+    others need 0, so a window given with them is not silently ignored.
+    """
+    mask = as_str("mask", mask, MASKS)
     as_str("score_mod", score_mod, SCORE_MODS)
     window = as_int("local_window_size", local_window_size)
-    if mask in WINDOWED_MASKS and window < 1:
+    windowed = mask in WINDOWED_MASKS
+    if windowed and window < 1:
         raise ValueError(f"local_window_size: expected >= 1 for mask {mask!r}, got {window}")
     if not 0 <= window <= INT32_MAX:
         raise ValueError(
             f"local_window_size: expected 0 <= local_window_size < 2**31, got {window}"
         )
+    if not windowed and window != 0:
+        raise ValueError(
+            f"local_window_size: expected 0 for mask {mask!r} (only {_join(WINDOWED_MASKS)} "
+            f"take a window), got {window}"
+        )
     scale = as_float("scale", scale)
-    if not (math.isfinite(scale) and abs(scale) <= FLOAT32_MAX):
-        raise ValueError(f"scale: expected a finite float32 value, got {scale}")
+    if not (math.isfinite(scale) and FLOAT32_MIN_POSITIVE <= scale <= FLOAT32_MAX):
+        raise ValueError(f"scale: expected a finite float32 value > 0, got {scale}")
     epsilon = as_float("epsilon", epsilon)
     if not (math.isfinite(epsilon) and 0 <= epsilon <= FLOAT32_MAX):
         raise ValueError(f"epsilon: expected a finite float32 value >= 0, got {epsilon}")

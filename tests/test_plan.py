@@ -95,6 +95,38 @@ def test_options_are_frozen_and_take_names_or_enums():
         pymla.DecodeOptions(scale=float("nan"))
 
 
+def test_option_names_take_any_case():
+    """The name "CAUSAL" is Mask.CAUSAL, as the enum is (the one-shot call: test_validation)."""
+    a = pymla.DecodeOptions(scale=0.1, mask="CAUSAL", score_mod="Alibi_Pos")
+    assert a.mask is Mask.CAUSAL and a.score_mod is ScoreMod.ALIBI_POS
+    b = pymla.DecodeOptions(scale=0.1, mask="Chunked_Causal", local_window_size=4)
+    assert b == pymla.DecodeOptions(scale=0.1, mask=Mask.CHUNKED_CAUSAL, local_window_size=4)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            dict(mask="causal", local_window_size=8),
+            "local_window_size: expected 0 for mask 'causal' (only sliding_window_causal and "
+            "chunked_causal take a window), got 8",
+        ),
+        (
+            dict(mask=Mask.NULL, local_window_size=1),
+            "local_window_size: expected 0 for mask 'null' (only sliding_window_causal and "
+            "chunked_causal take a window), got 1",
+        ),
+        (dict(scale=-1.0), "scale: expected a finite float32 value > 0, got -1.0"),
+        (dict(scale=0), "scale: expected a finite float32 value > 0, got 0.0"),
+        (dict(scale=1e-50), "scale: expected a finite float32 value > 0, got 1e-50"),
+    ],
+    ids=["causal-window", "null-window", "negative-scale", "zero-scale", "float32-zero-scale"],
+)
+def test_options_refuse_ignored_windows_and_non_positive_scales(options, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        pymla.DecodeOptions(**{"scale": 0.1, **options})
+
+
 # ---------------------------------------------------------------- plan + run == one-shot
 
 

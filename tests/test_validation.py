@@ -14,6 +14,7 @@ result (an empty output; a skipped request).
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from unittest import mock
 
@@ -814,14 +815,18 @@ def test_non_finite_scales(name, bad):
 @pytest.mark.parametrize(
     ("name", "value", "error", "message"),
     [
-        ("mask", "casual", ValueError, f"mask: expected one of {MASKS}, got 'casual'"),
-        ("mask", "", ValueError, f"mask: expected one of {MASKS}, got ''"),
+        ("mask", "casual", ValueError, f"mask: expected one of {MASKS} (any case), got 'casual'"),
+        ("mask", "", ValueError, f"mask: expected one of {MASKS} (any case), got ''"),
         ("mask", 1, TypeError, f"mask: expected a str, one of {MASKS}, got int"),
-        ("score_mod", "alibi", ValueError, f"score_mod: expected one of {SCORE_MODS}, got 'alibi'"),
+        ("mask", pymla.ScoreMod.NO_POS, TypeError, f"mask: expected a str, one of {MASKS}, got ScoreMod"),
+        ("score_mod", "alibi", ValueError, f"score_mod: expected one of {SCORE_MODS} (any case), got 'alibi'"),
         ("score_mod", None, TypeError, f"score_mod: expected a str, one of {SCORE_MODS}, got NoneType"),
-        ("scale", float("nan"), ValueError, "scale: expected a finite float32 value, got nan"),
-        ("scale", float("inf"), ValueError, "scale: expected a finite float32 value, got inf"),
-        ("scale", 1e39, ValueError, "scale: expected a finite float32 value, got 1e+39"),
+        ("scale", float("nan"), ValueError, "scale: expected a finite float32 value > 0, got nan"),
+        ("scale", float("inf"), ValueError, "scale: expected a finite float32 value > 0, got inf"),
+        ("scale", 1e39, ValueError, "scale: expected a finite float32 value > 0, got 1e+39"),
+        ("scale", -1, ValueError, "scale: expected a finite float32 value > 0, got -1.0"),
+        ("scale", 0.0, ValueError, "scale: expected a finite float32 value > 0, got 0.0"),
+        ("scale", -0.07, ValueError, "scale: expected a finite float32 value > 0, got -0.07"),
         ("scale", "0.1", TypeError, "scale: expected a float, got str"),
         ("scale", None, TypeError, "scale: expected a float, got NoneType"),
         ("epsilon", -1e-6, ValueError, "epsilon: expected a finite float32 value >= 0, got -1e-06"),
@@ -845,6 +850,32 @@ def test_window_masks_need_a_window(mask):
         ValueError,
         exact(f"local_window_size: expected >= 1 for mask {mask!r}, got 0"),
     )
+
+
+@pytest.mark.parametrize(("mask", "window"), [("causal", 8), ("NULL", 1), (pymla.Mask.CAUSAL, 3)])
+def test_other_masks_take_no_window(mask, window):
+    """A window the mask would ignore is refused, not dropped silently."""
+    call = Call(small_case()).set("mask", mask).set("local_window_size", window)
+    label = mask.label if isinstance(mask, pymla.Mask) else mask.lower()
+    assert_refused(
+        call,
+        ValueError,
+        exact(
+            f"local_window_size: expected 0 for mask {label!r} (only sliding_window_causal and "
+            f"chunked_causal take a window), got {window}"
+        ),
+    )
+
+
+def test_option_names_take_any_case():
+    """The names "Sliding_Window_CAUSAL" and "NO_POS" are the lower-case ones: the same bytes."""
+    case = small_case(mask="sliding_window_causal", local_window_size=3)
+    upper = copy.deepcopy(case)
+    expected = Call(case).run()
+    call = Call(upper).set("mask", "Sliding_Window_CAUSAL").set("score_mod", "NO_POS")
+    got = call.run()
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(upper.cache.blocks.view(torch.uint8), case.cache.blocks.view(torch.uint8))
 
 
 # ---------------------------------------------------------------- out
@@ -1108,13 +1139,16 @@ def _corrupt_scale_value(call, data):
 
 def _corrupt_name(call, data):
     name = data.draw(st.sampled_from(["mask", "score_mod"]), label="option")
-    call.set(name, data.draw(st.sampled_from(["", "Causal", "alibi", "none"]), label="value"))
+    call.set(name, data.draw(st.sampled_from(["", "causal_", "alibi", "none"]), label="value"))
     return ValueError, (name,), name
 
 
 def _corrupt_window(call, data):
-    call.set("mask", data.draw(st.sampled_from(["sliding_window_causal", "chunked_causal"])))
-    call.set("local_window_size", data.draw(st.sampled_from([0, -3]), label="window"))
+    mask = data.draw(st.sampled_from(MASKS), label="mask")
+    windowed = mask in ("sliding_window_causal", "chunked_causal")
+    bad = [0, -3] if windowed else [-3, 1, 8]  # windowed masks need one, the others none
+    call.set("mask", mask)
+    call.set("local_window_size", data.draw(st.sampled_from(bad), label="window"))
     return ValueError, ("local_window_size",), "local_window_size"
 
 
@@ -1159,7 +1193,11 @@ def configurations(draw):
         granularity=draw(st.sampled_from(GRANULARITIES), label="granularity"),
         mask=mask,
         score_mod=draw(st.sampled_from(SCORE_MODS), label="score_mod"),
-        local_window_size=draw(st.integers(1, 20), label="window"),
+        local_window_size=(
+            draw(st.integers(1, 20), label="window")
+            if mask in ("sliding_window_causal", "chunked_causal")
+            else 0
+        ),
     )
 
 
