@@ -87,4 +87,3 @@ def test_cache_lookup_table_marks_unowned_pages():
     table = cache.lookup_table.to(torch.int64)
     assert table.shape == (2, 3)
     assert table[1, 1:].tolist() == [UNUSED_PAGE, UNUSED_PAGE]
-
