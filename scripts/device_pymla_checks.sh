@@ -8,6 +8,9 @@
 #        overhead (python -m pymla overhead --device cuda, JSON in $OUT)
 #        step     (python -m pymla step --device cuda: 61 layers, eager and replayed, JSON in $OUT)
 #        dropin   (examples/multi_layer_decode.py on the GPU beside MAX's built-in, 1 then 2 tokens)
+#        sanitize (the cuda parity tests under compute-sanitizer memcheck; exit 9 on any error)
+#        cputarget (the host CPU, LLVM's name for it, the CPU paths the compiled kernel has)
+#        cpu      (the whole suite but cuda and packaging on the host CPU: AMX Xeon, 16 cores)
 # A step's failure does not stop the next one.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
@@ -25,6 +28,13 @@ for step in "$@"; do
     step)     timeout 420 python3 -m pymla step --device cuda --batch 64 --context 1024 --json "$out/step_h200.json" ;;
     dropin)   timeout 540 python3 examples/multi_layer_decode.py --device gpu --compare-with max --tokens 1 --log "$out/max_native_h200.log" &&
               timeout 300 python3 examples/multi_layer_decode.py --device gpu --compare-with max --tokens 2 --log "$out/max_native_h200_2tokens.log" ;;
+    sanitize) timeout 570 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+                python3 -m pytest tests/test_op_parity.py -k cuda -q -rf -p no:cacheprovider ;;
+    cputarget) lscpu | grep -E "Model name|^Model:|^CPU\(s\)|Flags" | cut -c1-400 &&
+               mojo build --print-effective-target &&
+               python3 -c "from pymla import cpu_paths as c; print('target', c.compile_target_name(), 'paths', c.kernel_cpu_paths())" ;;
+    cpu)      timeout 560 python3 -m pytest tests -k "not cuda" -q -rf -p no:cacheprovider \
+                --ignore=tests/test_packaging.py ;;
     *) echo "unknown step $step"; false ;;
   esac > "$out/$step.log" 2>&1
   status=$?

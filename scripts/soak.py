@@ -50,9 +50,11 @@ def main() -> int:
     start = time.perf_counter()
     for i in range(args.calls):
         if i % 2:
-            pymla.mla_decode_branch_fp8(*case.args(), **case.options)
+            pymla.mla_decode_branch_fp8(*case.args(), **case.options, rerun_layers=True)
         else:
-            step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, options)
+            step = pymla.plan(
+                case.cache, case.input_row_offsets, case.freqs_cis, options, rerun_layers=True
+            )
             step.run(case.q, case.layer_idx, weights)
         if (i + 1) % every == 0:
             if args.device != "cpu":

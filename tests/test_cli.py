@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -122,6 +123,16 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"pymla {VERSION}\n"
 
 
+def _env() -> dict[str, str]:
+    """This process's environment as Python sees it, for a subprocess.
+
+    Once a test in the session has imported ``max.nn`` (tests/test_max_native.py), the C
+    environment holds its ``PYTHONEXECUTABLE`` and ``PYTHONPATH`` (``putenv``, unseen by
+    ``os.environ``), and a Python started without ``env=`` runs outside this virtualenv.
+    """
+    return dict(os.environ)
+
+
 @pytest.mark.parametrize(
     "invocation, prog",
     [(["-m", "pymla"], "python -m pymla"), ([], "pymla")],
@@ -135,7 +146,9 @@ def test_usage_names_the_program_as_invoked(invocation, prog):
         (["help"], f"usage: {prog} COMMAND"),
         (["help", "bench"], f"usage: {prog} bench"),
     ):
-        result = subprocess.run(executable + argv, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            executable + argv, capture_output=True, text=True, timeout=120, env=_env()
+        )
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith(usage), result.stdout
 
@@ -165,7 +178,11 @@ logging.getLogger("pymla").info("a record from pymla")
 def test_an_applications_logging_receives_pymla_records(tmp_path):
     log = tmp_path / "app.log"
     result = subprocess.run(
-        [sys.executable, "-c", APPLICATION, str(log)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", APPLICATION, str(log)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
     )
     assert result.returncode == 0, result.stderr
     assert log.read_text() == "pymla: a record from pymla\n"

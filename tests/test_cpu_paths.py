@@ -103,7 +103,7 @@ def test_a_target_without_the_unit_has_only_f32():
         "else:\n"
         "    raise SystemExit('not refused')\n"
     )
-    env = {**os.environ, "PYMLA_CPU_TARGET": "rocketlake", "PYMLA_QUIET": "1"}
+    env = {**os.environ, "PYMLA_CPU_TARGET": "rocketlake"}
     env.pop("PYMLA_CPU_PATH", None)
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600
