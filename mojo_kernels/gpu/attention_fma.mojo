@@ -1,28 +1,17 @@
 """Step 5 on float32 FMAs: float32 caches and the sizes the tensor-core kernels do not take."""
 
-from std.math import exp, sqrt
-from std.memory import bitcast, stack_allocation
+from std.math import exp
 from std.sys import size_of
 from std.utils.numerics import neg_inf
 
 from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
-from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
 from max.gpu.primitives import warp
 
-from ..attention import MaskSpec
-from .addressing import (
-    row_attention_meta,
-    attention_slots,
-    cache_row_offset,
-    find_request,
-    find_slot_request,
-    slot_start,
-)
-from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
-from ..fp8 import FP8_MAX
-from ..fp8_matmul import Granularity
-from ..paged_cache import PagedLatentRows, partition_keys
+from ..spec import MaskSpec
+from .addressing import row_attention_meta, find_slot_request, slot_start
+from ..common import DPtr, FPtr, U32Ptr, ceil_div
+from ..paged_cache import partition_keys, cache_row_offset
 
 
 # ATT_ROWS (token, head) rows of one request per block, ATT_KT keys

@@ -37,15 +37,10 @@ from max.gpu.compute.mma import ld_matrix, mma
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
 from max.gpu.primitives import warp
 
-from ..attention import MaskSpec
+from ..spec import MaskSpec
 from ..common import DPtr, FPtr, U32Ptr, ceil_div
 from ..paged_cache import partition_keys
-from .addressing import (
-    row_attention_meta,
-    cache_row_offset,
-    find_slot_request,
-    slot_start,
-)
+from .addressing import find_slot_request, row_attention_meta, slot_start, tile_row_offset
 
 comptime MMA_ROWS = 16  # rows per group (the M of one mma)
 comptime MMA_KEY_DIM_MAX = 576  # k-steps of 16 per warp: key_dim <= gw * ks_max(gw) * 16
@@ -128,16 +123,6 @@ def copy_key_tile[
             c -= vec_per_row
             r += 1
     async_copy_commit_group()
-
-
-@always_inline
-def tile_row_offset(
-    lookup: U32Ptr, ppr: Int, psize: Int, pstride: Int, loff: Int, dim: Int, b: Int, key: Int, key_end: Int
-) -> Int64:
-    """`cache_row_offset` of request `b`'s key `key`, or -1 (a zero row) from `key_end` on."""
-    if key >= key_end:
-        return -1
-    return Int64(cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, key))
 
 
 def attention_mma_kernel[

@@ -41,11 +41,10 @@ from max.gpu.compute.mma import (
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
 from max.gpu.primitives.warp import shuffle_xor
 
-from ..attention import MaskSpec
+from ..spec import MaskSpec
 from ..common import DPtr, FPtr, U32Ptr
 from ..paged_cache import partition_keys
-from .attention_mma import tile_row_offset
-from .addressing import find_slot_request, row_attention_meta, slot_start
+from .addressing import find_slot_request, row_attention_meta, slot_start, tile_row_offset
 
 comptime WG_ROWS = 64  # rows per block: the M of one wgmma
 comptime WG_THREADS = 128  # one warpgroup

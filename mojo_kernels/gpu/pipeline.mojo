@@ -39,26 +39,13 @@ per launch (`QStepParams`, `OutStepParams`). Workspaces come from
 `ctx.enqueue_create_buffer` and are released in stream order.
 """
 
-from std.math import exp, sqrt
-from std.memory import bitcast, stack_allocation
-from std.sys import size_of
-from std.utils.numerics import neg_inf
+from std.math import exp
 
-from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
+from max.gpu import WARP_SIZE
 from max.gpu.host import DeviceContext, FuncAttribute
-from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
-from max.gpu.primitives import warp
 
-from ..attention import MaskSpec
-from .addressing import (
-    row_attention_meta,
-    attention_slots,
-    cache_row_offset,
-    find_request,
-    find_slot_request,
-    slot_start,
-    ELEMENTWISE_THREADS,
-)
+from ..spec import MaskSpec
+from .addressing import attention_slots, ELEMENTWISE_THREADS
 from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
 from .attention_wgmma import (
@@ -68,8 +55,7 @@ from .attention_wgmma import (
     attention_wgmma_smem_bytes,
     wgmma_supported,
 )
-from ..fp8 import FP8_MAX
-from .attention_fma import ATT_KT, ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
+from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .projection import MATMUL_M_TILE, MATMUL_SMEM_FLOATS, MATMUL_THREADS, QUANT_WARPS, fp8_matmul_kernel, quantize_kernel
 from .projection_mma import Fp8Projection
 from .merge import MAX_PARTITIONS, MERGE_THREADS, merge_kernel, store_kernel
@@ -83,7 +69,7 @@ from .steps_fused import (
     enqueue_q_step,
     tile_fits,
 )
-from ..fp8_matmul import Granularity
+from ..spec import Granularity
 from ..paged_cache import PagedLatentRows
 from ..problem import DecodeProblem
 
