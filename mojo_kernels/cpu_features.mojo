@@ -34,4 +34,4 @@ struct CompiledCpuFeatures:
             raise Error("pymla.compiled_cpu_features: expected features of shape [3]")
         var out = features.unsafe_ptr()
         comptime for i in range(3):
-            out.store(i, UInt8(1) if flags[i] else UInt8(0))
+            out.unsafe_store(i, UInt8(1) if flags[i] else UInt8(0))

@@ -1,33 +1,48 @@
-"""Conversions fp8 e4m3fn <-> float32, vectorized and exact (the rounding of `pymla/quant.py`)."""
+"""The fp8 e4m3fn activation scale rule and exact conversions to and from float32.
+
+The rule of `pymla/quant.py`, written once for both targets: a block of
+activations whose largest magnitude is `amax` gets the scale `amax / 448`
+(1 for an all-zero block); each value is divided by it, clamped to
+`[-448, 448]` and rounded to the nearest e4m3 value (ties to even). The GPU
+kernels round with the hardware conversion; the CPU with `round_to_e4m3`.
+"""
 
 from std.memory import bitcast
-from std.sys.info import simd_width_of
-
-comptime F32_WIDTH = simd_width_of[DType.float32]()
 
 comptime FP8_MAX: Float32 = 448.0
-comptime F32V = SIMD[DType.float32, F32_WIDTH]
 
 
-def round_to_e4m3(x: F32V) -> F32V:
+@always_inline
+def activation_scale(amax: Float32) -> Float32:
+    """The scale of an activation block whose largest magnitude is `amax`."""
+    return amax / FP8_MAX if amax > 0 else Float32(1)
+
+
+@always_inline
+def scaled_into_range[w: Int](x: SIMD[DType.float32, w], scale: Float32) -> SIMD[DType.float32, w]:
+    """`x / scale`, clamped to e4m3's range: the value that is then rounded to e4m3."""
+    return min(max(x / scale, -FP8_MAX), FP8_MAX)
+
+
+def round_to_e4m3[w: Int](x: SIMD[DType.float32, w]) -> SIMD[DType.float32, w]:
     """The e4m3 value nearest to `x` (ties to even), as float32; `|x| <= 448`.
 
     Normal range (`|x| >= 2^-6`): round the float32 mantissa to 3 bits in
     integer arithmetic. Subnormal range: the e4m3 quantum is 2^-9, and adding
     then subtracting 2^14 (whose float32 ulp is 2^-9) rounds to it.
     """
-    var bits = bitcast[DType.uint32, F32_WIDTH](x)
+    var bits = bitcast[DType.uint32, w](x)
     var sign = bits & 0x80000000
     var magnitude = bits & 0x7FFFFFFF
     var lsb = (magnitude >> 20) & 1
-    var normal = bitcast[DType.float32, F32_WIDTH]((magnitude + 0x7FFFF + lsb) & 0xFFF00000)
-    var a = bitcast[DType.float32, F32_WIDTH](magnitude)
+    var normal = bitcast[DType.float32, w]((magnitude + 0x7FFFF + lsb) & 0xFFF00000)
+    var a = bitcast[DType.float32, w](magnitude)
     var subnormal = (a + 16384.0) - 16384.0
     var rounded = a.lt(0.015625).select(subnormal, normal)
-    return bitcast[DType.float32, F32_WIDTH](bitcast[DType.uint32, F32_WIDTH](rounded) | sign)
+    return bitcast[DType.float32, w](bitcast[DType.uint32, w](rounded) | sign)
 
 
-def widen_e4m3(bytes: SIMD[DType.uint8, F32_WIDTH]) -> F32V:
+def widen_e4m3[w: Int](bytes: SIMD[DType.uint8, w]) -> SIMD[DType.float32, w]:
     """Widens fp8 e4m3fn bytes to float32, exactly (NaN bytes are not expected in weights).
 
     Normal values: move exponent and mantissa into float32 position and
@@ -35,7 +50,7 @@ def widen_e4m3(bytes: SIMD[DType.uint8, F32_WIDTH]) -> F32V:
     """
     var b = bytes.cast[DType.uint32]()
     var magnitude = b & 0x7F
-    var normal = bitcast[DType.float32, F32_WIDTH]((magnitude << 20) + (120 << 23))
+    var normal = bitcast[DType.float32, w]((magnitude << 20) + (120 << 23))
     var subnormal = (magnitude & 7).cast[DType.float32]() * 0.001953125
     var value = magnitude.lt(8).select(subnormal, normal)
-    return bitcast[DType.float32, F32_WIDTH](bitcast[DType.uint32, F32_WIDTH](value) | ((b & 0x80) << 24))
+    return bitcast[DType.float32, w](bitcast[DType.uint32, w](value) | ((b & 0x80) << 24))

@@ -14,12 +14,11 @@ from extensibility import InputTensor
 from extensibility import _MutableInputTensor as MutableInputTensor
 from max.gpu.host import DeviceContext
 
-from .attention import MaskSpec
-from .cpu_pipeline import mla_decode_branch_fp8_cpu
-from .fp8_matmul import Granularity
+from .cpu.pipeline import mla_decode_branch_fp8_cpu
 from .gpu.pipeline import mla_decode_branch_fp8_gpu
 from .paged_cache import PagedLatentRows, RaggedBatch
 from .problem import DecodeProblem
+from .spec import Granularity, MaskSpec
 
 
 @extensibility.register("pymla.mla_decode_branch_fp8")

@@ -36,6 +36,22 @@ struct RaggedBatch(TrivialRegisterPassable):
         return self.cache_length(b) + t - self.start(b)
 
 
+@always_inline
+def cache_row_offset(
+    lookup: U32Ptr,
+    pages_per_request: Int,
+    page_size: Int,
+    page_stride: Int,
+    layer_offset: Int,
+    key_dim: Int,
+    b: Int,
+    pos: Int,
+) -> Int:
+    """Element offset in the cache blocks of request `b`'s row at position `pos`."""
+    var page = Int(lookup.unsafe_load(b * pages_per_request + pos // page_size))
+    return page * page_stride + layer_offset + (pos % page_size) * key_dim
+
+
 @fieldwise_init
 struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
     """The rows of one layer of the paged cache, one per (request, position)."""
@@ -70,11 +86,11 @@ struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
 
     def row(self, b: Int, pos: Int) -> DPtr[Self.dtype]:
         """The `head_dim` values of request `b` at sequence position `pos`."""
-        var page = Int(
-            self.lookup_table.unsafe_load(b * self.pages_per_request + pos // self.page_size)
-        )
         return self.blocks.unsafe_offset(
-            page * self.page_stride + self.layer_offset + (pos % self.page_size) * self.head_dim
+            cache_row_offset(
+                self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
+                self.layer_offset, self.head_dim, b, pos,
+            )
         )
 
 

@@ -1,9 +1,8 @@
 """One op call's inputs as raw pointers, sizes and options: what both targets consume."""
 
-from .attention import MaskSpec
 from .common import DPtr, FPtr, U8Ptr
-from .fp8_matmul import Granularity
 from .paged_cache import PagedLatentRows, RaggedBatch
+from .spec import Granularity, MaskSpec
 
 
 @fieldwise_init

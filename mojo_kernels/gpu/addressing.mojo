@@ -1,7 +1,8 @@
 """Device helpers shared by the GPU kernels: where a block's rows and keys are, and their masks."""
 
-from ..attention import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
+from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from ..common import U32Ptr
+from ..paged_cache import cache_row_offset
 
 
 def find_request(offsets: U32Ptr, num_requests: Int, t: Int) -> Int:
@@ -51,19 +52,14 @@ def find_slot_request(offsets: U32Ptr, num_requests: Int, num_heads: Int, rows_p
     return lo
 
 
-def cache_row_offset(
-    lookup: U32Ptr,
-    pages_per_request: Int,
-    page_size: Int,
-    page_stride: Int,
-    layer_offset: Int,
-    key_dim: Int,
-    b: Int,
-    pos: Int,
-) -> Int:
-    """Element offset in the cache blocks of request `b`'s row at position `pos`."""
-    var page = Int(lookup.unsafe_load(b * pages_per_request + pos // page_size))
-    return page * page_stride + layer_offset + (pos % page_size) * key_dim
+@always_inline
+def tile_row_offset(
+    lookup: U32Ptr, ppr: Int, psize: Int, pstride: Int, loff: Int, dim: Int, b: Int, key: Int, key_end: Int
+) -> Int64:
+    """`cache_row_offset` of request `b`'s key `key`, or -1 (a zero row) from `key_end` on."""
+    if key >= key_end:
+        return -1
+    return Int64(cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, key))
 
 
 def row_attention_meta(

@@ -1,28 +1,15 @@
 """Step 5 on float32 FMAs: float32 caches and the sizes the tensor-core kernels do not take."""
 
-from std.math import exp, sqrt
-from std.memory import bitcast, stack_allocation
+from std.math import exp
 from std.sys import size_of
 from std.utils.numerics import neg_inf
 
-from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
-from max.gpu.host import DeviceContext, FuncAttribute
+from max.gpu import WARP_SIZE, barrier, thread_idx
 from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
 from max.gpu.primitives import warp
 
-from ..attention import MaskSpec
-from .addressing import (
-    row_attention_meta,
-    attention_slots,
-    cache_row_offset,
-    find_request,
-    find_slot_request,
-    slot_start,
-)
-from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
-from ..fp8 import FP8_MAX
-from ..fp8_matmul import Granularity
-from ..paged_cache import PagedLatentRows, partition_keys
+from .attention_block import AttentionBlock, AttentionParams
+from ..common import ceil_div
 
 
 # ATT_ROWS (token, head) rows of one request per block, ATT_KT keys
@@ -55,28 +42,7 @@ def attention_smem_bytes[dtype: DType](key_dim: Int) -> Int:
 def attention_fma_kernel[
     dtype: DType, cols_per_thread: Int
 ](
-    q_full: FPtr,
-    blocks: DPtr[dtype],
-    lookup: U32Ptr,
-    pages_per_request: Int32,
-    page_size: Int32,
-    page_stride: Int64,
-    layer_offset: Int64,
-    offsets: U32Ptr,
-    cache_lengths: U32Ptr,
-    num_requests: Int32,
-    num_heads: Int32,
-    kv_lora_rank: Int32,
-    key_dim: Int32,
-    num_partitions: Int32,
-    scale: Float32,
-    mask_kind: Int32,
-    window: Int32,
-    score_mod: Int32,
-    raw: FPtr,
-    part_out: FPtr,
-    part_max: FPtr,
-    part_sum: FPtr,
+    p: AttentionParams[dtype]
 ):
     """One block per (request, tile of ATT_ROWS rows, key partition).
 
@@ -92,34 +58,13 @@ def attention_fma_kernel[
     var tid = thread_idx.x
     var warp_id = tid // WARP_SIZE
     var lane = tid % WARP_SIZE
-    var heads = Int(num_heads)
-    var rank = Int(kv_lora_rank)
-    var dim = Int(key_dim)
-    var parts = Int(num_partitions)
-    var nreq = Int(num_requests)
-    var ppr = Int(pages_per_request)
-    var psize = Int(page_size)
-    var pstride = Int(page_stride)
-    var loff = Int(layer_offset)
-    var kind = Int(mask_kind)
-    var win = Int(window)
-
-    var slot = block_idx.x
-    var part = block_idx.y
-    var b = find_slot_request(offsets, nreq, heads, ATT_ROWS, slot)
-    var o0 = Int(offsets.unsafe_load(b))
-    var o1 = Int(offsets.unsafe_load(b + 1))
-    var tile = slot - slot_start(offsets, b, heads, ATT_ROWS)
-    var row0 = o0 * heads + tile * ATT_ROWS
-    var row_end = o1 * heads
-    if row0 >= row_end:
+    var blk = AttentionBlock.locate[ATT_ROWS](p)
+    if not blk.has_rows():
         return
-    var total_rows = Int(offsets.unsafe_load(nreq)) * heads
-    var cache_len = Int(cache_lengths.unsafe_load(b))
-    var visible = cache_len + o1 - o0
-    var part_keys = partition_keys(part, parts, visible)
-    var k0 = part_keys[0]
-    var k1 = part_keys[1]
+    var rank = Int(p.kv_lora_rank)
+    var dim = Int(p.key_dim)
+    var row0 = blk.row0
+    var row_end = blk.row_end
 
     # Shared memory regions (byte offsets are multiples of 16).
     var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
@@ -150,21 +95,11 @@ def attention_fma_kernel[
 
     # Per-row metadata: key range, position, ALiBi slope, empty softmax state.
     if tid < ATT_ROWS:
-        var gr = row0 + tid
-        var lo = 0
-        var hi = 0
-        var pos = 0
-        var slope = Float32(0)
-        if gr < row_end:
-            var meta = row_attention_meta(gr, heads, cache_len, o0, visible, MaskSpec(kind, win), Int(score_mod))
-            lo = meta[0]
-            hi = meta[1]
-            pos = meta[2]
-            slope = meta[3]
-        lo_s.unsafe_store(tid, Int32(lo))
-        hi_s.unsafe_store(tid, Int32(hi))
-        pos_s.unsafe_store(tid, Int32(pos))
-        slope_s.unsafe_store(tid, slope)
+        var meta = blk.row_meta(p, tid)
+        lo_s.unsafe_store(tid, Int32(meta[0]))
+        hi_s.unsafe_store(tid, Int32(meta[1]))
+        pos_s.unsafe_store(tid, Int32(meta[2]))
+        slope_s.unsafe_store(tid, meta[3])
         m_s.unsafe_store(tid, neg_inf[DType.float32]())
         l_s.unsafe_store(tid, Float32(0))
         corr_s.unsafe_store(tid, Float32(1))
@@ -175,22 +110,19 @@ def attention_fma_kernel[
         var k = e // ATT_ROWS
         var v = Float32(0)
         if row0 + r < row_end:
-            v = q_full.unsafe_load((row0 + r) * dim + k)
+            v = p.q_full.unsafe_load((row0 + r) * dim + k)
         qT_s.unsafe_store(e, v)
     barrier()
 
     # Keys any row of the block needs in this partition.
-    var kb_lo = k1
-    var kb_hi = k0
+    var span = (blk.k1, blk.k0)
     for r in range(ATT_ROWS):
-        var lo = Int(lo_s.unsafe_load(r))
-        var hi = Int(hi_s.unsafe_load(r))
-        if lo < hi:
-            kb_lo = min(kb_lo, max(lo, k0))
-            kb_hi = max(kb_hi, min(hi, k1))
+        span = blk.widen_keys(span, Int(lo_s.unsafe_load(r)), Int(hi_s.unsafe_load(r)))
+    var kb_lo = span[0]
+    var kb_hi = span[1]
 
     var acc = Array[SIMD[DType.float32, ATT_ROWS], CPT](fill=0)
-    var blocks_global = blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    var blocks_global = p.blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
     var c0 = tid * CPT
     var stride = dim + ATT_KEY_PAD
     var vec_per_row = dim // 4
@@ -200,7 +132,7 @@ def attention_fma_kernel[
         if tid < ATT_KT:
             var ro = -1
             if tid < nkeys:
-                ro = cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j0 + tid)
+                ro = blk.key_row(p, j0 + tid)
             rowoff_s.unsafe_store(tid, Int64(ro))
         barrier()
 
@@ -237,7 +169,7 @@ def attention_fma_kernel[
                 s += red_s.unsafe_load((w * ATT_ROWS + r) * ATT_KT + lane)
             var key = j0 + lane
             if key < kb_hi and key >= Int(lo_s.unsafe_load(r)) and key < Int(hi_s.unsafe_load(r)):
-                s = s * scale - slope_s.unsafe_load(r) * Float32(Int(pos_s.unsafe_load(r)) - key)
+                s = s * p.scale - slope_s.unsafe_load(r) * Float32(Int(pos_s.unsafe_load(r)) - key)
             else:
                 s = neg_inf[DType.float32]()
             var m_old = m_s.unsafe_load(r)
@@ -273,17 +205,13 @@ def attention_fma_kernel[
     # Results of the block's valid rows.
     if c0 < rank:
         comptime for r in range(ATT_ROWS):
-            var gr = row0 + r
-            if gr < row_end:
+            if row0 + r < row_end:
                 var v = SIMD[DType.float32, CPT](0)
                 comptime for i in range(CPT):
                     v[i] = acc[i][r]
-                if parts == 1:
-                    var l = l_s.unsafe_load(r)
-                    var inv = Float32(1) / l if l > 0 else Float32(0)
-                    raw.unsafe_offset(gr * rank + c0).unsafe_store(0, (v * inv).cast[dtype]().cast[DType.float32]())
-                else:
-                    part_out.unsafe_offset((part * total_rows + gr) * rank + c0).unsafe_store(0, v)
-    if parts > 1 and tid < ATT_ROWS and row0 + tid < row_end:
-        part_max.unsafe_store(part * total_rows + row0 + tid, m_s.unsafe_load(tid))
-        part_sum.unsafe_store(part * total_rows + row0 + tid, l_s.unsafe_load(tid))
+                var inv = AttentionBlock.inverse_sum(l_s.unsafe_load(r))
+                blk.result_row(p, row0 + r).unsafe_offset(c0).unsafe_store(
+                    0, AttentionBlock.result[dtype, CPT](p, v, inv)
+                )
+    if tid < ATT_ROWS:
+        blk.store_stats(p, row0 + tid, m_s.unsafe_load(tid), l_s.unsafe_load(tid))

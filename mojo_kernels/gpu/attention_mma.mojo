@@ -32,20 +32,13 @@ from std.math import exp
 from std.sys import size_of
 from std.utils.numerics import neg_inf
 
-from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
+from max.gpu import WARP_SIZE, barrier, thread_idx
 from max.gpu.compute.mma import ld_matrix, mma
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
 from max.gpu.primitives import warp
 
-from ..attention import MaskSpec
-from ..common import DPtr, FPtr, U32Ptr, ceil_div
-from ..paged_cache import partition_keys
-from .addressing import (
-    row_attention_meta,
-    cache_row_offset,
-    find_slot_request,
-    slot_start,
-)
+from ..common import ceil_div
+from .attention_block import AttentionBlock, AttentionParams
 
 comptime MMA_ROWS = 16  # rows per group (the M of one mma)
 comptime MMA_KEY_DIM_MAX = 576  # k-steps of 16 per warp: key_dim <= gw * ks_max(gw) * 16
@@ -130,41 +123,10 @@ def copy_key_tile[
     async_copy_commit_group()
 
 
-@always_inline
-def tile_row_offset(
-    lookup: U32Ptr, ppr: Int, psize: Int, pstride: Int, loff: Int, dim: Int, b: Int, key: Int, key_end: Int
-) -> Int64:
-    """`cache_row_offset` of request `b`'s key `key`, or -1 (a zero row) from `key_end` on."""
-    if key >= key_end:
-        return -1
-    return Int64(cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, key))
-
-
 def attention_mma_kernel[
     dtype: DType, groups: Int, kt: Int, gw: Int
 ](
-    q_full: FPtr,
-    blocks: DPtr[dtype],
-    lookup: U32Ptr,
-    pages_per_request: Int32,
-    page_size: Int32,
-    page_stride: Int64,
-    layer_offset: Int64,
-    offsets: U32Ptr,
-    cache_lengths: U32Ptr,
-    num_requests: Int32,
-    num_heads: Int32,
-    kv_lora_rank: Int32,
-    key_dim: Int32,
-    num_partitions: Int32,
-    scale: Float32,
-    mask_kind: Int32,
-    window: Int32,
-    score_mod: Int32,
-    raw: FPtr,
-    part_out: FPtr,
-    part_max: FPtr,
-    part_sum: FPtr,
+    p: AttentionParams[dtype]
 ):
     """One block per (request, `16 groups` rows, key partition); see the module docstring.
 
@@ -191,34 +153,13 @@ def attention_mma_kernel[
     var g = lane // 4
     var t4 = lane % 4
 
-    var heads = Int(num_heads)
-    var rank = Int(kv_lora_rank)
-    var dim = Int(key_dim)
-    var parts = Int(num_partitions)
-    var nreq = Int(num_requests)
-    var ppr = Int(pages_per_request)
-    var psize = Int(page_size)
-    var pstride = Int(page_stride)
-    var loff = Int(layer_offset)
-    var kind = Int(mask_kind)
-    var win = Int(window)
-
-    var slot = block_idx.x
-    var part = block_idx.y
-    var b = find_slot_request(offsets, nreq, heads, ROWS_BLK, slot)
-    var o0 = Int(offsets.unsafe_load(b))
-    var o1 = Int(offsets.unsafe_load(b + 1))
-    var tile = slot - slot_start(offsets, b, heads, ROWS_BLK)
-    var row0 = o0 * heads + tile * ROWS_BLK
-    var row_end = o1 * heads
-    if row0 >= row_end:
+    var blk = AttentionBlock.locate[ROWS_BLK](p)
+    if not blk.has_rows():
         return
-    var total_rows = Int(offsets.unsafe_load(nreq)) * heads
-    var cache_len = Int(cache_lengths.unsafe_load(b))
-    var visible = cache_len + o1 - o0
-    var part_keys = partition_keys(part, parts, visible)
-    var k0 = part_keys[0]
-    var k1 = part_keys[1]
+    var rank = Int(p.kv_lora_rank)
+    var dim = Int(p.key_dim)
+    var row0 = blk.row0
+    var row_end = blk.row_end
 
     # Shared memory.
     var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
@@ -250,21 +191,11 @@ def attention_mma_kernel[
     var rowoff_s = base.unsafe_offset(off).unsafe_bitcast[Int64]()  # two buffers [kt]
 
     if tid < ROWS_BLK:
-        var gr = row0 + tid
-        var lo = 0
-        var hi = 0
-        var pos = 0
-        var slope = Float32(0)
-        if gr < row_end:
-            var meta = row_attention_meta(gr, heads, cache_len, o0, visible, MaskSpec(kind, win), Int(score_mod))
-            lo = meta[0]
-            hi = meta[1]
-            pos = meta[2]
-            slope = meta[3]
-        lo_s.unsafe_store(tid, Int32(lo))
-        hi_s.unsafe_store(tid, Int32(hi))
-        pos_s.unsafe_store(tid, Int32(pos))
-        slope_s.unsafe_store(tid, slope)
+        var meta = blk.row_meta(p, tid)
+        lo_s.unsafe_store(tid, Int32(meta[0]))
+        hi_s.unsafe_store(tid, Int32(meta[1]))
+        pos_s.unsafe_store(tid, Int32(meta[2]))
+        slope_s.unsafe_store(tid, meta[3])
         m_s.unsafe_store(tid, neg_inf[DType.float32]())
         l_s.unsafe_store(tid, Float32(0))
         corr_s.unsafe_store(tid, Float32(1))
@@ -280,7 +211,7 @@ def attention_mma_kernel[
             var d0 = ks * 16 + 2 * t4
             var x = SIMD[DType.float32, 8](0)
             if gr_a < row_end:
-                var src = q_full.unsafe_offset(gr_a * dim + d0)
+                var src = p.q_full.unsafe_offset(gr_a * dim + d0)
                 var v0 = src.unsafe_load[width=2, alignment=8](0)
                 var v1 = src.unsafe_load[width=2, alignment=8](8)
                 x[0] = v0[0]
@@ -288,7 +219,7 @@ def attention_mma_kernel[
                 x[4] = v1[0]
                 x[5] = v1[1]
             if gr_b < row_end:
-                var src = q_full.unsafe_offset(gr_b * dim + d0)
+                var src = p.q_full.unsafe_offset(gr_b * dim + d0)
                 var v0 = src.unsafe_load[width=2, alignment=8](0)
                 var v1 = src.unsafe_load[width=2, alignment=8](8)
                 x[2] = v0[0]
@@ -299,14 +230,11 @@ def attention_mma_kernel[
     barrier()
 
     # Keys any row of the block needs in this partition.
-    var kb_lo = k1
-    var kb_hi = k0
+    var span = (blk.k1, blk.k0)
     for r in range(ROWS_BLK):
-        var lo = Int(lo_s.unsafe_load(r))
-        var hi = Int(hi_s.unsafe_load(r))
-        if lo < hi:
-            kb_lo = min(kb_lo, max(lo, k0))
-            kb_hi = max(kb_hi, min(hi, k1))
+        span = blk.widen_keys(span, Int(lo_s.unsafe_load(r)), Int(hi_s.unsafe_load(r)))
+    var kb_lo = span[0]
+    var kb_hi = span[1]
 
     var acc = Array[SIMD[DType.float32, 4], NT_MAX](fill=0)
     var nt_count = rank // (8 * gw)  # value n-tiles of this warp
@@ -315,7 +243,7 @@ def attention_mma_kernel[
     var red_g = red_s.unsafe_offset(group * gw * MMA_ROWS * RS)
     var red_w = red_g.unsafe_offset(w * MMA_ROWS * RS)
     var p_g = p_s.unsafe_offset(group * MMA_ROWS * RS)
-    var blocks_global = blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    var blocks_global = p.blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
 
     # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used. Thread
     # `tid < kt` looks up the cache row of key `tid` of a tile one tile ahead of its copy, in a
@@ -323,10 +251,10 @@ def attention_mma_kernel[
     var copy_first = (tid // vec_per_row, tid % vec_per_row)
     var copy_step = (THREADS // vec_per_row, THREADS % vec_per_row)
     if tid < kt:
-        rowoff_s.unsafe_store(tid, tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + tid, kb_hi))
+        rowoff_s.unsafe_store(tid, blk.tile_row(p, kb_lo + tid, kb_hi))
     var ro_ahead = Int64(-1)
     if tid < kt:
-        ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + kt + tid, kb_hi)
+        ro_ahead = blk.tile_row(p, kb_lo + kt + tid, kb_hi)
     barrier()
     if kb_lo < kb_hi:
         copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row)
@@ -345,7 +273,7 @@ def attention_mma_kernel[
                 blocks_global, nxt_rowoff, k_s1 if cur == 0 else k_s0, copy_first, copy_step, stride, vec_per_row
             )
             if tid < kt:
-                ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j0 + 2 * kt + tid, kb_hi)
+                ro_ahead = blk.tile_row(p, j0 + 2 * kt + tid, kb_hi)
 
         # Partial scores of this warp's k-steps.
         var s_acc = Array[SIMD[DType.float32, 4], NSP](fill=0)
@@ -382,7 +310,7 @@ def attention_mma_kernel[
                     s += red_g.unsafe_load((w2 * MMA_ROWS + r) * RS + j)
                 var key = j0 + j
                 if key < kb_hi and key >= lo and key < hi:
-                    s = s * scale - slope * Float32(pos - key)
+                    s = s * p.scale - slope * Float32(pos - key)
                 else:
                     s = neg_inf[DType.float32]()
                 sv[kk] = s
@@ -439,25 +367,20 @@ def attention_mma_kernel[
         cur = 1 - cur
 
     # Results: rows g and g + 8 of the group, this warp's columns.
-    var l_a = l_s.unsafe_load(group * MMA_ROWS + g)
-    var l_b = l_s.unsafe_load(group * MMA_ROWS + g + 8)
-    var inv_a = Float32(1) / l_a if l_a > 0 else Float32(0)
-    var inv_b = Float32(1) / l_b if l_b > 0 else Float32(0)
+    var inv_a = AttentionBlock.inverse_sum(l_s.unsafe_load(group * MMA_ROWS + g))
+    var inv_b = AttentionBlock.inverse_sum(l_s.unsafe_load(group * MMA_ROWS + g + 8))
+    var out_a = blk.result_row(p, gr_a)
+    var out_b = blk.result_row(p, gr_b)
     comptime for nt in range(NT_MAX):
         if nt < nt_count:
             var col = col_base + nt * 8 + 2 * t4
-            var va = acc[nt].slice[2, offset=0]()
-            var vb = acc[nt].slice[2, offset=2]()
-            if parts == 1:
-                if gr_a < row_end:
-                    raw.unsafe_offset(gr_a * rank + col).unsafe_store[alignment=8](0, (va * inv_a).cast[dtype]().cast[DType.float32]())
-                if gr_b < row_end:
-                    raw.unsafe_offset(gr_b * rank + col).unsafe_store[alignment=8](0, (vb * inv_b).cast[dtype]().cast[DType.float32]())
-            else:
-                if gr_a < row_end:
-                    part_out.unsafe_offset((part * total_rows + gr_a) * rank + col).unsafe_store[alignment=8](0, va)
-                if gr_b < row_end:
-                    part_out.unsafe_offset((part * total_rows + gr_b) * rank + col).unsafe_store[alignment=8](0, vb)
-    if parts > 1 and tid < ROWS_BLK and row0 + tid < row_end:
-        part_max.unsafe_store(part * total_rows + row0 + tid, m_s.unsafe_load(tid))
-        part_sum.unsafe_store(part * total_rows + row0 + tid, l_s.unsafe_load(tid))
+            if gr_a < row_end:
+                out_a.unsafe_offset(col).unsafe_store[alignment=8](
+                    0, AttentionBlock.result[dtype, 2](p, acc[nt].slice[2, offset=0](), inv_a)
+                )
+            if gr_b < row_end:
+                out_b.unsafe_offset(col).unsafe_store[alignment=8](
+                    0, AttentionBlock.result[dtype, 2](p, acc[nt].slice[2, offset=2](), inv_b)
+                )
+    if tid < ROWS_BLK:
+        blk.store_stats(p, row0 + tid, m_s.unsafe_load(tid), l_s.unsafe_load(tid))

@@ -30,7 +30,7 @@ from std.sys import size_of
 from std.sys._assembly import inlined_assembly
 from std.utils.numerics import neg_inf
 
-from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
+from max.gpu import WARP_SIZE, barrier, thread_idx
 from max.gpu.compute.mma import (
     WGMMADescriptor,
     wgmma_async,
@@ -41,11 +41,7 @@ from max.gpu.compute.mma import (
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
 from max.gpu.primitives.warp import shuffle_xor
 
-from ..attention import MaskSpec
-from ..common import DPtr, FPtr, U32Ptr
-from ..paged_cache import partition_keys
-from .attention_mma import tile_row_offset
-from .addressing import find_slot_request, row_attention_meta, slot_start
+from .attention_block import AttentionBlock, AttentionParams
 
 comptime WG_ROWS = 64  # rows per block: the M of one wgmma
 comptime WG_THREADS = 128  # one warpgroup
@@ -139,34 +135,25 @@ def quad_sum(x: Float32) -> Float32:
 def attention_wgmma_kernel[
     dtype: DType, kt: Int
 ](
-    q_full: FPtr,
-    blocks: DPtr[dtype],
-    lookup: U32Ptr,
-    pages_per_request: Int32,
-    page_size: Int32,
-    page_stride: Int64,
-    layer_offset: Int64,
-    offsets: U32Ptr,
-    cache_lengths: U32Ptr,
-    num_requests: Int32,
-    num_heads: Int32,
-    kv_lora_rank: Int32,
-    key_dim: Int32,
-    num_partitions: Int32,
-    scale: Float32,
-    mask_kind: Int32,
-    window: Int32,
-    score_mod: Int32,
-    raw: FPtr,
-    part_out: FPtr,
-    part_max: FPtr,
-    part_sum: FPtr,
+    p: AttentionParams[dtype]
 ):
     """One block per (request, 64 rows, key partition); see the module docstring.
 
     Grid `(attention_slots(T, H, B, 64), num_partitions)`, block 256 threads,
     `attention_wgmma_smem_bytes` bytes of dynamic shared memory.
     """
+    # The parameters the kernel reads, loaded at entry, and its epilogue written out: with
+    # `AttentionBlock.store_stats` (and the loads at the end) ptxas 13.0 spilled 100 bytes
+    # with reloads inside the main loop, against 4-8 bytes after the loop this way.
+    var q_full = p.q_full
+    var blocks = p.blocks
+    var kv_lora_rank = p.kv_lora_rank
+    var num_partitions = p.num_partitions
+    var scale = p.scale
+    var raw = p.raw
+    var part_out = p.part_out
+    var part_max = p.part_max
+    var part_sum = p.part_sum
     comptime assert kt % 32 == 0 and kt <= 256, "kt: a multiple of 32 (two halves of n >= 16)"
     comptime KH = kt // WG_COUNT  # keys per warpgroup: the N of the score wgmma
     comptime NJ_S = KH // 8  # score n-tiles per thread
@@ -183,32 +170,17 @@ def attention_wgmma_kernel[
     var g = lane // 4
     var t4 = lane % 4
 
-    var heads = Int(num_heads)
     var rank = Int(kv_lora_rank)
     comptime dim = WG_KEY_DIM  # == key_dim (wgmma_supported)
     var parts = Int(num_partitions)
-    var nreq = Int(num_requests)
-    var ppr = Int(pages_per_request)
-    var psize = Int(page_size)
-    var pstride = Int(page_stride)
-    var loff = Int(layer_offset)
 
-    var slot = block_idx.x
-    var part = block_idx.y
-    var b = find_slot_request(offsets, nreq, heads, WG_ROWS, slot)
-    var o0 = Int(offsets.unsafe_load(b))
-    var o1 = Int(offsets.unsafe_load(b + 1))
-    var tile = slot - slot_start(offsets, b, heads, WG_ROWS)
-    var row0 = o0 * heads + tile * WG_ROWS
-    var row_end = o1 * heads
-    if row0 >= row_end:
+    var blk = AttentionBlock.locate[WG_ROWS](p)
+    if not blk.has_rows():
         return
-    var total_rows = Int(offsets.unsafe_load(nreq)) * heads
-    var cache_len = Int(cache_lengths.unsafe_load(b))
-    var visible = cache_len + o1 - o0
-    var part_keys = partition_keys(part, parts, visible)
-    var k0 = part_keys[0]
-    var k1 = part_keys[1]
+    var part = blk.part
+    var row0 = blk.row0
+    var row_end = blk.row_end
+    var total_rows = blk.total_rows
 
     # Shared memory.
     comptime chunks = dim // 8  # 16-byte vectors per row
@@ -237,23 +209,11 @@ def attention_wgmma_kernel[
     var rowoff_s = base.unsafe_offset(off).unsafe_bitcast[Int64]()  # two buffers [kt]
 
     if tid < WG_ROWS:
-        var gr = row0 + tid
-        var lo = 0
-        var hi = 0
-        var pos = 0
-        var slope = Float32(0)
-        if gr < row_end:
-            var meta = row_attention_meta(
-                gr, heads, cache_len, o0, visible, MaskSpec(Int(mask_kind), Int(window)), Int(score_mod)
-            )
-            lo = meta[0]
-            hi = meta[1]
-            pos = meta[2]
-            slope = meta[3]
-        lo_s.unsafe_store(tid, Int32(lo))
-        hi_s.unsafe_store(tid, Int32(hi))
-        pos_s.unsafe_store(tid, Int32(pos))
-        slope_s.unsafe_store(tid, slope)
+        var meta = blk.row_meta(p, tid)
+        lo_s.unsafe_store(tid, Int32(meta[0]))
+        hi_s.unsafe_store(tid, Int32(meta[1]))
+        pos_s.unsafe_store(tid, Int32(meta[2]))
+        slope_s.unsafe_store(tid, meta[3])
 
     # Q tile in dtype (exact: q_full holds dtype values), zeros past the request's rows.
     var v = tid
@@ -280,14 +240,11 @@ def attention_wgmma_kernel[
     var slope_b = slope_s.unsafe_load(rb)
 
     # Keys any row of the block needs in this partition.
-    var kb_lo = k1
-    var kb_hi = k0
+    var span = (blk.k1, blk.k0)
     for r in range(WG_ROWS):
-        var lo = Int(lo_s.unsafe_load(r))
-        var hi = Int(hi_s.unsafe_load(r))
-        if lo < hi:
-            kb_lo = min(kb_lo, max(lo, k0))
-            kb_hi = max(kb_hi, min(hi, k1))
+        span = blk.widen_keys(span, Int(lo_s.unsafe_load(r)), Int(hi_s.unsafe_load(r)))
+    var kb_lo = span[0]
+    var kb_hi = span[1]
 
     var blocks_global = blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
     # Descriptor strides (bytes): 16-byte columns of a core matrix are 128 bytes apart along a row;
@@ -302,10 +259,10 @@ def attention_wgmma_kernel[
     var acc = SIMD[DType.float32, ACC_W](0)
 
     if tid < kt:
-        rowoff_s.unsafe_store(tid, tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + tid, kb_hi))
+        rowoff_s.unsafe_store(tid, blk.tile_row(p, kb_lo + tid, kb_hi))
     var ro_ahead = Int64(-1)
     if tid < kt:
-        ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, kb_lo + kt + tid, kb_hi)
+        ro_ahead = blk.tile_row(p, kb_lo + kt + tid, kb_hi)
     barrier()
     if kb_lo < kb_hi:
         copy_key_tile_core[dtype, kt](blocks_global, rowoff_s, k_s0, tid, chunks)
@@ -323,7 +280,7 @@ def attention_wgmma_kernel[
         if has_next:
             copy_key_tile_core[dtype, kt](blocks_global, nxt_rowoff, k_s1 if cur == 0 else k_s0, tid, chunks)
             if tid < kt:
-                ro_ahead = tile_row_offset(lookup, ppr, psize, pstride, loff, dim, b, j0 + 2 * kt + tid, kb_hi)
+                ro_ahead = blk.tile_row(p, j0 + 2 * kt + tid, kb_hi)
 
         # S = Q K^T for this warpgroup's KH keys: dim / 16 k-steps of m64 n(KH) k16.
         var s = SIMD[DType.float32, KH // 2](0)

@@ -39,27 +39,15 @@ per launch (`QStepParams`, `OutStepParams`). Workspaces come from
 `ctx.enqueue_create_buffer` and are released in stream order.
 """
 
-from std.math import exp, sqrt
-from std.memory import bitcast, stack_allocation
-from std.sys import size_of
-from std.utils.numerics import neg_inf
+from std.math import exp
 
-from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
-from max.gpu.host import DeviceContext, FuncAttribute
-from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
-from max.gpu.primitives import warp
+from max.gpu import WARP_SIZE
+from max.gpu.host import DeviceContext
 
-from ..attention import MaskSpec
-from .addressing import (
-    row_attention_meta,
-    attention_slots,
-    cache_row_offset,
-    find_request,
-    find_slot_request,
-    slot_start,
-    ELEMENTWISE_THREADS,
-)
+from ..spec import MaskSpec
+from .addressing import ELEMENTWISE_THREADS
 from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
+from .attention_block import AttentionParams, enqueue_attention
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes, mma_supported
 from .attention_wgmma import (
     WG_BLOCK_THREADS,
@@ -68,8 +56,7 @@ from .attention_wgmma import (
     attention_wgmma_smem_bytes,
     wgmma_supported,
 )
-from ..fp8 import FP8_MAX
-from .attention_fma import ATT_KT, ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
+from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .projection import MATMUL_M_TILE, MATMUL_SMEM_FLOATS, MATMUL_THREADS, QUANT_WARPS, fp8_matmul_kernel, quantize_kernel
 from .projection_mma import Fp8Projection
 from .merge import MAX_PARTITIONS, MERGE_THREADS, merge_kernel, store_kernel
@@ -83,7 +70,7 @@ from .steps_fused import (
     enqueue_q_step,
     tile_fits,
 )
-from ..fp8_matmul import Granularity
+from ..spec import Granularity
 from ..paged_cache import PagedLatentRows
 from ..problem import DecodeProblem
 
@@ -481,101 +468,48 @@ def gpu_attention[
     var part_max = part_max_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var part_sum = part_sum_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
+    var params = AttentionParams[dtype](
+        q_full,
+        cache.blocks,
+        cache.lookup_table,
+        Int32(cache.pages_per_request),
+        Int32(cache.page_size),
+        Int64(cache.page_stride),
+        Int64(cache.layer_offset),
+        input_row_offsets,
+        cache_lengths,
+        Int32(num_requests),
+        Int32(num_heads),
+        Int32(kv_lora_rank),
+        Int32(key_dim),
+        Int32(parts),
+        scale,
+        Int32(mask.kind),
+        Int32(mask.window),
+        Int32(score_mod),
+        raw,
+        part_out,
+        part_max,
+        part_sum,
+    )
+
     @always_inline
-    def launch_fma[cols_per_thread: Int]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
-        var smem = attention_smem_bytes[dtype](key_dim)
-        ctx.enqueue_function[attention_fma_kernel[dtype, cols_per_thread]](
-            q_full,
-            cache.blocks,
-            cache.lookup_table,
-            Int32(cache.pages_per_request),
-            Int32(cache.page_size),
-            Int64(cache.page_stride),
-            Int64(cache.layer_offset),
-            input_row_offsets,
-            cache_lengths,
-            Int32(num_requests),
-            Int32(num_heads),
-            Int32(kv_lora_rank),
-            Int32(key_dim),
-            Int32(parts),
-            scale,
-            Int32(mask.kind),
-            Int32(mask.window),
-            Int32(score_mod),
-            raw,
-            part_out,
-            part_max,
-            part_sum,
-            grid_dim=(attention_slots(num_tokens, num_heads, num_requests, ATT_ROWS), parts),
-            block_dim=ATT_THREADS,
-            shared_mem_bytes=smem,
-            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+    def launch_fma[cols_per_thread: Int]() raises {var ctx, var params, var num_tokens, var key_dim}:
+        enqueue_attention[attention_fma_kernel[dtype, cols_per_thread], ATT_ROWS](
+            ctx, params, num_tokens, ATT_THREADS, attention_smem_bytes[dtype](key_dim)
         )
 
     @always_inline
-    def launch_mma[s: Tuple[Int, Int, Int]]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
+    def launch_mma[s: Tuple[Int, Int, Int]]() raises {var ctx, var params, var num_tokens, var key_dim}:
         comptime groups, kt, gw = s[0], s[1], s[2]
-        var smem = attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim)
-        ctx.enqueue_function[attention_mma_kernel[dtype, groups, kt, gw]](
-            q_full,
-            cache.blocks,
-            cache.lookup_table,
-            Int32(cache.pages_per_request),
-            Int32(cache.page_size),
-            Int64(cache.page_stride),
-            Int64(cache.layer_offset),
-            input_row_offsets,
-            cache_lengths,
-            Int32(num_requests),
-            Int32(num_heads),
-            Int32(kv_lora_rank),
-            Int32(key_dim),
-            Int32(parts),
-            scale,
-            Int32(mask.kind),
-            Int32(mask.window),
-            Int32(score_mod),
-            raw,
-            part_out,
-            part_max,
-            part_sum,
-            grid_dim=(attention_slots(num_tokens, num_heads, num_requests, MMA_ROWS * groups), parts),
-            block_dim=WARP_SIZE * gw * groups,
-            shared_mem_bytes=smem,
-            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+        enqueue_attention[attention_mma_kernel[dtype, groups, kt, gw], MMA_ROWS * groups](
+            ctx, params, num_tokens, WARP_SIZE * gw * groups, attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim)
         )
 
     @always_inline
-    def launch_wgmma[kt: Int]() raises {var ctx, var q_full, var cache, var input_row_offsets, var cache_lengths, var num_requests, var num_tokens, var num_heads, var kv_lora_rank, var key_dim, var parts, var scale, var mask, var score_mod, var raw, var part_out, var part_max, var part_sum}:
-        var smem = attention_wgmma_smem_bytes[dtype](kt, key_dim)
-        ctx.enqueue_function[attention_wgmma_kernel[dtype, kt]](
-            q_full,
-            cache.blocks,
-            cache.lookup_table,
-            Int32(cache.pages_per_request),
-            Int32(cache.page_size),
-            Int64(cache.page_stride),
-            Int64(cache.layer_offset),
-            input_row_offsets,
-            cache_lengths,
-            Int32(num_requests),
-            Int32(num_heads),
-            Int32(kv_lora_rank),
-            Int32(key_dim),
-            Int32(parts),
-            scale,
-            Int32(mask.kind),
-            Int32(mask.window),
-            Int32(score_mod),
-            raw,
-            part_out,
-            part_max,
-            part_sum,
-            grid_dim=(attention_slots(num_tokens, num_heads, num_requests, WG_ROWS), parts),
-            block_dim=WG_BLOCK_THREADS,
-            shared_mem_bytes=smem,
-            func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+    def launch_wgmma[kt: Int]() raises {var ctx, var params, var num_tokens, var key_dim}:
+        enqueue_attention[attention_wgmma_kernel[dtype, kt], WG_ROWS](
+            ctx, params, num_tokens, WG_BLOCK_THREADS, attention_wgmma_smem_bytes[dtype](kt, key_dim)
         )
 
     if shape[0] > 0:

@@ -1,28 +1,13 @@
 """Steps 3 and 6 on the GPU: dynamic fp8 activation quantization and the fp8 block-scaled batched matmul."""
 
-from std.math import exp, sqrt
 from std.memory import bitcast, stack_allocation
-from std.sys import size_of
-from std.utils.numerics import neg_inf
 
 from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
-from max.gpu.host import DeviceContext, FuncAttribute
-from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
+from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from ..attention import MaskSpec
-from .addressing import (
-    row_attention_meta,
-    attention_slots,
-    cache_row_offset,
-    find_request,
-    find_slot_request,
-    slot_start,
-)
-from ..common import DPtr, FPtr, U32Ptr, U8Ptr, ceil_div
-from ..fp8 import FP8_MAX
-from ..fp8_matmul import Granularity
-from ..paged_cache import PagedLatentRows
+from ..common import DPtr, FPtr, U8Ptr, ceil_div
+from ..fp8 import activation_scale, scaled_into_range
 
 
 # Quantization: one warp per scale block.
@@ -89,13 +74,12 @@ def quantize_kernel[
         var k = k0 + e % width
         amax = max(amax, abs(src.unsafe_load(m * ms + k).cast[DType.float32]()))
     amax = warp.max(amax)
-    var s = amax / FP8_MAX if amax > 0 else Float32(1)
+    var s = activation_scale(amax)
     var dst = a_dq.unsafe_offset(g * rows * k_total)
     for e in range(lane, count, WARP_SIZE):
         var m = m0 + e // width
         var k = k0 + e % width
-        var x = src.unsafe_load(m * ms + k).cast[DType.float32]() / s
-        x = min(max(x, -FP8_MAX), FP8_MAX)
+        var x = scaled_into_range[1](src.unsafe_load(m * ms + k).cast[DType.float32](), s)
         dst.unsafe_store(m * k_total + k, x.cast[DType.float8_e4m3fn]().cast[DType.float32]() * s)
 
 

@@ -42,7 +42,7 @@ from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group
 from max.gpu.primitives import warp
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
-from ..fp8 import FP8_MAX
+from ..fp8 import activation_scale, scaled_into_range
 
 comptime KCHUNK = 64  # k per 16-byte fp8 fragment load: 4 mma k-steps
 comptime SEG_VECS = 4  # float32x4 registers per lane for one row's K block (K blocks up to 512)
@@ -266,13 +266,13 @@ def stage_activations[
                 for kk in range(lane, width, WARP_SIZE):
                     amax = max(amax, abs(row.unsafe_load(kk).cast[DType.float32]()))
             amax = warp.max(amax)
-            scale = amax / FP8_MAX if amax > 0 else Float32(1)
+            scale = activation_scale(amax)
         var src = a_g.unsafe_offset(m * ms + k0)
         for kk in range(lane, lay.block_kp, WARP_SIZE):
             var x = Float32(0)
             if m < rows and kk < width:
                 var xv = src.unsafe_load(kk)
-                x = min(max(xv.cast[DType.float32]() / scale, -FP8_MAX), FP8_MAX)
+                x = scaled_into_range[1](xv.cast[DType.float32](), scale)
                 if do_copy:
                     copy_g.unsafe_store(m * copy_m_stride + k0 + kk, xv.cast[copy_dtype]())
             dst.unsafe_store(kk, x.cast[DType.float8_e4m3fn]().cast[DType.float16]())
@@ -351,9 +351,9 @@ def quantize_rows_in_registers[
             var kbb = Int(kb_of[s // VPI])
             var kk = 4 * lane + SLOT * (s % VPI)
             var amax = item_max[s // VPI]
-            var scale = amax / FP8_MAX if amax > 0 else Float32(1)
+            var scale = activation_scale(amax)
             if rr < mt and kk < lay.block_kp:
-                var x = min(max(v[s] / scale, -FP8_MAX), FP8_MAX)
+                var x = scaled_into_range[4](v[s], scale)
                 sm.a_s.unsafe_offset(rr * lay.a_stride + kbb * lay.block_kp + kk).unsafe_store[alignment=8](
                     0, x.cast[DType.float8_e4m3fn]().cast[DType.float16]()
                 )

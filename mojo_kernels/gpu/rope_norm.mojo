@@ -13,8 +13,10 @@ from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from .addressing import cache_row_offset, find_request, ELEMENTWISE_THREADS
+from .addressing import find_request, ELEMENTWISE_THREADS
 from ..common import DPtr, FPtr, U32Ptr
+from ..paged_cache import cache_row_offset
+from ..spec import rope_pair
 
 
 @fieldwise_init
@@ -106,8 +108,9 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsArgs[dtype], t: 
         var x1 = rsrc.unsafe_load(2 * j + 1).cast[DType.float32]()
         var c = freqs.unsafe_load(2 * j).cast[DType.float32]()
         var s = freqs.unsafe_load(2 * j + 1).cast[DType.float32]()
-        rrow.unsafe_store(2 * j, (x0 * c - x1 * s).cast[dtype]())
-        rrow.unsafe_store(2 * j + 1, (x0 * s + x1 * c).cast[dtype]())
+        var y = rope_pair(x0, x1, c, s)
+        rrow.unsafe_store(2 * j, y[0].cast[dtype]())
+        rrow.unsafe_store(2 * j + 1, y[1].cast[dtype]())
 
 
 def rope_norm_cache_kernel[dtype: DType](a: CacheRowsArgs[dtype]):
@@ -129,8 +132,9 @@ def rope_q_pair[
     var x1 = q_row.unsafe_load(nope + 2 * j + 1).cast[DType.float32]()
     var c = freqs_row.unsafe_load(2 * j).cast[DType.float32]()
     var s = freqs_row.unsafe_load(2 * j + 1).cast[DType.float32]()
-    q_full_row.unsafe_store(rank + 2 * j, (x0 * c - x1 * s).cast[dtype]().cast[DType.float32]())
-    q_full_row.unsafe_store(rank + 2 * j + 1, (x0 * s + x1 * c).cast[dtype]().cast[DType.float32]())
+    var y = rope_pair(x0, x1, c, s)
+    q_full_row.unsafe_store(rank + 2 * j, y[0].cast[dtype]().cast[DType.float32]())
+    q_full_row.unsafe_store(rank + 2 * j + 1, y[1].cast[dtype]().cast[DType.float32]())
 
 
 @always_inline

@@ -23,7 +23,7 @@ from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
-from ..common import DPtr, FPtr, U32Ptr, ceil_div
+from ..common import DPtr, U32Ptr, ceil_div
 from .projection_mma import (
     MMA_SMEM_LIMIT,
     Fp8Projection,

@@ -23,12 +23,8 @@ from std.time import perf_counter_ns
 
 from max.gpu.host import DeviceBuffer, DeviceContext
 
-from mojo_kernels.attention import MaskSpec
-from mojo_kernels.common import DPtr, FPtr, U32Ptr, U8Ptr
-from mojo_kernels.fp8_matmul import Granularity
+from mojo_kernels.common import DPtr
 from mojo_kernels.gpu.pipeline import (
-    MMA_FEW_HEADS,
-    MMA_MANY_HEADS,
     NO_TILE,
     WGMMA_SHAPE,
     cache_rows_args,
@@ -42,6 +38,7 @@ from mojo_kernels.gpu.steps_fused import PROJ_TILES, tile_fits
 from mojo_kernels.gpu.attention_wgmma import wgmma_supported
 from mojo_kernels.paged_cache import PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
+from mojo_kernels.spec import Granularity, MaskSpec
 
 comptime UNUSED_PAGE = UInt32(0xFFFFFFFF)
 comptime FP8_MAX: Float32 = 448.0

@@ -30,7 +30,8 @@ from std.memory import bitcast
 from std.sys import PrefetchOptions, llvm_intrinsic, prefetch
 from std.sys.info import CompilationTarget
 
-from .common import FPtr, sum_lanes_of_16
+from ..common import FPtr
+from .simd import sum_lanes_of_16
 
 comptime HAS_AVX512_BF16 = CompilationTarget._has_feature["avx512bf16"]()
 """Whether the CPU the op is compiled for (MAX compiles it on the machine that runs it) has the unit."""

@@ -25,9 +25,11 @@ Partitions are merged with their log-sum-exp at the end.
 from std.math import exp, min
 from std.utils.numerics import neg_inf
 
-from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32_WIDTH, ceil_div, dot_block, run_tasks, scratch
-from .cpu_bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16, unpermute_value_columns
-from .paged_cache import PagedLatentRows, RaggedBatch, partition_keys
+from ..common import DPtr, FPtr, ceil_div
+from ..paged_cache import PagedLatentRows, RaggedBatch, partition_keys
+from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
+from .bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16, unpermute_value_columns
+from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, dot_block, run_tasks, scratch
 
 comptime KEY_TILE = F32_WIDTH  # keys per tile of the float32 path: one score vector per row
 comptime BF16_KEY_TILE = 2 * F32_WIDTH
@@ -36,45 +38,6 @@ each row's softmax bookkeeping (max, sum, correction) is paid once per tile."""
 comptime MAX_KEY_TILE = max(KEY_TILE, BF16_KEY_TILE)
 comptime ROW_BLOCK = DOT_ROWS  # rows per register block (scores and P V)
 comptime COL_BLOCK = 4  # value vectors per register block of P V
-
-comptime MASK_NULL = 0
-comptime MASK_CAUSAL = 1
-comptime MASK_SLIDING_WINDOW_CAUSAL = 2
-comptime MASK_CHUNKED_CAUSAL = 3
-comptime SCORE_MOD_NO_POS = 0
-comptime SCORE_MOD_ALIBI_POS = 1
-
-
-def alibi_slope(head: Int, num_heads: Int) -> Float32:
-    """ALiBi slope of `head` (see `pymla.reference.alibi_slopes`)."""
-    var n = 1
-    while n * 2 <= num_heads:
-        n *= 2
-    if head < n:
-        return Float32(2.0) ** (Float32(-8.0) * Float32(head + 1) / Float32(n))
-    return Float32(2.0) ** (Float32(-8.0) * Float32(2 * (head - n) + 1) / Float32(2 * n))
-
-
-@fieldwise_init
-struct MaskSpec(TrivialRegisterPassable):
-    """Mask variant (one of the MASK_* codes) and its window or chunk size.
-
-    Shared by the CPU stages and the GPU kernels (`gpu/addressing.row_attention_meta`).
-    """
-
-    var kind: Int
-    var window: Int
-
-    def key_range(self, position: Int, visible: Int) -> Tuple[Int, Int]:
-        """Half-open range of key positions a query at `position` attends to."""
-        if self.kind == MASK_NULL:
-            return (0, visible)
-        if self.kind == MASK_SLIDING_WINDOW_CAUSAL:
-            return (max(0, position - self.window + 1), position + 1)
-        if self.kind == MASK_CHUNKED_CAUSAL and self.window > 0:
-            return ((position // self.window) * self.window, position + 1)
-        return (0, position + 1)
-
 
 @fieldwise_init
 struct AttentionShape(TrivialRegisterPassable):

@@ -12,13 +12,15 @@
 from std.os import getenv
 from std.sys import num_physical_cores
 
+from ..common import DPtr, FPtr, U8Ptr, ceil_div
+from ..paged_cache import RaggedBatch
+from ..problem import DecodeProblem
+from ..spec import Granularity
 from .attention import AttentionShape, PartialResults, attend_partitions, merge_partitions
-from .cpu_bf16 import HAS_AVX512_BF16
-from .common import DPtr, FPtr, U8Ptr, ceil_div, scratch, scratch_of
-from .fp8_matmul import Granularity, StridedMatrices, fp8_batched_matmul
-from .paged_cache import RaggedBatch
-from .problem import DecodeProblem
+from .bf16 import HAS_AVX512_BF16
+from .fp8_matmul import StridedMatrices, fp8_batched_matmul
 from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
+from .simd import scratch, scratch_of
 
 comptime MIN_KEYS_PER_PARTITION = 256
 comptime TASKS_PER_WORKER = 4

@@ -2,8 +2,10 @@
 
 from std.math import sqrt
 
-from .common import DPtr, FPtr, F32_WIDTH, run_tasks
-from .paged_cache import PagedLatentRows, RaggedBatch
+from ..common import DPtr
+from ..paged_cache import PagedLatentRows, RaggedBatch
+from ..spec import rope_pair
+from .simd import F32_WIDTH, run_tasks
 
 
 def rope_interleaved[
@@ -18,8 +20,9 @@ def rope_interleaved[
         var x1 = src.unsafe_load(j + 1).cast[DType.float32]()
         var c = freqs.unsafe_load(j).cast[DType.float32]()
         var s = freqs.unsafe_load(j + 1).cast[DType.float32]()
-        dst.unsafe_store(j, (x0 * c - x1 * s).cast[out_dtype]())
-        dst.unsafe_store(j + 1, (x0 * s + x1 * c).cast[out_dtype]())
+        var y = rope_pair(x0, x1, c, s)
+        dst.unsafe_store(j, y[0].cast[out_dtype]())
+        dst.unsafe_store(j + 1, y[1].cast[out_dtype]())
 
 
 def rms_norm_in_place[

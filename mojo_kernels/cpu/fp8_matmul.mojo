@@ -11,36 +11,12 @@ exact fp8 products are summed and scaled by `sa * sw`.
 
 from std.math import min
 
-from .common import DOT_COLS, DOT_ROWS, DPtr, FPtr, F32Vec, U8Ptr, F32_WIDTH, ceil_div, dot_lanes, run_tasks, scratch, sum_lanes
-from .fp8 import F32V, FP8_MAX, round_to_e4m3, widen_e4m3
+from ..common import DPtr, FPtr, U8Ptr, ceil_div
+from ..fp8 import activation_scale, round_to_e4m3, scaled_into_range, widen_e4m3
+from ..spec import BlockShape
+from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, dot_lanes, run_tasks, scratch, sum_lanes
 
 comptime WEIGHT_ROWS_PER_TASK = 64
-
-
-@fieldwise_init
-struct Granularity(TrivialRegisterPassable):
-    """Scale granularity `(m, n, k)` of the op; 0 means the whole axis."""
-
-    var m: Int
-    var n: Int
-    var k: Int
-
-    def resolve(self, m: Int, n: Int, k: Int) -> BlockShape:
-        """Block extents for one matmul of `m x k` activations and `n x k` weights."""
-        return BlockShape(
-            max(m, 1) if self.m == 0 else self.m,
-            max(n, 1) if self.n == 0 else self.n,
-            max(k, 1) if self.k == 0 else self.k,
-        )
-
-
-@fieldwise_init
-struct BlockShape(TrivialRegisterPassable):
-    """Elements per scale along M, N and K of one matmul."""
-
-    var m: Int
-    var n: Int
-    var k: Int
 
 
 @fieldwise_init
@@ -83,23 +59,23 @@ def quantize_activations[
             var amax = Float32(0)
             for m in range(m0, m1):
                 var src = a.row(g, m)
-                var vmax = F32V(0)
+                var vmax = F32Vec(0)
                 for k in range(k0, vec_end, W):
                     vmax = max(vmax, abs(src.unsafe_load[width=W](k).cast[DType.float32]()))
                 amax = max(amax, vmax.reduce_max())
                 for k in range(vec_end, k1):
                     amax = max(amax, abs(src.unsafe_load(k).cast[DType.float32]()))
-            var s = amax / FP8_MAX if amax > 0 else Float32(1)
+            var s = activation_scale(amax)
             a_scale.unsafe_store((g * m_blocks + mb) * k_blocks + kb, s)
             for m in range(m0, m1):
                 var src = a.row(g, m)
                 var dst = a_q.unsafe_offset((g * num_rows + m) * depth)
                 for k in range(k0, vec_end, W):
-                    var x = src.unsafe_load[width=W](k).cast[DType.float32]() / s
-                    dst.unsafe_store(k, round_to_e4m3(min(max(x, -FP8_MAX), FP8_MAX)))
+                    var x = src.unsafe_load[width=W](k).cast[DType.float32]()
+                    dst.unsafe_store(k, round_to_e4m3[W](scaled_into_range[W](x, s)))
                 for k in range(vec_end, k1):
-                    var x = F32V(src.unsafe_load(k).cast[DType.float32]() / s)
-                    dst.unsafe_store(k, round_to_e4m3(min(max(x, -FP8_MAX), FP8_MAX))[0])
+                    var x = F32Vec(src.unsafe_load(k).cast[DType.float32]())
+                    dst.unsafe_store(k, round_to_e4m3[W](scaled_into_range[W](x, s))[0])
 
     run_tasks(block_row_task, num_groups * m_blocks, num_groups * num_rows * depth)
 
@@ -109,9 +85,9 @@ def widen_weight_rows(w: U8Ptr, dst: FPtr, count: Int):
     comptime W = F32_WIDTH
     var main = count - count % W
     for i in range(0, main, W):
-        dst.unsafe_store(i, widen_e4m3(w.unsafe_load[width=W](i)))
+        dst.unsafe_store(i, widen_e4m3[W](w.unsafe_load[width=W](i)))
     for i in range(main, count):
-        dst.unsafe_store(i, widen_e4m3(SIMD[DType.uint8, W](w.unsafe_load(i)))[0])
+        dst.unsafe_store(i, widen_e4m3[W](SIMD[DType.uint8, W](w.unsafe_load(i)))[0])
 
 
 @fieldwise_init
