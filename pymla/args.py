@@ -8,7 +8,7 @@ dtypes of the scalar inputs, the rank and dtype checks
 (:mod:`pymla.validate`), and which object of the plan/run API holds each
 value (:mod:`pymla.plan`).
 
-The mask and score-mod codes are the kernel's (``mojo_kernels/attention.mojo``:
+The mask and score-mod codes are the kernel's (``mojo_kernels/spec.mojo``:
 ``MASK_*``, ``SCORE_MOD_*``).
 """
 

@@ -48,13 +48,19 @@ def family(name: str) -> str:
     return re.sub(r"_[0-9a-f]{16}\.ptx$", "", name)
 
 
+def unmatched(a: dict[str, list[str]], b: dict[str, list[str]]) -> list[str]:
+    """The files of `a` whose normalized kernel has no partner left in `b`."""
+    return sorted(n for h, names in a.items() for n in names[len(b.get(h, [])) :])
+
+
 def main() -> int:
     before, after = (kernels(pathlib.Path(p)) for p in sys.argv[1:3])
     same = sum(min(len(before[h]), len(after[h])) for h in before.keys() & after.keys())
     total = sum(len(v) for v in after.values())
-    print(f"{same} of {total} kernels identical up to symbol names ({sum(len(v) for v in before.values())} before)")
-    only = lambda a, b: sorted(n for h, ns in a.items() for n in ns[len(b.get(h, [])):])  # noqa: E731
-    lost, new = only(before, after), only(after, before)
+    print(
+        f"{same} of {total} kernels identical up to symbol names ({sum(len(v) for v in before.values())} before)"
+    )
+    lost, new = unmatched(before, after), unmatched(after, before)
     for label, names in (("before only", lost), ("after only", new)):
         for family_name, count in collections.Counter(map(family, names)).items():
             print(f"  {label}: {count} x {family_name}")

@@ -4,6 +4,7 @@ and runs the op from anywhere."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -45,6 +46,14 @@ print("wheel OK", pymla.__file__)
 
 
 def test_wheel_ships_the_kernels_and_runs_from_another_directory(tmp_path):
+    # Built from a copy without build outputs: setuptools keeps files of an earlier in-tree build
+    # in build/lib and would ship a module moved or deleted since.
+    source = tmp_path / "source"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "benchmarks", "__pycache__"),
+    )
     wheels = tmp_path / "wheels"
     subprocess.run(
         [
@@ -57,7 +66,7 @@ def test_wheel_ships_the_kernels_and_runs_from_another_directory(tmp_path):
             "-q",
             "-w",
             str(wheels),
-            str(ROOT),
+            str(source),
         ],
         check=True,
         env=dict(os.environ),  # not the C environment: max.nn putenv()s PYTHONEXECUTABLE
