@@ -205,12 +205,7 @@ def configure_cpu_target() -> str:
         elif current:
             target = current
         else:
-            flags = cpu_flags()
-            target = ""
-            if any(_norm(f) in {_norm(x) for x in flags} for f in FEATURES):
-                target = choose_cpu_target(
-                    llvm_target()[1], flags, {c: llvm_target(c)[1] for c in CANDIDATE_TARGETS}
-                )
+            target = _corrected_host_target(cpu_flags())
             if target:
                 log.info(
                     "pymla: compiling CPU kernels for %s (LLVM takes this host for %s, "
@@ -223,6 +218,21 @@ def configure_cpu_target() -> str:
             driver.set_virtual_cpu_target(target)
         _configured = target
         return target
+
+
+def _corrected_host_target(flags: set[str]) -> str:
+    """:func:`choose_cpu_target` for this host; ``""`` without a feature of :data:`FEATURES`
+    in ``flags`` (no compiler call then) or when the compiler cannot be asked."""
+    have = {_norm(f) for f in flags}
+    if not any(_norm(f) in have for f in FEATURES):
+        return ""
+    try:
+        host = llvm_target()[1]
+        candidates = {c: llvm_target(c)[1] for c in CANDIDATE_TARGETS}
+    except (OSError, ValueError) as e:  # no mojo binary, or one that cannot say
+        log.warning("pymla: CPU kernels compile for the host target (%s)", e)
+        return ""
+    return choose_cpu_target(host, flags, candidates)
 
 
 def compile_target_name() -> str:
