@@ -24,7 +24,8 @@ The math is specified in :mod:`pymla.reference`.
 import logging as _logging
 from importlib import metadata as _metadata
 
-from .args import Mask, ScoreMod
+from . import torch_op  # noqa: F401 (registers torch.ops.pymla.mla_decode_branch_fp8)
+from .args import KVCacheTensors, Mask, ScoreMod
 from .cache import PagedLatentCache
 from .op import mla_decode_branch_fp8
 from .plan import DecodeOptions, DecodePlan, LayerWeights, plan
@@ -36,7 +37,7 @@ from .quant import (
     make_mla_weights,
     quantize_fp8,
 )
-from .reference import KVCacheTensors, mla_decode_branch_fp8_reference, rope_freqs_cis
+from .reference import mla_decode_branch_fp8_reference, rope_freqs_cis
 from .runtime import op_stream
 from .validate import StaleCacheRowsError
 

@@ -8,14 +8,20 @@ dtypes of the scalar inputs, the rank and dtype checks
 (:mod:`pymla.validate`), and which object of the plan/run API holds each
 value (:mod:`pymla.plan`).
 
-The mask and score-mod codes are the kernel's (``mojo_kernels/spec.mojo``:
-``MASK_*``, ``SCORE_MOD_*``).
+The op's vocabulary lives here too: the masks and score mods (:class:`Mask`,
+:class:`ScoreMod`, their names :data:`MASKS` and :data:`SCORE_MODS`, and the
+one parser of a name or code, :meth:`Mask.parse`), and the cache's three
+tensors (:class:`KVCacheTensors`). The mask and score-mod codes are the
+kernel's (``mojo_kernels/spec.mojo``: ``MASK_*``, ``SCORE_MOD_*``).
+:func:`torch_op_args` and :func:`call_torch_op` spell out the call of the
+torch custom op (registered by :mod:`pymla.torch_op`) on named values.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from max.dtype import DType
@@ -26,8 +32,50 @@ ACTIVATION = "activation"
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class Mask(enum.IntEnum):
+class _Named(enum.IntEnum):
+    """An enum of kernel codes whose names (lower case) are the public spelling."""
+
+    @property
+    def label(self) -> str:
+        """The name used by the reference and the public function (``"causal"``, ...)."""
+        return self.name.lower()
+
+    @classmethod
+    def labels(cls) -> tuple[str, ...]:
+        return tuple(m.label for m in cls)
+
+    @classmethod
+    def parse(cls, value: object, name: str | None = None, *, codes: bool = False):
+        """The member for ``value``: a member, its name in any case, or (``codes``) its code.
+
+        TypeError for another type (a code without ``codes``), ValueError for
+        an unknown name or code. ``name`` names the argument in the messages
+        (default: the enum's, ``"mask"`` or ``"score_mod"``).
+        """
+        if isinstance(value, cls):
+            return value
+        name = cls._argument if name is None else name
+        labels = cls.labels()
+        if codes and isinstance(value, int) and not isinstance(value, bool):
+            try:
+                return cls(value)
+            except ValueError:
+                known = {m.label: int(m) for m in cls}
+                raise ValueError(
+                    f"{name}: expected one of the codes {known}, got {value}"
+                ) from None
+        if not isinstance(value, str):
+            raise TypeError(f"{name}: expected a str, one of {labels}, got {type(value).__name__}")
+        lowered = value.lower()
+        if lowered not in labels:
+            raise ValueError(f"{name}: expected one of {labels} (any case), got {value!r}")
+        return cls[lowered.upper()]
+
+
+class Mask(_Named):
     """Attention masks; the values are the kernel's ``MASK_*`` codes."""
+
+    _argument = enum.nonmember("mask")
 
     NULL = 0
     CAUSAL = 1
@@ -35,24 +83,34 @@ class Mask(enum.IntEnum):
     CHUNKED_CAUSAL = 3
 
     @property
-    def label(self) -> str:
-        """The name used by the reference and the public function (``"causal"``, ...)."""
-        return self.name.lower()
-
-    @property
     def windowed(self) -> bool:
+        """Whether the mask takes a ``local_window_size`` (sliding window, chunk)."""
         return self in (Mask.SLIDING_WINDOW_CAUSAL, Mask.CHUNKED_CAUSAL)
 
 
-class ScoreMod(enum.IntEnum):
+class ScoreMod(_Named):
     """Score modifications; the values are the kernel's ``SCORE_MOD_*`` codes."""
+
+    _argument = enum.nonmember("score_mod")
 
     NO_POS = 0
     ALIBI_POS = 1
 
-    @property
-    def label(self) -> str:
-        return self.name.lower()
+
+MASKS: tuple[str, ...] = Mask.labels()
+"""The mask names: ``("null", "causal", "sliding_window_causal", "chunked_causal")``."""
+SCORE_MODS: tuple[str, ...] = ScoreMod.labels()
+"""The score-mod names: ``("no_pos", "alibi_pos")``."""
+WINDOWED_MASKS: tuple[str, ...] = tuple(m.label for m in Mask if m.windowed)
+"""The masks that take a ``local_window_size``."""
+
+
+class KVCacheTensors(NamedTuple):
+    """The three tensors of a paged latent cache, as the op consumes them."""
+
+    blocks: torch.Tensor  # [num_blocks, 1, num_layers, page_size, 1, R + Dr]
+    cache_lengths: torch.Tensor  # [B] uint32
+    lookup_table: torch.Tensor  # [B, max_pages] uint32
 
 
 class Source(enum.Enum):
@@ -174,3 +232,58 @@ def torch_schema() -> str:
 
 def mutated_names() -> tuple[str, ...]:
     return tuple(a.name for a in ARGS if a.mutable)
+
+
+def torch_op_args(
+    *,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    input_row_offsets: torch.Tensor,
+    freqs_cis: torch.Tensor,
+    kv: KVCacheTensors,
+    layer_idx: int,
+    options,
+    granularity,
+    weights: dict[str, torch.Tensor],
+    attention_out: torch.Tensor | None = None,
+    new_rows: torch.Tensor | None = None,
+    check_values: bool = True,
+) -> tuple:
+    """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` (:data:`INPUT_NAMES` order).
+
+    ``options``: a :class:`pymla.DecodeOptions`; ``granularity``: a
+    :class:`pymla.ScaleGranularity`; ``weights``: a :class:`pymla.LayerWeights`'
+    ``tensors`` (fp8 weights as float8_e4m3fn).
+    """
+    values = {
+        "output": out,
+        "attention_output": _absent(q) if attention_out is None else attention_out,
+        "q": q,
+        "input_row_offsets": input_row_offsets,
+        "freqs_cis": freqs_cis,
+        "new_rows": _absent(q) if new_rows is None else new_rows,
+        "kv_blocks": kv.blocks,
+        "cache_lengths": kv.cache_lengths,
+        "lookup_table": kv.lookup_table,
+        "layer_idx": layer_idx,
+        **options.scalars(),
+        "m_scale_granularity": granularity.m,
+        "n_scale_granularity": granularity.n,
+        "k_scale_granularity": granularity.k,
+        **{k: t.view(torch.uint8) if k in ("w_uk", "w_uv") else t for k, t in weights.items()},
+    }
+    return (*(values[n] for n in INPUT_NAMES), bool(check_values))
+
+
+def call_torch_op(**values) -> None:
+    """``torch.ops.pymla.mla_decode_branch_fp8`` on named values (see :func:`torch_op_args`).
+
+    The one place that spells that call out; the op is registered by
+    :mod:`pymla.torch_op` (imported by ``import pymla``).
+    """
+    torch.ops.pymla.mla_decode_branch_fp8(*torch_op_args(**values))
+
+
+def _absent(q: torch.Tensor) -> torch.Tensor:
+    """The placeholder of an optional tensor argument that was not given (no elements)."""
+    return q.new_empty(0) if isinstance(q, torch.Tensor) else torch.empty(0)

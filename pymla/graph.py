@@ -22,8 +22,8 @@ from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, Graph, TensorType, TensorValue, ops
 
 from .args import ACTIVATION, ARGS, INPUT_NAMES, Mask, ScoreMod
+from .cpu_paths import configure_cpu_target
 from .quant import ScaleGranularity
-from .reference import MASKS, SCORE_MODS
 
 __all__ = [
     "INPUT_NAMES",
@@ -72,8 +72,6 @@ def kernels_path() -> pathlib.Path:
     (:func:`pymla.cpu_paths.configure_cpu_target`: the host's, unless LLVM
     misnames a CPU whose features the kernels use).
     """
-    from .cpu_paths import configure_cpu_target
-
     configure_cpu_target()
     src = _source_dir()
     digest = hashlib.sha256()
@@ -109,21 +107,13 @@ class OpConfig:
 
 
 def mask_code(mask: str | Mask) -> int:
-    """The kernel's code for a mask (:class:`pymla.Mask` or its name)."""
-    if isinstance(mask, Mask):
-        return int(mask)
-    if not isinstance(mask, str) or mask.lower() not in MASKS:
-        raise ValueError(f"mask: expected one of {MASKS} (any case), got {mask!r}")
-    return int(Mask[mask.upper()])
+    """The kernel's code for a mask (:class:`pymla.Mask` or its name, :meth:`pymla.Mask.parse`)."""
+    return int(Mask.parse(mask))
 
 
 def score_mod_code(score_mod: str | ScoreMod) -> int:
     """The kernel's code for a score mod (:class:`pymla.ScoreMod` or its name)."""
-    if isinstance(score_mod, ScoreMod):
-        return int(score_mod)
-    if not isinstance(score_mod, str) or score_mod.lower() not in SCORE_MODS:
-        raise ValueError(f"score_mod: expected one of {SCORE_MODS} (any case), got {score_mod!r}")
-    return int(ScoreMod[score_mod.upper()])
+    return int(ScoreMod.parse(score_mod))
 
 
 def mla_decode_branch_fp8_graph(
@@ -182,10 +172,10 @@ def mla_decode_branch_fp8_graph(
         scale_granularity[0], TensorValue
     ):
         scale_granularity = ScaleGranularity.parse(scale_granularity)
-    if isinstance(mask, (str, Mask)):
-        mask = mask_code(mask)
-    if isinstance(score_mod, (str, ScoreMod)):
-        score_mod = score_mod_code(score_mod)
+    if not isinstance(mask, TensorValue):
+        mask = int(Mask.parse(mask, codes=True))
+    if not isinstance(score_mod, TensorValue):
+        score_mod = int(ScoreMod.parse(score_mod, codes=True))
     if new_rows is None:
         new_rows = ops.buffer_load(ops.buffer_create(BufferType(q.dtype, [0, 1], q.device)))
     if attention_out is None:
@@ -280,4 +270,12 @@ def build_graph(config: OpConfig) -> Graph:
     return graph
 
 
-from .max_native import mla_decode_graph  # noqa: E402, F401
+def __getattr__(name: str):
+    """``pymla.graph.mla_decode_graph``: MAX's drop-in (:mod:`pymla.max_native`, which builds
+    on this module), imported on first use so that neither module imports the other at load.
+    """
+    if name == "mla_decode_graph":
+        from .max_native import mla_decode_graph
+
+        return mla_decode_graph
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -77,8 +77,9 @@ from max.driver import Buffer
 from max.dtype import DType
 from max.graph import BufferValue, DeviceRef, TensorValue, Value, ops
 
+from .args import WINDOWED_MASKS, ScoreMod
+from .graph import mla_decode_branch_fp8_graph
 from .quant import PER_CHANNEL, PER_TENSOR, ScaleGranularity
-from .reference import SCORE_MODS
 
 if TYPE_CHECKING:  # max.nn costs ~0.5 s to import: only where a function needs it
     from max.nn.attention.mask_config import MHAMaskVariant
@@ -91,7 +92,7 @@ MASK_VARIANTS: dict[str, str] = {
     "SLIDING_WINDOW_CAUSAL_MASK": "sliding_window_causal",
     "CHUNKED_CAUSAL_MASK": "chunked_causal",
 }
-"""MAX's ``MHAMaskVariant`` names and pymla's masks (:data:`pymla.reference.MASKS`)."""
+"""MAX's ``MHAMaskVariant`` names and pymla's masks (:data:`pymla.args.MASKS`)."""
 
 UNSUPPORTED_MASK_VARIANTS: dict[str, str] = {
     "SLIDING_WINDOW_NONCAUSAL_MASK": (
@@ -100,8 +101,6 @@ UNSUPPORTED_MASK_VARIANTS: dict[str, str] = {
     ),
 }
 """MAX's mask variants without a pymla equivalent, and why."""
-
-WINDOWED_MASKS = ("sliding_window_causal", "chunked_causal")
 
 SPARSE_DEFAULTS: dict[str, Any] = {
     "sparse_indices": None,
@@ -244,8 +243,6 @@ def mla_decode_graph(
     Arguments as in ``max.nn.kernels.mla_decode_graph`` (module docstring for
     the mapping); ``score_mod`` and ``local_window_size`` are pymla's extensions.
     """
-    from .graph import mla_decode_branch_fp8_graph  # graph.py re-exports this module
-
     _check_sparse(
         {
             "sparse_indices": sparse_indices,
@@ -262,8 +259,7 @@ def mla_decode_graph(
         }
     )
     mask = mask_name(mask_variant)
-    if score_mod not in SCORE_MODS:
-        raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
+    score_mod = ScoreMod.parse(score_mod)
     window = local_window_size if local_window_size is not None else kv_params.window_size or 0
     if mask in WINDOWED_MASKS and window < 1:
         raise ValueError(

@@ -3,15 +3,12 @@
 The one-shot call checks every input, then makes a :class:`~pymla.DecodePlan`
 and :class:`~pymla.LayerWeights` of them and launches through the plan, the
 path :meth:`~pymla.DecodePlan.run` takes (a serving loop calls :func:`pymla.plan`
-and ``run`` itself: plan once per step, run per layer). The call is also
-registered as the torch custom op ``pymla::mla_decode_branch_fp8`` (its schema
-derives from :data:`pymla.args.ARGS`; the tensors the kernel writes declared
-mutated, with a fake implementation for tracing), which is what
-``torch.compile(fullgraph=True)`` traces: traced, the plan's launch calls the
-torch op (:func:`call_torch_op`, the one place that spells that call out); the
-op's body launches through a plan too. A compiled MAX model per (device, dtype)
-serves every call (:mod:`pymla.runtime`): sizes are symbolic and the options
-runtime inputs.
+and ``run`` itself: plan once per step, run per layer). Traced by
+``torch.compile``, the plan's launch calls the torch custom op
+``pymla::mla_decode_branch_fp8`` (:mod:`pymla.torch_op`: its schema, fake
+implementation and body). A compiled MAX model per (device, dtype) serves
+every call (:mod:`pymla.runtime`): sizes are symbolic and the options runtime
+inputs.
 """
 
 from __future__ import annotations
@@ -19,154 +16,26 @@ from __future__ import annotations
 import torch
 
 from . import runtime
-from .args import INPUT_NAMES, Mask, ScoreMod, mutated_names, torch_schema
+from . import validate as v
+from .args import INPUT_NAMES, KVCacheTensors, Mask, ScoreMod, call_torch_op, torch_op_args
 from .cache import PagedLatentCache
 from .plan import DecodeOptions, DecodePlan, LayerWeights, cache_tensors
 from .quant import ScaleGranularity
-from .reference import KVCacheTensors
-from .validate import _as_numpy, as_bool, as_int, as_tensor, check_inputs, check_pending_rows
 
-# Names kept for callers of the earlier module layout (benchmarks/gpu_builtin.py).
+# Names kept for callers of the earlier module layout: benchmarks/gpu_builtin.py (the
+# runtime's), tests/helpers.py and tests/test_validation.py (the torch op's arguments).
 compiled_model = runtime.compiled_model
 _device_ref = runtime.device_ref
 _session = runtime.session
 
-__all__ = ["cache_tensors", "mla_decode_branch_fp8", "torch_op_args"]
-
-
-def _code_label(name: str, code: int, kind: type) -> str:
-    try:
-        return kind(code).label
-    except ValueError:
-        codes = {m.label: int(m) for m in kind}
-        raise ValueError(f"{name}: expected one of the codes {codes}, got {code}") from None
-
-
-def _check_op_args(args: dict, *, metadata_only: bool = False):
-    """``check_inputs`` on the torch op's arguments (named as in :data:`pymla.args.ARGS`)."""
-    a = args
-    return check_inputs(
-        a["output"],
-        a["q"],
-        a["input_row_offsets"],
-        a["freqs_cis"],
-        a["kv_norm_gamma"],
-        a["kv_blocks"],
-        a["cache_lengths"],
-        a["lookup_table"],
-        a["layer_idx"],
-        a["w_uk"],
-        a["w_uk_scale"],
-        a["w_uv"],
-        a["w_uv_scale"],
-        scale=a["scale"],
-        epsilon=a["epsilon"],
-        scale_granularity=ScaleGranularity(
-            a["m_scale_granularity"], a["n_scale_granularity"], a["k_scale_granularity"]
-        ),
-        mask=_code_label("mask", a["mask"], Mask),
-        score_mod=_code_label("score_mod", a["score_mod"], ScoreMod),
-        local_window_size=a["local_window_size"],
-        check_values=a["check_values"] and not metadata_only,
-        attention_out=a["attention_output"],
-        new_rows=a["new_rows"],
-    )
-
-
-def _torch_op_impl(*values) -> None:
-    """The torch op's body: checks, then the plan/run launch on its arguments."""
-    a = dict(zip((*INPUT_NAMES, "check_values"), values, strict=True))
-    dims = _check_op_args(a)
-    if dims.num_tokens == 0:
-        return
-    attention_out = a["attention_output"] if a["attention_output"].numel() else None
-    new_rows = a["new_rows"] if a["new_rows"].numel() else None
-    weights = LayerWeights(
-        a["w_uk"],  # the fp8 weights arrive as their uint8 bytes, as MAX takes them
-        a["w_uk_scale"],
-        a["w_uv"],
-        a["w_uv_scale"],
-        a["kv_norm_gamma"],
-        ScaleGranularity(
-            a["m_scale_granularity"], a["n_scale_granularity"], a["k_scale_granularity"]
-        ),
-        _checked=True,
-    )
-    options = DecodeOptions(
-        scale=a["scale"],
-        epsilon=a["epsilon"],
-        mask=Mask(a["mask"]),
-        score_mod=ScoreMod(a["score_mod"]),
-        local_window_size=a["local_window_size"],
-    )
-    step = DecodePlan(
-        KVCacheTensors(a["kv_blocks"], a["cache_lengths"], a["lookup_table"]),
-        a["input_row_offsets"],
-        a["freqs_cis"],
-        options,
-        num_tokens=dims.num_tokens,
-        new_rows=new_rows is not None,
-    )
-    step._launch(a["q"], a["layer_idx"], weights, a["output"], attention_out, new_rows)
-
-
-_torch_op = torch.library.custom_op(
-    "pymla::mla_decode_branch_fp8",
-    _torch_op_impl,
-    mutates_args=mutated_names(),
-    schema=torch_schema(),
-)
-
-
-@_torch_op.register_fake
-def _(*values):
-    _check_op_args(
-        dict(zip((*INPUT_NAMES, "check_values"), values, strict=True)), metadata_only=True
-    )
-
-
-def torch_op_args(
-    *,
-    out: torch.Tensor,
-    q: torch.Tensor,
-    input_row_offsets: torch.Tensor,
-    freqs_cis: torch.Tensor,
-    kv: KVCacheTensors,
-    layer_idx: int,
-    options: DecodeOptions,
-    granularity: ScaleGranularity,
-    weights: dict[str, torch.Tensor],
-    attention_out: torch.Tensor | None = None,
-    new_rows: torch.Tensor | None = None,
-    check_values: bool = True,
-) -> tuple:
-    """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` (:data:`INPUT_NAMES` order).
-
-    ``weights``: a :class:`LayerWeights`' ``tensors`` (fp8 weights as float8_e4m3fn).
-    """
-    values = {
-        "output": out,
-        "attention_output": _absent(q) if attention_out is None else attention_out,
-        "q": q,
-        "input_row_offsets": input_row_offsets,
-        "freqs_cis": freqs_cis,
-        "new_rows": _absent(q) if new_rows is None else new_rows,
-        "kv_blocks": kv.blocks,
-        "cache_lengths": kv.cache_lengths,
-        "lookup_table": kv.lookup_table,
-        "layer_idx": layer_idx,
-        **options.scalars(),
-        "m_scale_granularity": granularity.m,
-        "n_scale_granularity": granularity.n,
-        "k_scale_granularity": granularity.k,
-        **{k: t.view(torch.uint8) if k in ("w_uk", "w_uv") else t for k, t in weights.items()},
-    }
-    return (*(values[n] for n in INPUT_NAMES), bool(check_values))
-
-
-def call_torch_op(**values) -> None:
-    """``torch.ops.pymla.mla_decode_branch_fp8`` on named values (see :func:`torch_op_args`)."""
-    torch.ops.pymla.mla_decode_branch_fp8(*torch_op_args(**values))
+# INPUT_NAMES, call_torch_op, torch_op_args (pymla.args) and cache_tensors (pymla.plan): re-exported.
+__all__ = [
+    "INPUT_NAMES",
+    "cache_tensors",
+    "call_torch_op",
+    "mla_decode_branch_fp8",
+    "torch_op_args",
+]
 
 
 def mla_decode_branch_fp8(
@@ -264,15 +133,15 @@ def mla_decode_branch_fp8(
         ("w_uv", w_uv),
         ("w_uv_scale", w_uv_scale),
     ):
-        as_tensor(name, value)
+        v.as_tensor(name, value)
     for name, weight in (("w_uk", w_uk), ("w_uv", w_uv)):
         if weight.dtype != torch.float8_e4m3fn:
             raise TypeError(f"{name}: expected dtype {torch.float8_e4m3fn}, got {weight.dtype}")
     for name, value in (("out", out), ("attention_out", attention_out), ("new_rows", new_rows)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
-    layer_idx = as_int("layer_idx", layer_idx)
-    as_bool("rerun_layers", rerun_layers)
+    layer_idx = v.as_int("layer_idx", layer_idx)
+    v.as_bool("rerun_layers", rerun_layers)
     tracking = {}  # the stale-row tracking of a PagedLatentCache, with the value checks
     options = DecodeOptions(
         scale=scale,
@@ -290,7 +159,7 @@ def mla_decode_branch_fp8(
         # metadata and whose body checks the values when the compiled graph runs.
         num_tokens = q.shape[0] if q.dim() else 0
     else:
-        num_tokens = check_inputs(
+        num_tokens = v.check_inputs(
             out,
             q,
             input_row_offsets,
@@ -305,18 +174,18 @@ def mla_decode_branch_fp8(
             scale=options.scale,
             epsilon=options.epsilon,
             scale_granularity=g,
-            mask=options.mask.label,
-            score_mod=options.score_mod.label,
+            mask=options.mask,
+            score_mod=options.score_mod,
             local_window_size=options.local_window_size,
             check_values=bool(check_values),
             attention_out=attention_out,
             new_rows=new_rows,
         ).num_tokens
         if check_values and isinstance(cache, PagedLatentCache):
-            offsets = _as_numpy(input_row_offsets)  # checked by check_inputs
+            offsets = v._as_numpy(input_row_offsets)  # checked by check_inputs
             tracking = dict(
                 _cache=cache,
-                _new_requests=check_pending_rows(
+                _new_requests=v.check_pending_rows(
                     cache, offsets, new_rows_given=new_rows is not None
                 ),
                 _rerun_layers=rerun_layers,
@@ -338,8 +207,3 @@ def mla_decode_branch_fp8(
     )
     step._launch(q, layer_idx, weights, out, attention_out, new_rows)
     return out
-
-
-def _absent(q: torch.Tensor) -> torch.Tensor:
-    """The placeholder of an optional tensor argument that was not given (no elements)."""
-    return q.new_empty(0) if isinstance(q, torch.Tensor) else torch.empty(0)

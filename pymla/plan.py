@@ -32,18 +32,18 @@ import torch
 
 from . import bridge, runtime
 from . import validate as v
-from .args import ARGS, BY_NAME, TORCH_SCALAR_DTYPES, Mask, ScoreMod, Source
+from .args import (
+    ARGS,
+    BY_NAME,
+    TORCH_SCALAR_DTYPES,
+    KVCacheTensors,
+    Mask,
+    ScoreMod,
+    Source,
+    call_torch_op,
+)
 from .cache import PagedLatentCache
 from .quant import ScaleGranularity
-from .reference import MASKS, SCORE_MODS, KVCacheTensors
-
-assert tuple(m.label for m in Mask) == MASKS and tuple(s.label for s in ScoreMod) == SCORE_MODS
-
-
-def _parse_enum(name: str, value: object, kind: type, labels: tuple[str, ...]):
-    if isinstance(value, kind):
-        return value
-    return kind[v.as_str(name, value, labels).upper()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,14 +61,13 @@ class DecodeOptions:
     local_window_size: int = 0
 
     def __post_init__(self) -> None:
-        mask = _parse_enum("mask", self.mask, Mask, MASKS)
-        score_mod = _parse_enum("score_mod", self.score_mod, ScoreMod, SCORE_MODS)
+        mask = Mask.parse(self.mask)
+        score_mod = ScoreMod.parse(self.score_mod)
         v.check_options(
             scale=self.scale,
             epsilon=self.epsilon,
-            scale_granularity=ScaleGranularity(0, 0, 0),
-            mask=mask.label,
-            score_mod=score_mod.label,
+            mask=mask,
+            score_mod=score_mod,
             local_window_size=self.local_window_size,
         )
         for field, value in (
@@ -144,7 +143,9 @@ class LayerWeights:
         check_values: bool = True,
         _checked: bool = False,
     ) -> None:
-        g = ScaleGranularity.parse(scale_granularity)
+        # Parsed here, where the option enters; the one-shot call and the torch op's body
+        # pass the ScaleGranularity they parsed (with _checked).
+        g = scale_granularity if _checked else ScaleGranularity.parse(scale_granularity)
         tensors = {
             "kv_norm_gamma": kv_norm_gamma,
             "w_uk": w_uk,
@@ -193,14 +194,6 @@ class LayerWeights:
 
     @staticmethod
     def _check(tensors: dict[str, torch.Tensor], g: ScaleGranularity, check_values: bool) -> None:
-        v.check_options(
-            scale=1.0,
-            epsilon=0.0,
-            scale_granularity=g,
-            mask="null",
-            score_mod="no_pos",
-            local_window_size=0,
-        )
         for name, t in tensors.items():
             arg = BY_NAME[name]
             dtypes = (v.FP8_DTYPE,) if name in ("w_uk", "w_uv") else arg.torch_dtypes()
@@ -432,8 +425,6 @@ class DecodePlan:
         :func:`pymla.mla_decode_branch_fp8` (and the torch op's own body) end here.
         """
         if torch.compiler.is_compiling():  # no stale-row tracking: see run()
-            from .op import call_torch_op
-
             call_torch_op(
                 out=out,
                 attention_out=attention_out,

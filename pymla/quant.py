@@ -37,6 +37,7 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
+INT32_MAX = 2**31 - 1
 
 
 class ScaleGranularity(NamedTuple):
@@ -52,7 +53,12 @@ class ScaleGranularity(NamedTuple):
 
     @classmethod
     def parse(cls, value: ScaleGranularity | tuple[int, int, int] | str) -> ScaleGranularity:
-        """Accepts a preset name, a triple or a ScaleGranularity; raises ValueError otherwise."""
+        """Accepts a preset name, a triple or a ScaleGranularity; raises ValueError otherwise.
+
+        The one parse of the option: ints (not bools) in ``[0, 2**31)``, the
+        kernel's int32. Everything past the public entry points takes the
+        parsed value.
+        """
         if isinstance(value, str):
             try:
                 return PRESETS[value]
@@ -70,6 +76,10 @@ class ScaleGranularity(NamedTuple):
         if min(m, n, k) < 0:
             raise ValueError(
                 f"scale_granularity: expected values >= 0 (0 = whole axis), got {(m, n, k)}"
+            )
+        if max(m, n, k) > INT32_MAX:  # the kernel takes them as int32
+            raise ValueError(
+                f"scale_granularity: expected an (m, n, k) triple of ints in [0, 2**31), got {(m, n, k)}"
             )
         return cls(m, n, k)
 

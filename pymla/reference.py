@@ -54,22 +54,16 @@ per probability. :mod:`pymla.parity` derives the tolerances from this.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from .args import MASKS, SCORE_MODS, KVCacheTensors
 from .quant import ScaleGranularity, fp8_batched_matmul
 
-MASKS = ("null", "causal", "sliding_window_causal", "chunked_causal")
-SCORE_MODS = ("no_pos", "alibi_pos")
-
-
-class KVCacheTensors(NamedTuple):
-    """The three tensors of a paged latent cache, as the op consumes them."""
-
-    blocks: torch.Tensor  # [num_blocks, 1, num_layers, page_size, 1, R + Dr]
-    cache_lengths: torch.Tensor  # [B] uint32
-    lookup_table: torch.Tensor  # [B, max_pages] uint32
+# MASKS, SCORE_MODS and KVCacheTensors are the op's vocabulary (pymla.args), used here and
+# importable from here as before.
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -228,8 +222,12 @@ def attend(
     mask: str,
     score_mod: str,
     local_window_size: int,
+    key_range: Callable[[str, int, int, int], tuple[int, int]] = key_range,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 5: ``raw`` and, for the tolerances, ``sum_j e[j] |V[j]| / sum_j e[j]``."""
+    """Step 5: ``raw`` and, for the tolerances, ``sum_j e[j] |V[j]| / sum_j e[j]``.
+
+    ``key_range``: the mask's rule (:func:`key_range`); tests pass a wrong one.
+    """
     dtype = cache.blocks.dtype
     num_tokens, num_heads, _ = q_full.shape
     slopes = (alibi_slopes(num_heads) if score_mod == "alibi_pos" else torch.zeros(num_heads)).to(
@@ -288,11 +286,14 @@ def mla_decode_branch_fp8_stages(
     score_mod: str = "no_pos",
     local_window_size: int = 0,
     new_rows: torch.Tensor | None = None,
+    key_range: Callable[[str, int, int, int], tuple[int, int]] = key_range,
 ) -> Stages:
     """The six steps of the module docstring with their intermediate results.
 
     Updates ``cache.blocks`` in place; arguments are those of
-    :func:`pymla.mla_decode_branch_fp8` (no input checks here).
+    :func:`pymla.mla_decode_branch_fp8` (no input checks here). ``key_range``
+    is step 5's rule (:func:`key_range`), a hook for tests that check that a
+    wrong key range is caught.
     """
     if score_mod not in SCORE_MODS:
         raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
@@ -310,6 +311,7 @@ def mla_decode_branch_fp8_stages(
         mask=mask,
         score_mod=score_mod,
         local_window_size=local_window_size,
+        key_range=key_range,
     )
     out = project_output(raw, w_uv, w_uv_scale, granularity, q.dtype)
     return Stages(q_full, raw, magnitude, out)

@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .args import BY_NAME
+from .args import BY_NAME, WINDOWED_MASKS, Mask, ScoreMod
 from .quant import PRESETS, ScaleGranularity, scale_shape
-from .reference import MASKS, SCORE_MODS
 
 if TYPE_CHECKING:  # pymla.cache imports this module's checks
     from .cache import PagedLatentCache
@@ -35,7 +34,6 @@ INDEX_DTYPE = torch.uint32
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = torch.finfo(torch.float32).max
 FLOAT32_MIN_POSITIVE = 2.0**-149  # the smallest positive (subnormal) float32
-WINDOWED_MASKS = ("sliding_window_causal", "chunked_causal")
 UNUSED_PAGE = 0xFFFFFFFF
 """The lookup-table entry of a page a request does not own (:mod:`pymla.cache` writes it)."""
 
@@ -89,19 +87,6 @@ def as_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
     return value
-
-
-def as_str(name: str, value: object, choices: tuple[str, ...]) -> str:
-    """A name out of the lower-case ``choices``, in any case; returns it lower-case.
-
-    TypeError for a non-str, ValueError for an unknown name.
-    """
-    if not isinstance(value, str):
-        raise TypeError(f"{name}: expected a str, one of {choices}, got {type(value).__name__}")
-    lowered = value.lower()
-    if lowered not in choices:
-        raise ValueError(f"{name}: expected one of {choices} (any case), got {value!r}")
-    return lowered
 
 
 def as_device(name: str, value: object) -> torch.device:
@@ -279,30 +264,29 @@ def check_options(
     *,
     scale: float,
     epsilon: float,
-    scale_granularity: ScaleGranularity,
-    mask: str,
-    score_mod: str,
+    mask: Mask | str,
+    score_mod: ScoreMod | str,
     local_window_size: int,
 ) -> None:
-    """The non-tensor options of the op.
+    """The non-tensor options of the op (the scale granularity: ``ScaleGranularity.parse``).
 
-    ``mask`` and ``score_mod`` are names in any case. Only the windowed masks
-    (sliding_window_causal, chunked_causal) take a ``local_window_size``; the
-    others need 0, so a window given with them is not silently ignored.
+    ``mask`` and ``score_mod`` are the enums or their names in any case
+    (:meth:`pymla.Mask.parse`). Only the windowed masks (sliding_window_causal,
+    chunked_causal) take a ``local_window_size``; the others need 0, so a
+    window given with them is not silently ignored.
     """
-    mask = as_str("mask", mask, MASKS)
-    as_str("score_mod", score_mod, SCORE_MODS)
+    mask = Mask.parse(mask)
+    ScoreMod.parse(score_mod)
     window = as_int("local_window_size", local_window_size)
-    windowed = mask in WINDOWED_MASKS
-    if windowed and window < 1:
-        raise ValueError(f"local_window_size: expected >= 1 for mask {mask!r}, got {window}")
+    if mask.windowed and window < 1:
+        raise ValueError(f"local_window_size: expected >= 1 for mask {mask.label!r}, got {window}")
     if not 0 <= window <= INT32_MAX:
         raise ValueError(
             f"local_window_size: expected 0 <= local_window_size < 2**31, got {window}"
         )
-    if not windowed and window != 0:
+    if not mask.windowed and window != 0:
         raise ValueError(
-            f"local_window_size: expected 0 for mask {mask!r} (only {_join(WINDOWED_MASKS)} "
+            f"local_window_size: expected 0 for mask {mask.label!r} (only {_join(WINDOWED_MASKS)} "
             f"take a window), got {window}"
         )
     scale = as_float("scale", scale)
@@ -311,13 +295,6 @@ def check_options(
     epsilon = as_float("epsilon", epsilon)
     if not (math.isfinite(epsilon) and 0 <= epsilon <= FLOAT32_MAX):
         raise ValueError(f"epsilon: expected a finite float32 value >= 0, got {epsilon}")
-    g = tuple(scale_granularity)
-    if len(g) != 3 or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT32_MAX for v in g
-    ):
-        raise ValueError(
-            f"scale_granularity: expected an (m, n, k) triple of ints in [0, 2**31), got {g}"
-        )
 
 
 # ---------------------------------------------------------------- the op
@@ -341,8 +318,8 @@ def check_inputs(
     scale: float,
     epsilon: float,
     scale_granularity: ScaleGranularity,
-    mask: str,
-    score_mod: str,
+    mask: Mask | str,
+    score_mod: ScoreMod | str,
     local_window_size: int,
     check_values: bool = True,
     attention_out: torch.Tensor | None = None,
@@ -353,11 +330,11 @@ def check_inputs(
     ``check_values=False`` checks only metadata (what torch's fake tensors
     have), for tracing. ``attention_out`` and ``new_rows`` are optional: None
     or an empty rank-1 tensor (the torch op's placeholder) means not given.
+    ``scale_granularity`` is parsed already (``ScaleGranularity.parse``).
     """
     check_options(
         scale=scale,
         epsilon=epsilon,
-        scale_granularity=scale_granularity,
         mask=mask,
         score_mod=score_mod,
         local_window_size=local_window_size,
