@@ -28,6 +28,7 @@ from max.nn.quant_config import (
 )
 
 import pymla.graph
+from pymla.args import MASKS
 from pymla.max_native import (
     MASK_VARIANTS,
     SPARSE_DEFAULTS,
@@ -37,7 +38,7 @@ from pymla.max_native import (
 )
 from pymla.parity import compare_cache, compare_output
 from pymla.quant import BLOCKWISE, PER_CHANNEL, PER_TENSOR
-from pymla.reference import MASKS, default_scale
+from pymla.reference import default_scale
 from pymla.scenario import make_case, reference_stages
 
 HEADS = 16

@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pymla.args import KVCacheTensors
 from pymla.parity import CACHE_TOLERANCE, compare_output
-from pymla.reference import KVCacheTensors, mla_decode_branch_fp8_reference
+from pymla.reference import mla_decode_branch_fp8_reference
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -24,9 +24,10 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 import pymla
+from pymla.args import MASKS, SCORE_MODS, KVCacheTensors
 from pymla.cache import UNUSED_PAGE
 from pymla.parity import compare_output
-from pymla.reference import MASKS, SCORE_MODS, KVCacheTensors, mla_decode_branch_fp8_reference
+from pymla.reference import mla_decode_branch_fp8_reference
 
 from helpers import check_parity, make_case, torch_op_args
 
