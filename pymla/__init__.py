@@ -28,7 +28,8 @@ from . import torch_op  # noqa: F401 (registers torch.ops.pymla.mla_decode_branc
 from .args import KVCacheTensors, Mask, ScoreMod
 from .cache import PagedLatentCache
 from .op import mla_decode_branch_fp8
-from .plan import DecodeOptions, DecodePlan, LayerWeights, plan
+from .options import DecodeOptions
+from .plan import DecodePlan, LayerWeights, plan
 from .quant import (
     BLOCKWISE,
     PER_CHANNEL,
@@ -39,7 +40,7 @@ from .quant import (
 )
 from .reference import mla_decode_branch_fp8_reference, rope_freqs_cis
 from .runtime import op_stream
-from .validate import StaleCacheRowsError
+from .value_checks import StaleCacheRowsError
 
 __all__ = [
     "BLOCKWISE",

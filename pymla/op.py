@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from . import runtime
+from . import runtime, value_checks
 from . import validate as v
 from .args import INPUT_NAMES, KVCacheTensors, Mask, ScoreMod, call_torch_op, torch_op_args
 from .cache import PagedLatentCache
+from .options import as_bool, as_int
 from .plan import DecodeOptions, DecodePlan, LayerWeights, cache_tensors
 from .quant import ScaleGranularity
 
@@ -140,8 +141,8 @@ def mla_decode_branch_fp8(
     for name, value in (("out", out), ("attention_out", attention_out), ("new_rows", new_rows)):
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
-    layer_idx = v.as_int("layer_idx", layer_idx)
-    v.as_bool("rerun_layers", rerun_layers)
+    layer_idx = as_int("layer_idx", layer_idx)
+    as_bool("rerun_layers", rerun_layers)
     tracking = {}  # the stale-row tracking of a PagedLatentCache, with the value checks
     options = DecodeOptions(
         scale=scale,
@@ -182,10 +183,10 @@ def mla_decode_branch_fp8(
             new_rows=new_rows,
         ).num_tokens
         if check_values and isinstance(cache, PagedLatentCache):
-            offsets = v._as_numpy(input_row_offsets)  # checked by check_inputs
+            offsets = value_checks._as_numpy(input_row_offsets)  # checked by check_inputs
             tracking = dict(
                 _cache=cache,
-                _new_requests=v.check_pending_rows(
+                _new_requests=value_checks.check_pending_rows(
                     cache, offsets, new_rows_given=new_rows is not None
                 ),
                 _rerun_layers=rerun_layers,

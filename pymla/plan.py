@@ -25,69 +25,23 @@ new values) and replay a CUDA graph captured from ``run`` calls.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 import torch
 
-from . import bridge, runtime
+from . import bridge, runtime, value_checks
 from . import validate as v
 from .args import (
     ARGS,
     BY_NAME,
     TORCH_SCALAR_DTYPES,
     KVCacheTensors,
-    Mask,
-    ScoreMod,
     Source,
     call_torch_op,
 )
 from .cache import PagedLatentCache
+from .options import DecodeOptions, as_bool, as_int
 from .quant import ScaleGranularity
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeOptions:
-    """The op's options, checked when made.
-
-    ``mask`` and ``score_mod`` take the enums or their names (``"causal"``);
-    ``local_window_size`` is the window (sliding) or chunk (chunked) size.
-    """
-
-    scale: float
-    epsilon: float = 1e-6
-    mask: Mask = Mask.CAUSAL
-    score_mod: ScoreMod = ScoreMod.NO_POS
-    local_window_size: int = 0
-
-    def __post_init__(self) -> None:
-        mask = Mask.parse(self.mask)
-        score_mod = ScoreMod.parse(self.score_mod)
-        v.check_options(
-            scale=self.scale,
-            epsilon=self.epsilon,
-            mask=mask,
-            score_mod=score_mod,
-            local_window_size=self.local_window_size,
-        )
-        for field, value in (
-            ("scale", v.as_float("scale", self.scale)),
-            ("epsilon", v.as_float("epsilon", self.epsilon)),
-            ("mask", mask),
-            ("score_mod", score_mod),
-            ("local_window_size", v.as_int("local_window_size", self.local_window_size)),
-        ):
-            object.__setattr__(self, field, value)
-
-    def scalars(self) -> dict[str, int | float]:
-        """The kernel's scalar inputs of these options."""
-        return {
-            "scale": self.scale,
-            "epsilon": self.epsilon,
-            "mask": int(self.mask),
-            "score_mod": int(self.score_mod),
-            "local_window_size": self.local_window_size,
-        }
 
 
 def _buffers(values: dict[str, object]) -> dict[str, object]:
@@ -233,7 +187,7 @@ class LayerWeights:
             g,
         )
         if check_values:
-            v.check_finite_scales(tensors["w_uk_scale"], tensors["w_uv_scale"])
+            value_checks.check_finite_scales(tensors["w_uk_scale"], tensors["w_uv_scale"])
 
 
 class DecodePlan:
@@ -340,7 +294,7 @@ class DecodePlan:
         tokens, heads = self.num_tokens, weights.num_heads
         self._check_call("q", q, (tokens, heads, weights.nope_dim + self.rope_dim))
         if not (type(layer) is int and 0 <= layer < self.num_layers):
-            layer = v.as_int("layer_idx", layer)
+            layer = as_int("layer_idx", layer)
             if not 0 <= layer < self.num_layers:
                 raise ValueError(
                     f"layer_idx: expected 0 <= layer_idx < {self.num_layers} (kv_blocks' num_layers), got {layer}"
@@ -445,7 +399,7 @@ class DecodePlan:
             tested = self._rows_tested[layer]
             if not self._new_requests <= tested:
                 stale = min(self._new_requests - tested)
-                raise v.stale_rows_error(cache, self.input_row_offsets, stale, layer)
+                raise value_checks.stale_rows_error(cache, self.input_row_offsets, stale, layer)
         if self.num_tokens:
             launch = self._launch_fn
             if launch is None:
@@ -586,7 +540,7 @@ def plan(
     kv = cache_tensors(cache)
     if not isinstance(options, DecodeOptions):
         raise TypeError(f"options: expected a pymla.DecodeOptions, got {type(options).__name__}")
-    v.as_bool("rerun_layers", rerun_layers)
+    as_bool("rerun_layers", rerun_layers)
     tracking = {}  # the stale-row tracking of a PagedLatentCache, set up with the value checks
     tensors = {
         "input_row_offsets": input_row_offsets,
@@ -631,8 +585,8 @@ def plan(
             "input_row_offsets: expected shape [num_requests + 1] (at least [0]), got an empty tensor"
         )
     if check_values:
-        v._check_no_overlap({"kv_blocks": kv.blocks}, tensors)
-        offsets = v.check_positions(
+        value_checks._check_no_overlap({"kv_blocks": kv.blocks}, tensors)
+        offsets = value_checks.check_positions(
             input_row_offsets,
             kv.cache_lengths,
             kv.lookup_table,
@@ -644,7 +598,9 @@ def plan(
         if isinstance(cache, PagedLatentCache):
             tracking = dict(
                 _cache=cache,
-                _new_requests=v.check_pending_rows(cache, offsets, new_rows_given=new_rows),
+                _new_requests=value_checks.check_pending_rows(
+                    cache, offsets, new_rows_given=new_rows
+                ),
                 _rerun_layers=rerun_layers,
             )
         if num_tokens is not None and num_tokens != int(offsets[-1]):

@@ -27,7 +27,8 @@ from .args import (
     torch_op_args,
     torch_schema,
 )
-from .plan import DecodeOptions, DecodePlan, LayerWeights
+from .options import DecodeOptions
+from .plan import DecodePlan, LayerWeights
 from .quant import ScaleGranularity
 from .validate import Dims, check_inputs
 

@@ -3,7 +3,9 @@
 Errors name the argument, what was expected and what was given, in the form
 ``"<arg>: expected <what>, got <actual>"``. ``TypeError`` means a wrong type
 or dtype; ``ValueError`` a wrong shape, layout, device or value. Nothing here
-writes to any tensor, so a refused call leaves the cache as it was.
+writes to any tensor, so a refused call leaves the cache as it was. This
+module checks types, shapes, dtypes, devices and the options; the checks
+that read tensor values (``check_values``) are in :mod:`pymla.value_checks`.
 
 Sizes that several arguments share (heads, kv_lora_rank, qk_rope_head_dim,
 the number of requests, dtype, device) are read off all of them; when they
@@ -13,29 +15,23 @@ two, the first one listed wins).
 
 from __future__ import annotations
 
-import math
-import numbers
-import operator
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from .args import BY_NAME, WINDOWED_MASKS, Mask, ScoreMod
+from . import value_checks
+from .args import BY_NAME, Mask, ScoreMod
+
+# Kept here for pymla.cache, which imports these from this module.
+from .options import _join, as_bool, as_device, as_int, check_options  # noqa: F401
 from .quant import PRESETS, ScaleGranularity, scale_shape
 
-if TYPE_CHECKING:  # pymla.cache imports this module's checks
-    from .cache import PagedLatentCache
+# Kept here for pymla.cache (which imports UNUSED_PAGE from this module); the value checks
+# themselves are called through pymla.value_checks, where a test patches them.
+from .value_checks import UNUSED_PAGE, StaleCacheRowsError  # noqa: F401
 
 FP8_DTYPE = torch.float8_e4m3fn
 INDEX_DTYPE = torch.uint32
-INT32_MAX = 2**31 - 1
-FLOAT32_MAX = torch.finfo(torch.float32).max
-FLOAT32_MIN_POSITIVE = 2.0**-149  # the smallest positive (subnormal) float32
-UNUSED_PAGE = 0xFFFFFFFF
-"""The lookup-table entry of a page a request does not own (:mod:`pymla.cache` writes it)."""
 
 
 @dataclass(frozen=True)
@@ -53,66 +49,6 @@ class Dims:
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(t.shape)
-
-
-def _join(names: Sequence[str]) -> str:
-    names = list(names)
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-
-
-# ---------------------------------------------------------------- python scalars
-
-
-def as_int(name: str, value: object) -> int:
-    """An int argument (Python or numpy int, not bool): TypeError otherwise."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name}: expected an int, got bool")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
-
-
-def as_float(name: str, value: object) -> float:
-    """A real-number argument (int, float or a one-element real tensor, not bool): TypeError otherwise."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
-    return float(value)
-
-
-def as_bool(name: str, value: object) -> bool:
-    """A bool argument: TypeError otherwise (an int is not taken for one)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
-    return value
-
-
-def as_device(name: str, value: object) -> torch.device:
-    """A torch device (a ``torch.device`` or its name) that this torch can use.
-
-    TypeError for another type, ValueError for an unknown name or a CUDA
-    device torch does not see.
-    """
-    if not isinstance(value, (str, torch.device)):
-        raise TypeError(
-            f"{name}: expected a torch.device or a device name such as 'cpu' or 'cuda:0', "
-            f"got {type(value).__name__}"
-        )
-    try:
-        device = torch.device(value)
-    except RuntimeError:
-        raise ValueError(
-            f"{name}: expected a device name such as 'cpu' or 'cuda:0', got {value!r}"
-        ) from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            raise ValueError(
-                f"{name}: expected a CUDA device this torch sees ({count} found), got {device}"
-            )
-    return device
 
 
 def as_tensor(name: str, value: object) -> torch.Tensor:
@@ -255,46 +191,6 @@ def _check_scales(
     ]
     hint = f"; that shape fits scale_granularity {' or '.join(fits)}" if fits else ""
     raise ValueError(f"{name}: expected shape {expected} ({what}), got {got}{hint}")
-
-
-# ---------------------------------------------------------------- options
-
-
-def check_options(
-    *,
-    scale: float,
-    epsilon: float,
-    mask: Mask | str,
-    score_mod: ScoreMod | str,
-    local_window_size: int,
-) -> None:
-    """The non-tensor options of the op (the scale granularity: ``ScaleGranularity.parse``).
-
-    ``mask`` and ``score_mod`` are the enums or their names in any case
-    (:meth:`pymla.Mask.parse`). Only the windowed masks (sliding_window_causal,
-    chunked_causal) take a ``local_window_size``; the others need 0, so a
-    window given with them is not silently ignored.
-    """
-    mask = Mask.parse(mask)
-    ScoreMod.parse(score_mod)
-    window = as_int("local_window_size", local_window_size)
-    if mask.windowed and window < 1:
-        raise ValueError(f"local_window_size: expected >= 1 for mask {mask.label!r}, got {window}")
-    if not 0 <= window <= INT32_MAX:
-        raise ValueError(
-            f"local_window_size: expected 0 <= local_window_size < 2**31, got {window}"
-        )
-    if not mask.windowed and window != 0:
-        raise ValueError(
-            f"local_window_size: expected 0 for mask {mask.label!r} (only {_join(WINDOWED_MASKS)} "
-            f"take a window), got {window}"
-        )
-    scale = as_float("scale", scale)
-    if not (math.isfinite(scale) and FLOAT32_MIN_POSITIVE <= scale <= FLOAT32_MAX):
-        raise ValueError(f"scale: expected a finite float32 value > 0, got {scale}")
-    epsilon = as_float("epsilon", epsilon)
-    if not (math.isfinite(epsilon) and 0 <= epsilon <= FLOAT32_MAX):
-        raise ValueError(f"epsilon: expected a finite float32 value >= 0, got {epsilon}")
 
 
 # ---------------------------------------------------------------- the op
@@ -475,9 +371,9 @@ def check_inputs(
             inputs[name] = (t, len(shape), (dtype,))
 
     if check_values:
-        _check_no_overlap(written, {name: t for name, (t, _, _) in inputs.items()})
-        check_finite_scales(w_uk_scale, w_uv_scale)
-        check_positions(
+        value_checks._check_no_overlap(written, {name: t for name, (t, _, _) in inputs.items()})
+        value_checks.check_finite_scales(w_uk_scale, w_uv_scale)
+        value_checks.check_positions(
             input_row_offsets,
             cache_lengths,
             lookup_table,
@@ -487,202 +383,3 @@ def check_inputs(
             page_size=page_size,
         )
     return Dims(num_tokens, num_requests, num_heads, nope_dim, rope_dim, kv_lora_rank, v_head_dim)
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two contiguous tensors share memory."""
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
-        return False
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _check_no_overlap(written: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
-    """The tensors the op writes (out, the cache blocks, attention_out) share memory with no other argument."""
-    for name, target in written.items():
-        others = {**inputs, **{k: v for k, v in written.items() if k != name}}
-        for other, t in others.items():
-            if t is not target and other != name and _overlaps(target, t):
-                raise ValueError(
-                    f"{name}: expected memory of its own (the op writes it), got a tensor "
-                    f"overlapping {other}"
-                )
-
-
-def _as_numpy(t: torch.Tensor) -> np.ndarray:
-    """A small integer tensor as an int64 NumPy array on the host.
-
-    The value checks run in NumPy: torch's own small ops would wake its
-    OpenMP pool, whose spinning threads then compete with the kernel's.
-    """
-    return t.to(torch.int64).cpu().numpy()
-
-
-def check_finite_scales(w_uk_scale: torch.Tensor, w_uv_scale: torch.Tensor) -> None:
-    """Every weight scale is finite."""
-    for name, scales in (("w_uk_scale", w_uk_scale), ("w_uv_scale", w_uv_scale)):
-        values = scales.detach().cpu().numpy()
-        finite = np.isfinite(values)
-        if not finite.all():
-            index = tuple(int(v) for v in np.argwhere(~finite)[0])
-            raise ValueError(
-                f"{name}: expected finite scales, got {values[index]} at {list(index)}"
-            )
-
-
-def check_positions(
-    input_row_offsets: torch.Tensor,
-    cache_lengths: torch.Tensor,
-    lookup_table: torch.Tensor,
-    *,
-    num_tokens: int | None,
-    max_seq_len: int,
-    num_blocks: int,
-    page_size: int,
-) -> np.ndarray:
-    """The values the kernel indexes with: offsets, positions, pages; returns the offsets.
-
-    ``num_tokens`` None takes the offsets' last value as the token count (a plan's).
-    """
-    offsets = _as_numpy(input_row_offsets)
-    if offsets[0] != 0:
-        raise ValueError(f"input_row_offsets: expected to start at 0, got {int(offsets[0])}")
-    steps = offsets[1:] - offsets[:-1]  # new tokens per request
-    if (steps < 0).any():
-        b = int(np.argmax(steps < 0))
-        raise ValueError(
-            f"input_row_offsets: expected non-decreasing values, got {int(offsets[b])} then "
-            f"{int(offsets[b + 1])} at request {b}"
-        )
-    if num_tokens is None:
-        num_tokens = int(offsets[-1])
-    if offsets[-1] != num_tokens:
-        raise ValueError(
-            f"input_row_offsets: expected to end at tot_seq_len = {num_tokens} (q's dim 0), "
-            f"got {int(offsets[-1])}"
-        )
-    if steps.size == 0:
-        return offsets
-    lengths = _as_numpy(cache_lengths)
-    ends = lengths + steps  # one past each request's last position
-    worst = int(np.argmax(ends))
-    if ends[worst] > max_seq_len:
-        raise ValueError(
-            f"cache_lengths: expected cached + new tokens <= {max_seq_len} (freqs_cis' rows), got "
-            f"{int(lengths[worst])} + {int(steps[worst])} = {int(ends[worst])} for request {worst}"
-        )
-    pages_needed = (ends + page_size - 1) // page_size
-    capacity = lookup_table.shape[1]
-    b = int(np.argmax(pages_needed))
-    if pages_needed[b] > capacity:
-        raise ValueError(
-            f"lookup_table: expected >= {int(pages_needed[b])} pages per request (request {b} has "
-            f"{int(lengths[b])} cached + {int(steps[b])} new tokens in pages of {page_size}), "
-            f"got shape {_shape(lookup_table)} (were its new rows appended to the cache?)"
-        )
-    table = _as_numpy(lookup_table)
-    used = np.arange(capacity)[None, :] < pages_needed[:, None]
-    unowned = used & (table == UNUSED_PAGE)
-    if unowned.any():
-        b, p = (int(v) for v in np.argwhere(unowned)[0])
-        raise ValueError(
-            f"lookup_table: expected a page at [{b}, {p}] (request {b} has {int(lengths[b])} "
-            f"cached + {int(steps[b])} new tokens in pages of {page_size}), got the unused-page "
-            f"marker {UNUSED_PAGE:#x}: the request owns only {p} pages "
-            "(were its new rows appended to the cache?)"
-        )
-    outside = used & (table >= num_blocks)
-    if outside.any():
-        b, p = (int(v) for v in np.argwhere(outside)[0])
-        raise ValueError(
-            f"lookup_table: expected entries < {num_blocks} (kv_blocks' num_blocks), "
-            f"got {int(table[b, p])} at [{b}, {p}]"
-        )
-    _check_distinct_new_rows(offsets, lengths, table, page_size)
-    return offsets
-
-
-def _check_distinct_new_rows(
-    offsets: np.ndarray, lengths: np.ndarray, table: np.ndarray, page_size: int
-) -> None:
-    """Every new token's cache row belongs to it alone (the op rewrites those rows in place)."""
-    steps = offsets[1:] - offsets[:-1]
-    request = np.repeat(np.arange(steps.size), steps)
-    if request.size < 2:
-        return
-    position = lengths[request] + np.arange(request.size) - offsets[:-1][request]
-    block = table[request, position // page_size]
-    row = block * page_size + position % page_size
-    _, inverse, counts = np.unique(row, return_inverse=True, return_counts=True)
-    shared = counts[inverse.reshape(-1)] > 1
-    if shared.any():
-        first = int(np.argmax(shared))
-        second = int(np.flatnonzero(shared & (row == row[first]))[1])
-        raise ValueError(
-            f"lookup_table: expected a cache row of its own for each new token, got request "
-            f"{int(request[first])} position {int(position[first])} and request "
-            f"{int(request[second])} position {int(position[second])} both in block "
-            f"{int(block[first])} row {int(position[first]) % page_size}"
-        )
-
-
-class StaleCacheRowsError(ValueError):
-    """The cache does not hold the raw rows of a request's new tokens in the layer run.
-
-    The op rotates and normalizes the new rows in place, so it would work on
-    whatever the cache holds at the new positions: stale rows of an earlier
-    step, rows never written for this layer, or rows an earlier run of this
-    layer in the same step already rotated (a second rotation is silently
-    wrong). Append the rows (:meth:`pymla.PagedLatentCache.append`, once per
-    layer and step), or pass them as ``new_rows`` (and reserve their slots
-    with :meth:`~pymla.PagedLatentCache.reserve`).
-    """
-
-
-def check_pending_rows(
-    cache: PagedLatentCache, offsets: np.ndarray, *, new_rows_given: bool
-) -> frozenset[int]:
-    """Each request's new tokens are the rows appended (or reserved) since its last advance().
-
-    Returns the requests with new tokens, which each run then checks per
-    layer (:func:`stale_rows_error`).
-    """
-    steps = offsets[1:] - offsets[:-1]
-    for b in range(min(cache.num_requests, steps.size)):
-        new, pending = int(steps[b]), cache.pending(b)
-        if pending and new != pending:
-            raise ValueError(
-                f"input_row_offsets: expected {pending} new token{'s' if pending != 1 else ''} "
-                f"for request {b} (the rows appended to the cache since its last advance()), "
-                f"got {new}"
-            )
-        if new and not pending and not new_rows_given:
-            raise StaleCacheRowsError(
-                f"cache: request {b} has {new} new token{'s' if new != 1 else ''} but no rows "
-                "appended since its last advance() (call cache.append(...) for this step, or "
-                "pass new_rows= with slots from cache.reserve(...))"
-            )
-    return frozenset(np.flatnonzero(steps).tolist())
-
-
-def stale_rows_error(
-    cache: PagedLatentCache, offsets: torch.Tensor, request: int, layer: int
-) -> StaleCacheRowsError:
-    """Why a run of ``layer`` may not use ``request``'s new rows (see ``new_rows_state``).
-
-    ``offsets``: the run's ``input_row_offsets`` (read on this error path only).
-    """
-    if cache.new_rows_state(request, layer) == "rotated":
-        return StaleCacheRowsError(
-            f"cache: request {request}'s new rows of layer {layer} were already rotated by an "
-            "earlier run in this step (another run would rotate them again); append them again "
-            f"(cache.append({request}, {layer}, rows)) to redo the layer, or pass "
-            "rerun_layers=True to repeat it on purpose"
-        )
-    start, stop = _as_numpy(offsets[request : request + 2])
-    n = int(stop - start)
-    return StaleCacheRowsError(
-        f"cache: request {request} has {n} new token{'s' if n != 1 else ''} but no rows "
-        f"appended for layer {layer} since its last advance() (call "
-        f"cache.append({request}, {layer}, rows) before running layer {layer}, or pass new_rows=)"
-    )

@@ -159,7 +159,7 @@ def test_compile_is_logged_once_and_only_when_it_happens(cache_grows, monkeypatc
 
 def test_check_values_false_skips_only_the_value_checks(monkeypatch):
     """A trusted loop can skip the checks that read tensor values; results are unchanged."""
-    from pymla import validate
+    from pymla import value_checks
 
     case = make_case(406, num_heads=4, cache_lengths=(20, 3), new_tokens=(1, 1))
     ref_out, _ = run_reference(case)
@@ -168,7 +168,7 @@ def test_check_values_false_skips_only_the_value_checks(monkeypatch):
         raise AssertionError("value checks ran")
 
     for name in ("check_positions", "check_finite_scales", "check_pending_rows"):
-        monkeypatch.setattr(validate, name, refuse)
+        monkeypatch.setattr(value_checks, name, refuse)
     out = pymla.mla_decode_branch_fp8(*case.args(), **case.options, check_values=False)
     assert compare_output(out, ref_out).passed
     # Shape checks still run.
