@@ -25,8 +25,6 @@ new values) and replay a CUDA graph captured from ``run`` calls.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from . import bridge, runtime, value_checks
@@ -34,160 +32,20 @@ from . import validate as v
 from .args import (
     ARGS,
     BY_NAME,
-    TORCH_SCALAR_DTYPES,
     KVCacheTensors,
     Source,
     call_torch_op,
 )
+from .buffers import ARG_INDEX, layer_buffer, max_buffers, wrap_call_tensor
 from .cache import PagedLatentCache
 from .options import DecodeOptions, as_bool, as_int
-from .quant import ScaleGranularity
+from .weights import LayerWeights, dim_or_zero
 
-
-def _buffers(values: dict[str, object]) -> dict[str, object]:
-    """MAX buffers of tensors and scalars named by :data:`pymla.args.ARGS`."""
-    out = {}
-    for name, value in values.items():
-        arg = BY_NAME[name]
-        if arg.is_scalar:
-            out[name] = runtime.scalar_buffer(value, TORCH_SCALAR_DTYPES[arg.dtype])
-        else:
-            out[name] = bridge.to_max(value)
-    return out
-
-
-def _dim(t: torch.Tensor, i: int) -> int:
-    """``t.shape[i]``, 0 when ``t`` has no dim ``i``: the one-shot call traced by torch.compile
-    makes its plan before the torch op's fake implementation names a malformed argument.
-    """
-    return t.shape[i] if t.dim() > i else 0
-
-
-# Positions in ARGS (the kernel's argument order) of what run() and the weights supply.
-_INDEX = {a.name: i for i, a in enumerate(ARGS)}
+# Positions in ARGS (the kernel's argument order) of what run() supplies.
 _RUN_NAMES = ("output", "attention_output", "q", "new_rows", "layer_idx")
 assert {a.name for a in ARGS if a.source in (Source.CALL, Source.LAYER)} == set(_RUN_NAMES)
-_I_OUT, _I_ATTENTION, _I_Q, _I_ROWS, _I_LAYER = (_INDEX[n] for n in _RUN_NAMES)
-_WEIGHT_NAMES = tuple(a.name for a in ARGS if a.source is Source.WEIGHTS)
+_I_OUT, _I_ATTENTION, _I_Q, _I_ROWS, _I_LAYER = (ARG_INDEX[n] for n in _RUN_NAMES)
 _STEP_NAMES = tuple(a.name for a in ARGS if a.source is Source.STEP)
-
-
-class LayerWeights:
-    """One layer's weights, checked and wrapped for MAX once.
-
-    Args:
-        w_uk: ``[H, kv_lora_rank, qk_nope_head_dim]`` float8_e4m3fn.
-        w_uk_scale: float32 scales of ``w_uk`` for ``scale_granularity``.
-        w_uv: ``[H, v_head_dim, kv_lora_rank]`` float8_e4m3fn.
-        w_uv_scale: float32 scales of ``w_uv``.
-        kv_norm_gamma: ``[kv_lora_rank]`` RMSNorm weights, in the op's dtype.
-        scale_granularity: ``(m, n, k)`` or a preset name; see :mod:`pymla.quant`.
-        check_values: also check that every scale is finite (a device-to-host copy on a GPU).
-    """
-
-    def __init__(
-        self,
-        w_uk: torch.Tensor,
-        w_uk_scale: torch.Tensor,
-        w_uv: torch.Tensor,
-        w_uv_scale: torch.Tensor,
-        kv_norm_gamma: torch.Tensor,
-        scale_granularity: ScaleGranularity | tuple[int, int, int] | str = "blockwise",
-        *,
-        check_values: bool = True,
-        _checked: bool = False,
-    ) -> None:
-        # Parsed here, where the option enters; the one-shot call and the torch op's body
-        # pass the ScaleGranularity they parsed (with _checked).
-        g = scale_granularity if _checked else ScaleGranularity.parse(scale_granularity)
-        tensors = {
-            "kv_norm_gamma": kv_norm_gamma,
-            "w_uk": w_uk,
-            "w_uk_scale": w_uk_scale,
-            "w_uv": w_uv,
-            "w_uv_scale": w_uv_scale,
-        }
-        if not _checked:
-            self._check(tensors, g, check_values)
-        self.tensors = tensors
-        self.granularity = g
-        self.num_heads, self.kv_lora_rank, self.nope_dim = (_dim(w_uk, i) for i in range(3))
-        self.v_head_dim = _dim(w_uv, 1)
-        self.dtype = kv_norm_gamma.dtype
-        self.device = kv_norm_gamma.device
-        # What run() compares with its plan in one tuple comparison.
-        self._compat = (self.dtype, self.device, self.kv_lora_rank)
-        self._buffers: dict | None = None
-        self._indexed: tuple | None = None  # ((position in ARGS, buffer), ...)
-        if not torch.compiler.is_compiling():  # traced by torch.compile: wrapped when run eagerly
-            self._prepare()
-
-    def _prepare(self) -> tuple:
-        """Wraps the weights for MAX (once): fp8 as their uint8 bytes, the granularity as scalars."""
-        g = self.granularity
-        self._buffers = _buffers(
-            {
-                **{
-                    k: (t.view(torch.uint8) if k in ("w_uk", "w_uv") else t)
-                    for k, t in self.tensors.items()
-                },
-                "m_scale_granularity": g.m,
-                "n_scale_granularity": g.n,
-                "k_scale_granularity": g.k,
-            }
-        )
-        self._indexed = tuple((_INDEX[n], self._buffers[n]) for n in _WEIGHT_NAMES)
-        return self._indexed
-
-    @property
-    def buffers(self) -> dict:
-        """The weights' MAX buffers by argument name (made once)."""
-        if self._buffers is None:
-            self._prepare()
-        return self._buffers
-
-    @staticmethod
-    def _check(tensors: dict[str, torch.Tensor], g: ScaleGranularity, check_values: bool) -> None:
-        for name, t in tensors.items():
-            arg = BY_NAME[name]
-            dtypes = (v.FP8_DTYPE,) if name in ("w_uk", "w_uv") else arg.torch_dtypes()
-            v.check_tensor(name, t, rank=arg.rank, dtypes=dtypes)
-        v._agree_attr("device", tensors, ValueError)
-        w_uk, w_uv, gamma = tensors["w_uk"], tensors["w_uv"], tensors["kv_norm_gamma"]
-        num_heads = v._agree_size("num_heads", [v._Size("w_uk", w_uk, 0), v._Size("w_uv", w_uv, 0)])
-        kv_lora_rank = v._agree_size(
-            "kv_lora_rank",
-            [
-                v._Size("w_uk", w_uk, 1),
-                v._Size("w_uv", w_uv, 2),
-                v._Size("kv_norm_gamma", gamma, 0),
-            ],
-        )
-        for name, t, dim, what in (
-            ("w_uk", w_uk, 0, "num_heads"),
-            ("w_uk", w_uk, 1, "kv_lora_rank"),
-            ("w_uk", w_uk, 2, "qk_nope_head_dim"),
-            ("w_uv", w_uv, 1, "v_head_dim"),
-        ):
-            v._at_least(name, t, dim, what)
-        v._check_scales(
-            "w_uk_scale",
-            tensors["w_uk_scale"],
-            num_heads,
-            ("kv_lora_rank", kv_lora_rank),
-            ("qk_nope_head_dim", w_uk.shape[2]),
-            g,
-        )
-        v._check_scales(
-            "w_uv_scale",
-            tensors["w_uv_scale"],
-            num_heads,
-            ("v_head_dim", w_uv.shape[1]),
-            ("kv_lora_rank", kv_lora_rank),
-            g,
-        )
-        if check_values:
-            value_checks.check_finite_scales(tensors["w_uk_scale"], tensors["w_uv_scale"])
 
 
 class DecodePlan:
@@ -219,9 +77,9 @@ class DecodePlan:
         self.needs_new_rows = new_rows
         self.dtype = kv.blocks.dtype
         self.device = kv.blocks.device
-        self.rope_dim = _dim(freqs_cis, 1)
-        self.kv_lora_rank = _dim(kv.blocks, 5) - self.rope_dim
-        self.num_layers = _dim(kv.blocks, 2)
+        self.rope_dim = dim_or_zero(freqs_cis, 1)
+        self.kv_lora_rank = dim_or_zero(kv.blocks, 5) - self.rope_dim
+        self.num_layers = dim_or_zero(kv.blocks, 2)
         # The torch op's check_values when this plan is traced by torch.compile: False for
         # plan() (it checked, or was told not to); the one-shot call's when it made the plan.
         self._op_check_values = _op_check_values
@@ -245,7 +103,7 @@ class DecodePlan:
 
     def _prepare(self) -> list:
         """The kernel's argument list with the step's buffers in place (made once)."""
-        step = _buffers(
+        step = max_buffers(
             {
                 "input_row_offsets": self.input_row_offsets,
                 "freqs_cis": self.freqs_cis,
@@ -305,7 +163,7 @@ class DecodePlan:
             out_span = None  # fresh memory: overlaps nothing
         else:
             self._check_call("out", out, shape)
-            out_span = _span(out)
+            out_span = v.byte_span(out)
         if attention_out is not None:
             self._check_call("attention_out", attention_out, (tokens, heads, self.kv_lora_rank))
         if new_rows is not None:
@@ -322,22 +180,22 @@ class DecodePlan:
     def _check_written(self, q, out_span, attention_out, new_rows) -> None:
         """The tensors the op writes share no memory with what it reads or writes otherwise."""
         if self._kv_span is None:
-            self._kv_span = _span(self.kv.blocks)
-        reads = [("q", _span(q)), ("kv_blocks", self._kv_span)]
+            self._kv_span = v.byte_span(self.kv.blocks)
+        reads = [("q", v.byte_span(q)), ("kv_blocks", self._kv_span)]
         if new_rows is not None:
-            reads.insert(1, ("new_rows", _span(new_rows)))
+            reads.insert(1, ("new_rows", v.byte_span(new_rows)))
         written = [("out", out_span)]
         if attention_out is not None:
-            written.append(("attention_out", _span(attention_out)))
+            written.append(("attention_out", v.byte_span(attention_out)))
         for name, span in written:
             if span is None:
                 continue
             for other, other_span in reads:
-                if _spans_overlap(span, other_span):
+                if v.spans_overlap(span, other_span):
                     raise ValueError(
                         f"{name}: expected memory of its own (the op writes it), got a tensor overlapping {other}"
                     )
-        if len(written) == 2 and out_span is not None and _spans_overlap(out_span, written[1][1]):
+        if len(written) == 2 and out_span is not None and v.spans_overlap(out_span, written[1][1]):
             raise ValueError(
                 "out: expected memory of its own (the op writes it), got a tensor overlapping attention_out"
             )
@@ -429,7 +287,7 @@ class DecodePlan:
             indexed = weights._prepare()
         args = template.copy()
         device = self._dl_device
-        wrap = _wrap_call_tensor
+        wrap = wrap_call_tensor
         args[_I_OUT] = wrap(out, device)
         args[_I_Q] = wrap(q, device)
         if attention_out is not None:
@@ -438,46 +296,11 @@ class DecodePlan:
             args[_I_ROWS] = wrap(new_rows, device)
         for i, buffer in indexed:
             args[i] = buffer
-        args[_I_LAYER] = _layer_buffer(layer)
+        args[_I_LAYER] = layer_buffer(layer)
         return args
 
 
 increment_version = torch.autograd.graph.increment_version
-_fast_dlpack = True  # until MAX refuses bridge.to_max_unordered once
-
-
-def _wrap_call_tensor(t: torch.Tensor, device: tuple[int, int]):
-    """A MAX buffer of a tensor run() checked (contiguous, the plan's device and dtype).
-
-    Without torch's DLPack stream handling: launches order MAX's queue with
-    torch's stream themselves (:func:`pymla.runtime.launcher`).
-    """
-    global _fast_dlpack
-    if _fast_dlpack:
-        try:
-            return bridge.to_max_unordered(t, device)
-        except Exception as e:  # a MAX that consumes DLPack otherwise: the ordinary path now
-            _fast_dlpack = False
-            logging.getLogger("pymla").info(
-                "pymla: run() wraps tensors through Buffer.from_dlpack from now on (%s: %s)",
-                type(e).__name__,
-                e,
-            )
-    return bridge.to_max(t)
-
-
-def _layer_buffer(layer: int):
-    return runtime.scalar_buffer(layer, torch.uint32)
-
-
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The byte range of a contiguous tensor; empty for one without elements."""
-    start = t.data_ptr()
-    return (start, start + t.nbytes)
-
-
-def _spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
-    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
 
 
 def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:

@@ -97,6 +97,17 @@ def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
         raise ValueError(f"{name}: expected shape {shown} ({what}), got {got}")
 
 
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range of a contiguous tensor; empty for one without elements."""
+    start = t.data_ptr()
+    return (start, start + t.nbytes)
+
+
+def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Whether two byte ranges (:func:`byte_span`) share a byte."""
+    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
+
+
 # ---------------------------------------------------------------- agreement
 
 
