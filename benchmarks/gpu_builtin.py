@@ -79,8 +79,8 @@ if str(ROOT) not in sys.path:
 
 from pymla.parity import compare_cache, compare_output  # noqa: E402
 from pymla.quant import BLOCKWISE, make_mla_weights  # noqa: E402
-from pymla.reference import default_scale  # noqa: E402
-from pymla.scenario import make_case, rope_freqs_cis, run_reference  # noqa: E402
+from pymla.reference import default_scale, rope_freqs_cis  # noqa: E402
+from pymla.tools.scenario import make_case, run_reference  # noqa: E402
 
 START = time.perf_counter()
 RANK, NOPE, ROPE, V_HEAD = 512, 128, 64, 128
@@ -781,7 +781,7 @@ def bench(args, runner: Runner | None, results: dict, save) -> None:
 
 def plain_torch_formulations(weights: dict, cfg: BuiltinConfig) -> dict:
     """pymla's plain-torch baseline (weights dequantized once), matmul and SDPA attention."""
-    from pymla.plain_torch import PlainTorchDecode
+    from pymla.tools.plain_torch import PlainTorchDecode
 
     return {
         kind: PlainTorchDecode(

@@ -58,8 +58,12 @@ from pymla import bridge
 from pymla.graph import kernels_path, mla_decode_graph
 from pymla.max_native import runtime_kv_inputs
 from pymla.parity import compare_cache, compare_output
-from pymla.reference import KVCacheTensors, default_scale, mla_decode_branch_fp8_stages
-from pymla.scenario import rope_freqs_cis
+from pymla.reference import (
+    KVCacheTensors,
+    default_scale,
+    mla_decode_branch_fp8_stages,
+    rope_freqs_cis,
+)
 
 RANK, ROPE, NOPE, V_HEAD = 512, 64, 128, 128  # DeepSeek-V3
 EPSILON = 1e-6

@@ -1,5 +1,8 @@
 """``python -m pymla COMMAND`` (also installed as the ``pymla`` command).
 
+Each command lives in :mod:`pymla.tools` (``COMMANDS`` names its module),
+imported only when it runs.
+
 Also what every command shares: the program name as invoked, a parser whose
 usage errors are one line (exit 2), the option types, and pymla's log
 records (compile progress) on stderr while a command runs.
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    module = importlib.import_module(f"pymla.{COMMANDS[command][0]}")
+    module = importlib.import_module(f"pymla.tools.{COMMANDS[command][0]}")
     try:
         with progress_on_stderr():
             return getattr(module, RUNNERS[command])(rest, f"{prog} {command}")

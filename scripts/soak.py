@@ -18,7 +18,7 @@ import time
 import torch
 
 import pymla
-from pymla.scenario import make_case
+from pymla.tools.scenario import make_case
 
 
 def rss_mib() -> float:

@@ -13,7 +13,7 @@ from pymla.cpu_paths import PATHS, compile_target_name, kernel_cpu_paths
 from pymla.parity import compare_attention, compare_cache, compare_output, compare_projection
 from pymla.quant import ScaleGranularity
 from pymla.reference import project_output
-from pymla.scenario import Case, make_case, reference_stages, run_reference
+from pymla.tools.scenario import Case, make_case, reference_stages, run_reference
 
 __all__ = [
     "DEVICES",

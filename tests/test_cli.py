@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pymla import bench, cpu_paths
+from pymla import cpu_paths
 from pymla.__main__ import COMMANDS, main
+from pymla.tools import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -154,7 +155,7 @@ def test_usage_names_the_program_as_invoked(invocation, prog):
 
 
 def test_commands_show_pymla_info_records_on_stderr(monkeypatch, capsys):
-    from pymla import demo
+    from pymla.tools import demo
 
     def logs(argv, prog):
         logging.getLogger("pymla").info("pymla: compiling mla_decode_branch_fp8 (test)")

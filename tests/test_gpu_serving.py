@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import pymla
-from pymla.scenario import make_case
+from pymla.tools.scenario import make_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

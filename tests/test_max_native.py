@@ -39,7 +39,7 @@ from pymla.max_native import (
 from pymla.parity import compare_cache, compare_output
 from pymla.quant import BLOCKWISE, PER_CHANNEL, PER_TENSOR
 from pymla.reference import default_scale
-from pymla.scenario import make_case, reference_stages
+from pymla.tools.scenario import make_case, reference_stages
 
 HEADS = 16
 LAYERS = 2

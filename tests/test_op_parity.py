@@ -16,7 +16,7 @@ import torch
 
 from pymla import reference
 from pymla.parity import compare_attention
-from pymla.scenario import reference_stages
+from pymla.tools.scenario import reference_stages
 
 from helpers import TARGETS, check_parity, make_case, on_target, run_op_poisoned
 

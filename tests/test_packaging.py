@@ -1,5 +1,5 @@
-"""The version, and a regular (non-editable) wheel: it carries the Mojo kernels and py.typed,
-and runs the op from anywhere."""
+"""The version, and a regular (non-editable) wheel: it carries the Mojo kernels, py.typed and
+pymla.tools, and runs the op from anywhere."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_version_of_a_source_checkout_is_pyprojects(monkeypatch):
 
 CALL = """
 import pathlib, sys, torch, pymla
-from pymla.scenario import make_case, run_reference
+from pymla.tools.scenario import make_case, run_reference
 from pymla.parity import compare_output
 assert pathlib.Path(pymla.__file__).is_relative_to(pathlib.Path(sys.argv[1])), pymla.__file__
 case = make_case(1, dtype=torch.float32, num_heads=2, cache_lengths=(3,), new_tokens=(1,))
@@ -77,6 +77,8 @@ def test_wheel_ships_the_kernels_and_runs_from_another_directory(tmp_path):
     shipped = sorted(Path(n).name for n in names if n.startswith("pymla/mojo_kernels/"))
     assert shipped == sources
     assert "pymla/py.typed" in names
+    tools = sorted(p.name for p in (ROOT / "pymla" / "tools").glob("*.py"))
+    assert sorted(Path(n).name for n in names if n.startswith("pymla/tools/")) == tools
     site = tmp_path / "site"
     subprocess.run(
         [

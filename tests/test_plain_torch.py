@@ -3,8 +3,8 @@
 import pytest
 
 from pymla.parity import CACHE_TOLERANCE
-from pymla.plain_torch import PlainTorchDecode
-from pymla.scenario import make_case, run_reference
+from pymla.tools.plain_torch import PlainTorchDecode
+from pymla.tools.scenario import make_case, run_reference
 
 from helpers import DEVICES
 

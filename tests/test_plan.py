@@ -19,7 +19,7 @@ import torch
 
 import pymla
 from pymla.args import ACTIVATION, ARGS, Mask, ScoreMod
-from pymla.scenario import rope_freqs_cis
+from pymla.reference import rope_freqs_cis
 
 from helpers import assert_cache_unchanged, cache_snapshot, make_case
 

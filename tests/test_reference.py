@@ -17,7 +17,7 @@ from pymla.reference import (
     rms_norm,
     rope_interleaved,
 )
-from pymla.scenario import reference_stages
+from pymla.tools.scenario import reference_stages
 
 from helpers import make_case
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .__main__ import CommandParser, int_at_least, torch_device
-from .op import mla_decode_branch_fp8
-from .parity import compare_cache, compare_output
+from ..__main__ import CommandParser, int_at_least, torch_device
+from ..op import mla_decode_branch_fp8
+from ..parity import compare_cache, compare_output
 from .scenario import make_case, run_reference
 from .timing import time_call
 

@@ -10,7 +10,7 @@ x context x page size x CPU path, everything measured in the same run:
   attention flops / bf16 matmul rate), where attention flops are
   2 x keys x heads x (576 + 512) (scores and P V);
 - the op's time per call and its ratio to the roofline;
-- plain torch (pymla.plain_torch: the faster of its matmul and SDPA
+- plain torch (pymla.tools.plain_torch: the faster of its matmul and SDPA
   attention) and the op's speed-up over it.
 
 Each row names the CPU path that ran (``auto`` resolved for the dtype); a
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from .__main__ import CommandParser, int_at_least
-from .cpu_paths import REQUESTS, cpu_model, kernel_cpu_paths, resolve_cpu_path
-from .op import mla_decode_branch_fp8
+from ..__main__ import CommandParser, int_at_least
+from ..cpu_paths import REQUESTS, cpu_model, kernel_cpu_paths, resolve_cpu_path
+from ..op import mla_decode_branch_fp8
 from .plain_torch import PlainTorchDecode
 from .scenario import Case, make_case
 from .timing import time_call

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import PagedLatentCache
-from .quant import ScaleGranularity, make_mla_weights
-from .reference import (
+from ..cache import PagedLatentCache
+from ..quant import ScaleGranularity, make_mla_weights
+from ..reference import (
     KVCacheTensors,
     Stages,
     default_scale,

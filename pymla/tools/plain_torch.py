@@ -17,8 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .quant import ScaleGranularity, dequantize_fp8
-from .reference import KVCacheTensors, alibi_slopes, rope_interleaved
+from ..quant import ScaleGranularity, dequantize_fp8
+from ..reference import KVCacheTensors, alibi_slopes, rope_interleaved
 
 
 class PlainTorchDecode:

@@ -26,10 +26,10 @@ import time
 
 import torch
 
-from . import runtime
-from .__main__ import CommandParser, int_at_least, torch_device
-from .cpu_paths import cpu_model
-from .plan import DecodeOptions, LayerWeights, plan
+from .. import runtime
+from ..__main__ import CommandParser, int_at_least, torch_device
+from ..cpu_paths import cpu_model
+from ..plan import DecodeOptions, LayerWeights, plan
 from .scenario import make_case
 from .timing import time_call
 
@@ -81,7 +81,7 @@ def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -
     def run() -> None:
         step.run(case.q, layer, weights, out=out)
 
-    from .op import mla_decode_branch_fp8
+    from ..op import mla_decode_branch_fp8
 
     def one_shot() -> None:
         mla_decode_branch_fp8(*case.args(), **case.options, out=out, rerun_layers=True)
