@@ -12,9 +12,7 @@ nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.sessions = ["lint", "tests"]
 
-LINT_PATHS = [
-    p for p in ("pymla", "tests", "benchmarks", "scripts", "noxfile.py") if Path(p).exists()
-]
+LINT_PATHS = [p for p in ("pymla", "tests", "scripts", "noxfile.py") if Path(p).exists()]
 
 
 @nox.session

@@ -9,7 +9,7 @@ Inputs, all written by the same `run` on the device (scripts/README.md):
   * `peers.json`        - `.peers/peers.py` (`../shared/peers`): FlashMLA and Triton
     attention alone, `triton.testing.do_bench` medians (CUDA events, L2 flushed).
 
-    python benchmarks/gpu_vs_peers.py benchmarks/results/h200-2026-12-03
+    python -m pymla.tools.peers benchmarks/results/h200-2026-12-03
 
 prints the table (ratios to FlashMLA) and writes `gpu_vs_peers.json` and `.png` there.
 """

@@ -4,10 +4,10 @@ The built-in op is ``mo.mla.graph.decode.paged.fp8`` (Python:
 ``max.nn.kernels.mla_decode_graph`` with a blockwise fp8 ``QuantConfig``). It
 is GPU-only; this script runs on the device machine (see scripts/README.md)::
 
-    python3 benchmarks/gpu_builtin.py              # parity: built-in vs reference
-    python3 benchmarks/gpu_builtin.py --pymla      # ... and pymla's op on cuda tensors
-    python3 benchmarks/gpu_builtin.py --bench      # parity, then timing at DeepSeek-V3 shapes
-    python3 benchmarks/gpu_builtin.py --dry-run    # no GPU: build graphs and inputs, check shapes
+    python3 -m pymla.tools.max_builtin              # parity: built-in vs reference
+    python3 -m pymla.tools.max_builtin --pymla      # ... and pymla's op on cuda tensors
+    python3 -m pymla.tools.max_builtin --bench      # parity, then timing at DeepSeek-V3 shapes
+    python3 -m pymla.tools.max_builtin --dry-run    # no GPU: build graphs and inputs, check shapes
 
 Input conventions of the built-in op (max 26.7), and how this harness meets them
 ---------------------------------------------------------------------------
@@ -73,14 +73,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from pymla.parity import compare_cache, compare_output  # noqa: E402
-from pymla.quant import BLOCKWISE, make_mla_weights  # noqa: E402
-from pymla.reference import default_scale, rope_freqs_cis  # noqa: E402
-from pymla.tools.scenario import make_case, run_reference  # noqa: E402
+from pymla.parity import compare_cache, compare_output
+from pymla.quant import BLOCKWISE, make_mla_weights
+from pymla.reference import default_scale, rope_freqs_cis
+from pymla.tools.scenario import make_case, run_reference
 
 START = time.perf_counter()
 RANK, NOPE, ROPE, V_HEAD = 512, 128, 64, 128
@@ -984,7 +980,11 @@ def main(argv: list[str] | None = None) -> int:
         "--time-budget", type=float, default=500.0, help="stop the sweep after this many seconds"
     )
     p.add_argument("--transfer", choices=("auto", "dlpack", "copy"), default="auto")
-    p.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "gpu_builtin.json"))
+    p.add_argument(
+        "--json",
+        default="benchmarks/results/gpu_builtin.json",
+        help="results file (a relative path is under the current folder, the checkout's root)",
+    )
     args = p.parse_args(argv)
 
     env = environment()

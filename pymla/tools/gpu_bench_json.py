@@ -1,6 +1,6 @@
 """Turns the `bench` lines of `gpu_smoke.mojo bench-only ...` (run on the device) into JSON.
 
-    python scripts/gpu_smoke_bench_json.py benchmarks/results/gpu_op_bench.log \
+    python -m pymla.tools.gpu_bench_json benchmarks/results/gpu_op_bench.log \
         > benchmarks/results/gpu_op_bench.json
 
 The HBM share is taken against the device-to-device copy rate the same run measured (its
