@@ -42,7 +42,9 @@ from __future__ import annotations
 import torch
 
 from .args import ACTIVATION_DTYPES
-from .validate import UNUSED_PAGE, as_bool, as_device, as_int, as_tensor
+from .options import as_bool, as_device, as_int
+from .validate import as_tensor
+from .value_checks import UNUSED_PAGE
 
 __all__ = ["UNUSED_PAGE", "PagedLatentCache"]
 

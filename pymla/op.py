@@ -15,28 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from . import runtime, value_checks
 from . import validate as v
-from .args import INPUT_NAMES, KVCacheTensors, Mask, ScoreMod, call_torch_op, torch_op_args
+from . import value_checks
+from .args import KVCacheTensors, Mask, ScoreMod
 from .cache import PagedLatentCache
 from .options import as_bool, as_int
 from .plan import DecodeOptions, DecodePlan, LayerWeights, cache_tensors
 from .quant import ScaleGranularity
-
-# Names kept for callers of the earlier module layout: benchmarks/gpu_builtin.py (the
-# runtime's), tests/helpers.py and tests/test_validation.py (the torch op's arguments).
-compiled_model = runtime.compiled_model
-_device_ref = runtime.device_ref
-_session = runtime.session
-
-# INPUT_NAMES, call_torch_op, torch_op_args (pymla.args) and cache_tensors (pymla.plan): re-exported.
-__all__ = [
-    "INPUT_NAMES",
-    "cache_tensors",
-    "call_torch_op",
-    "mla_decode_branch_fp8",
-    "torch_op_args",
-]
 
 
 def mla_decode_branch_fp8(

@@ -6,9 +6,8 @@ the kernel's arguments, the tensors the kernel writes declared mutated, then
 tracing; its body checks every argument, then launches through a
 :class:`~pymla.DecodePlan`, as the one-shot call does. This is what
 ``torch.compile(fullgraph=True)`` traces: traced, the plan's launch calls the
-op through :func:`pymla.args.call_torch_op` (re-exported here with
-:func:`~pymla.args.torch_op_args`), which lives in :mod:`pymla.args` so that
-the plan, which this body uses, does not import this module.
+op through :func:`pymla.args.call_torch_op`, which lives in :mod:`pymla.args`
+so that the plan, which this body uses, does not import this module.
 
 Importing this module registers the op; ``import pymla`` does.
 """
@@ -22,17 +21,13 @@ from .args import (
     KVCacheTensors,
     Mask,
     ScoreMod,
-    call_torch_op,
     mutated_names,
-    torch_op_args,
     torch_schema,
 )
 from .options import DecodeOptions
 from .plan import DecodePlan, LayerWeights
 from .quant import ScaleGranularity
 from .validate import Dims, check_inputs
-
-__all__ = ["call_torch_op", "torch_op_args"]
 
 
 def _named(values: tuple) -> dict:

@@ -19,16 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import value_checks
+from . import value_checks  # called through the module, where a test patches the checks
 from .args import BY_NAME, Mask, ScoreMod
-
-# Kept here for pymla.cache, which imports these from this module.
-from .options import _join, as_bool, as_device, as_int, check_options  # noqa: F401
+from .options import _join, as_int, check_options
 from .quant import PRESETS, ScaleGranularity, scale_shape
-
-# Kept here for pymla.cache (which imports UNUSED_PAGE from this module); the value checks
-# themselves are called through pymla.value_checks, where a test patches them.
-from .value_checks import UNUSED_PAGE, StaleCacheRowsError  # noqa: F401
 
 FP8_DTYPE = torch.float8_e4m3fn
 INDEX_DTYPE = torch.uint32

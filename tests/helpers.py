@@ -175,7 +175,7 @@ def torch_op_args(case: Case) -> tuple:
     out = torch.empty(case.q.shape[0], case.q.shape[1], w["w_uv"].shape[1], dtype=case.q.dtype)
     o = dict(case.options)
     granularity = ScaleGranularity.parse(o.pop("scale_granularity"))
-    return pymla.op.torch_op_args(
+    return pymla.args.torch_op_args(
         out=out,
         q=case.q,
         input_row_offsets=case.input_row_offsets,

@@ -912,7 +912,7 @@ def test_torch_op_checks_too():
     case = small_case()
     before = case.cache.blocks.clone()
     args = list(torch_op_args(case))
-    i = pymla.op.INPUT_NAMES.index("lookup_table")
+    i = pymla.args.INPUT_NAMES.index("lookup_table")
     table = args[i].clone()
     table[0, 0] = 12
     args[i] = table
