@@ -3,7 +3,7 @@
 :data:`ARGS` lists the arguments of the Mojo op ``execute`` in its order
 (``mojo_kernels/mla_decode_branch_fp8.mojo``). Everything that needs the
 list derives from it: the MAX graph's input types and names
-(:mod:`pymla.graph`), the torch custom op's schema (:mod:`pymla.op`), the
+(:mod:`pymla.graph`), the torch custom op's schema (:mod:`pymla.torch_op`), the
 dtypes of the scalar inputs, the rank and dtype checks
 (:mod:`pymla.validate`), and which object of the plan/run API holds each
 value (:mod:`pymla.plan`).

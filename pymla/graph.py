@@ -4,7 +4,7 @@ For users who build their own graphs: pass :func:`kernels_path` to
 ``Graph(..., custom_extensions=[kernels_path()])`` and call
 :func:`mla_decode_branch_fp8_graph` inside it. :func:`build_graph` makes a
 complete graph with symbolic batch, token, head and page dimensions, which
-is what :mod:`pymla.op` compiles once per configuration.
+is what :mod:`pymla.runtime` compiles once per configuration.
 """
 
 from __future__ import annotations
