@@ -8,7 +8,8 @@
 # 64 MiB). Each part folder holds its chunk and the MANIFEST (sha256 of every
 # chunk and of the whole tar), so the device side can check what arrived.
 #
-# Usage: scripts/fetch_device_wheels.sh            (WITH_SHMEM=1 also adds max-shmem-libs)
+# Usage: scripts/fetch_device_wheels.sh            (WITH_SHMEM=1 also adds max-shmem-libs,
+#        WITH_FLASHINFER=1 FlashInfer and what it imports: two more parts)
 # Then follow scripts/README.md.
 set -euo pipefail
 
@@ -43,6 +44,24 @@ PKGS=(
 )
 if [[ "${WITH_SHMEM:-0}" == 1 ]]; then
     PKGS+=(max-shmem-libs==26.7.0)
+fi
+# FlashInfer, the second GPU peer (scripts/flashinfer_peer.py): the wheel carries its CUDA
+# sources and JIT-compiles them with the device's nvcc. `import flashinfer` needs these beside
+# torch (found by importing it with --no-deps, 2026-12-05); ninja drives the JIT build.
+if [[ "${WITH_FLASHINFER:-0}" == 1 ]]; then
+    PKGS+=(
+        flashinfer-python==0.7.2.post1
+        apache-tvm-ffi==0.1.15.post2
+        einops==0.8.2
+        tabulate==0.10.0
+        tqdm==4.70.1
+        nvidia-ml-py==13.615.71
+        ninja==1.13.2
+        requests==2.34.2
+        urllib3==2.8.0
+        idna==3.20
+        certifi==2026.10.19.post1
+    )
 fi
 
 PLATFORMS=()

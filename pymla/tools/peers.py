@@ -7,7 +7,11 @@ Inputs, all written by the same `run` on the device (scripts/README.md):
   * `gpu_variants.log`  - `... variants CFG...`: step 5 (attention) alone; the op's own
     kernel choice is the `groups 0` line;
   * `peers.json`        - `.peers/peers.py` (`../shared/peers`): FlashMLA and Triton
-    attention alone, `triton.testing.do_bench` medians (CUDA events, L2 flushed).
+    attention alone, `triton.testing.do_bench` medians (CUDA events, L2 flushed);
+  * `flashinfer.json`   - optional, `scripts/flashinfer_peer.py`: FlashInfer's MLA decode
+    (fa3) at the same shapes and with the same timing, bf16 and fp8 caches.
+
+The bar is the faster peer per shape: FlashMLA, or FlashInfer where it is faster.
 
     python -m pymla.tools.peers benchmarks/results/h200-2026-12-03
 
@@ -42,6 +46,10 @@ def parse(folder: Path) -> dict:
         elif (m := OWN.search(line)) and shape:
             attention[shape] = float(m[1]) / 1e3
     peers = json.loads((folder / "peers.json").read_text())
+    flashinfer = {}
+    if (folder / "flashinfer.json").exists():
+        for p in json.loads((folder / "flashinfer.json").read_text())["bench"]:
+            flashinfer[(p["h"], p["b"], p["ctx"])] = p
     rows = []
     for p in peers["bench"]:
         key = (
@@ -61,6 +69,10 @@ def parse(folder: Path) -> dict:
             "pymla_attention_ms": attention.get(key),
             "pymla_op_ms": op.get(key),
         }
+        fi = flashinfer.get((p["h"], p["b"], p["ctx"]), {})
+        row["flashinfer_ms"] = fi.get("flashinfer_bf16_bench_ms")
+        row["flashinfer_fp8_ms"] = fi.get("flashinfer_fp8_bench_ms")
+        row["bar_ms"] = min(x for x in (row["flashmla_ms"], row["flashinfer_ms"]) if x is not None)
         rows.append(row)
     return {"copy_gb_per_s": copy, "gpu": peers["env"].get("gpu"), "rows": rows}
 
@@ -75,17 +87,18 @@ def _ratio(x, ceiling):
 
 def table(data: dict) -> str:
     head = (
-        "| heads | batch | context | FlashMLA ms | Triton ms | pymla attention ms | x FlashMLA "
-        "| pymla whole op ms | x FlashMLA | pymla attention TFLOP/s | TB/s of cache |\n"
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+        "| heads | batch | context | FlashMLA ms | FlashInfer ms | Triton ms | pymla attention ms "
+        "| x faster peer | pymla whole op ms | x faster peer | pymla attention TFLOP/s | TB/s of cache |\n"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     )
     lines = []
     for r in data["rows"]:
-        att, op, f = r["pymla_attention_ms"], r["pymla_op_ms"], r["flashmla_ms"]
+        att, op, f = r["pymla_attention_ms"], r["pymla_op_ms"], r["bar_ms"]
         if att is None and op is None:
             continue
         lines.append(
-            f"| {r['heads']} | {r['batch']} | {r['context'] // 1024}k | {f:.3f} | {r['triton_ms']:.3f} "
+            f"| {r['heads']} | {r['batch']} | {r['context'] // 1024}k | {r['flashmla_ms']:.3f} "
+            f"| {_fmt(r['flashinfer_ms'])} | {r['triton_ms']:.3f} "
             f"| {_fmt(att)} | {_ratio(att, f)} | {_fmt(op)} | {_ratio(op, f)} "
             f"| {_fmt(att and r['flops'] / att / 1e9, '.0f')} "
             f"| {_fmt(att and r['cache_bytes'] / att / 1e9, '.2f')} |"
@@ -106,16 +119,17 @@ def plot(data: dict, path: Path) -> None:
     labels = [f"{r['heads']}h b{r['batch']} {r['context'] // 1024}k" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    w = 0.2
+    w = 0.16
     for i, (key, name) in enumerate(
         [
             ("flashmla_ms", "FlashMLA (attention)"),
+            ("flashinfer_ms", "FlashInfer fa3 (attention)"),
             ("triton_ms", "vLLM Triton (attention)"),
             ("pymla_attention_ms", "pymla attention"),
             ("pymla_op_ms", "pymla whole op"),
         ]
     ):
-        ax.bar([v + (i - 1.5) * w for v in x], [r[key] or 0 for r in rows], w, label=name)
+        ax.bar([v + (i - 2) * w for v in x], [r[key] or 0 for r in rows], w, label=name)
     ax.set_xticks(list(x), labels, rotation=20)
     ax.set_ylabel("ms per call (lower is better)")
     ax.set_yscale("log")
