@@ -147,6 +147,19 @@ def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](
 # ---------------------------------------------------------------------------
 
 
+def enqueue_tiles[
+    P: KernelParams, //, kernel: def(P) thin -> None, tile: Tuple[Int, Int, Int, Int]
+](ctx: DeviceContext, params: P, blocks: Int, smem_bytes: Int) raises:
+    """Launches a projection step of `tile`: `blocks` blocks, `smem_bytes` of dynamic shared memory each."""
+    ctx.enqueue_function[kernel](
+        params,
+        grid_dim=blocks,
+        block_dim=tile_threads(tile),
+        shared_mem_bytes=smem_bytes,
+        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem_bytes)),
+    )
+
+
 def enqueue_q_step[
     dtype: DType, tile: Tuple[Int, Int, Int, Int]
 ](ctx: DeviceContext, p: QStepParams[dtype], groups: Int) raises:
@@ -155,13 +168,8 @@ def enqueue_q_step[
     var params = p
     params.m_tiles = Int32(grid[0])
     params.n_tiles = Int32(grid[1])
-    ctx.enqueue_function[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]]](
-        params,
-        grid_dim=Int(p.cache_rows.count) + groups * grid[0] * grid[1],
-        block_dim=tile_threads(tile),
-        shared_mem_bytes=grid[2],
-        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(grid[2])),
-    )
+    var blocks = Int(p.cache_rows.count) + groups * grid[0] * grid[1]
+    enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, grid[2])
 
 
 def enqueue_out_step[
@@ -172,10 +180,6 @@ def enqueue_out_step[
     var params = p
     params.m_tiles = Int32(grid[0])
     params.n_tiles = Int32(grid[1])
-    ctx.enqueue_function[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]]](
-        params,
-        grid_dim=groups * grid[0] * grid[1],
-        block_dim=tile_threads(tile),
-        shared_mem_bytes=grid[2],
-        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(grid[2])),
+    enqueue_tiles[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](
+        ctx, params, groups * grid[0] * grid[1], grid[2]
     )
