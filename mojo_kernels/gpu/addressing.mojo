@@ -2,7 +2,6 @@
 
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from ..common import U32Ptr
-from ..paged_cache import cache_row_offset
 
 
 def find_request(offsets: U32Ptr, num_requests: Int, t: Int) -> Int:
@@ -50,16 +49,6 @@ def find_slot_request(offsets: U32Ptr, num_requests: Int, num_heads: Int, rows_p
         else:
             hi = mid
     return lo
-
-
-@always_inline
-def tile_row_offset(
-    lookup: U32Ptr, ppr: Int, psize: Int, pstride: Int, loff: Int, dim: Int, b: Int, key: Int, key_end: Int
-) -> Int64:
-    """`cache_row_offset` of request `b`'s key `key`, or -1 (a zero row) from `key_end` on."""
-    if key >= key_end:
-        return -1
-    return Int64(cache_row_offset(lookup, ppr, psize, pstride, loff, dim, b, key))
 
 
 def row_attention_meta(

@@ -11,38 +11,29 @@ output and row statistics for `merge_kernel` (`store_output`, `store_stats`).
 
 from max.gpu import block_idx
 from max.gpu.host import DeviceContext, FuncAttribute
-from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 
-from ..common import DPtr, FPtr, U32Ptr
-from ..paged_cache import cache_row_offset, partition_keys
+from ..common import FPtr
+from ..paged_cache import partition_keys
 from ..spec import MaskSpec
 from .addressing import attention_slots, find_slot_request, row_attention_meta, slot_start
+from .params import DeviceBatch, DeviceCache, KernelParams
 
 
 @fieldwise_init
-struct AttentionParams[dtype: DType](DevicePassable, TrivialRegisterPassable):
+struct AttentionParams[dtype: DType](KernelParams):
     """Step 5 for every request of the batch: queries, paged cache, options, outputs.
 
     Rows are the (token, head) pairs of `q_full [T, H, key_dim]` (float32
     holding dtype values); keys are whole cache rows, values their first
     `kv_lora_rank`. With one partition the kernels write `raw [T, H, R]`;
     with several, `part_out [P, T H, R]`, `part_max`, `part_sum [P, T H]`.
-    Fixed-width scalars: `Int` is not `DevicePassable` in this Mojo.
     """
 
     var q_full: FPtr
-    var blocks: DPtr[Self.dtype]
-    var lookup: U32Ptr
-    var pages_per_request: Int32
-    var page_size: Int32
-    var page_stride: Int64
-    var layer_offset: Int64
-    var offsets: U32Ptr
-    var cache_lengths: U32Ptr
-    var num_requests: Int32
+    var cache: DeviceCache[Self.dtype]  # keys of cache.key_dim values
+    var batch: DeviceBatch
     var num_heads: Int32
     var kv_lora_rank: Int32
-    var key_dim: Int32
     var num_partitions: Int32
     var scale: Float32
     var mask_kind: Int32
@@ -52,15 +43,6 @@ struct AttentionParams[dtype: DType](DevicePassable, TrivialRegisterPassable):
     var part_out: FPtr
     var part_max: FPtr
     var part_sum: FPtr
-
-    comptime device_type: AnyType = Self
-
-    def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
-        encoder.encode(self, target)
-
-    @staticmethod
-    def get_type_name() -> String:
-        return "AttentionParams"
 
 
 @fieldwise_init
@@ -88,17 +70,17 @@ struct AttentionBlock(TrivialRegisterPassable):
     def locate[dtype: DType, //, rows_per_block: Int](p: AttentionParams[dtype]) -> Self:
         """Block `(slot, part)` of the grid `(attention_slots(T, H, B, rows_per_block), P)`."""
         var heads = Int(p.num_heads)
-        var nreq = Int(p.num_requests)
+        var nreq = Int(p.batch.num_requests)
         var slot = block_idx.x
-        var b = find_slot_request(p.offsets, nreq, heads, rows_per_block, slot)
-        var o0 = Int(p.offsets.unsafe_load(b))
-        var o1 = Int(p.offsets.unsafe_load(b + 1))
-        var row0 = o0 * heads + (slot - slot_start(p.offsets, b, heads, rows_per_block)) * rows_per_block
-        var cache_length = Int(p.cache_lengths.unsafe_load(b))
+        var b = find_slot_request(p.batch.offsets, nreq, heads, rows_per_block, slot)
+        var o0 = Int(p.batch.offsets.unsafe_load(b))
+        var o1 = Int(p.batch.offsets.unsafe_load(b + 1))
+        var row0 = o0 * heads + (slot - slot_start(p.batch.offsets, b, heads, rows_per_block)) * rows_per_block
+        var cache_length = Int(p.batch.cache_lengths.unsafe_load(b))
         var visible = cache_length + o1 - o0
         var keys = partition_keys(block_idx.y, Int(p.num_partitions), visible)
         return Self(
-            b, o0, row0, o1 * heads, Int(p.offsets.unsafe_load(nreq)) * heads, cache_length,
+            b, o0, row0, o1 * heads, Int(p.batch.offsets.unsafe_load(nreq)) * heads, cache_length,
             visible, block_idx.y, keys[0], keys[1],
         )
 
@@ -127,10 +109,7 @@ struct AttentionBlock(TrivialRegisterPassable):
     @always_inline
     def key_row[dtype: DType, //](self, p: AttentionParams[dtype], key: Int) -> Int:
         """Element offset in the cache blocks of the request's key `key`."""
-        return cache_row_offset(
-            p.lookup, Int(p.pages_per_request), Int(p.page_size), Int(p.page_stride),
-            Int(p.layer_offset), Int(p.key_dim), self.request, key,
-        )
+        return p.cache.row_offset(self.request, key)
 
     @always_inline
     def tile_row[dtype: DType, //](self, p: AttentionParams[dtype], key: Int, key_end: Int) -> Int64:
@@ -184,7 +163,7 @@ def enqueue_attention[
     ctx.enqueue_function[kernel](
         p,
         grid_dim=(
-            attention_slots(num_tokens, Int(p.num_heads), Int(p.num_requests), rows_per_block),
+            attention_slots(num_tokens, Int(p.num_heads), Int(p.batch.num_requests), rows_per_block),
             Int(p.num_partitions),
         ),
         block_dim=block_threads,

@@ -62,7 +62,7 @@ def attention_fma_kernel[
     if not blk.has_rows():
         return
     var rank = Int(p.kv_lora_rank)
-    var dim = Int(p.key_dim)
+    var dim = Int(p.cache.key_dim)
     var row0 = blk.row0
     var row_end = blk.row_end
 
@@ -122,7 +122,7 @@ def attention_fma_kernel[
     var kb_hi = span[1]
 
     var acc = Array[SIMD[DType.float32, ATT_ROWS], CPT](fill=0)
-    var blocks_global = p.blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    var blocks_global = p.cache.blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
     var c0 = tid * CPT
     var stride = dim + ATT_KEY_PAD
     var vec_per_row = dim // 4

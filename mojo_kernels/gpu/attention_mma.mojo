@@ -157,7 +157,7 @@ def attention_mma_kernel[
     if not blk.has_rows():
         return
     var rank = Int(p.kv_lora_rank)
-    var dim = Int(p.key_dim)
+    var dim = Int(p.cache.key_dim)
     var row0 = blk.row0
     var row_end = blk.row_end
 
@@ -243,7 +243,7 @@ def attention_mma_kernel[
     var red_g = red_s.unsafe_offset(group * gw * MMA_ROWS * RS)
     var red_w = red_g.unsafe_offset(w * MMA_ROWS * RS)
     var p_g = p_s.unsafe_offset(group * MMA_ROWS * RS)
-    var blocks_global = p.blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    var blocks_global = p.cache.blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
 
     # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used. Thread
     # `tid < kt` looks up the cache row of key `tid` of a tile one tile ahead of its copy, in a

@@ -146,7 +146,7 @@ def attention_wgmma_kernel[
     # `AttentionBlock.store_stats` (and the loads at the end) ptxas 13.0 spilled 100 bytes
     # with reloads inside the main loop, against 4-8 bytes after the loop this way.
     var q_full = p.q_full
-    var blocks = p.blocks
+    var blocks = p.cache.blocks
     var kv_lora_rank = p.kv_lora_rank
     var num_partitions = p.num_partitions
     var scale = p.scale

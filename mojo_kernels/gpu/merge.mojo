@@ -10,6 +10,7 @@ from max.gpu.primitives import warp
 
 from ..common import DPtr, FPtr
 from .addressing import ELEMENTWISE_THREADS
+from .params import KernelParams
 
 
 comptime MERGE_THREADS = 128
@@ -17,17 +18,29 @@ comptime MAX_PARTITIONS = 64  # key partitions per request, at most (two per lan
 comptime MERGE_UNROLL = 4  # partitions whose rows are loaded before they are summed
 
 
-def merge_kernel[
-    dtype: DType
-](
-    part_out: FPtr,
-    part_max: FPtr,
-    part_sum: FPtr,
-    raw: FPtr,
-    total_rows: Int32,
-    num_partitions: Int32,
-    kv_lora_rank: Int32,
-):
+@fieldwise_init
+struct MergeParams[dtype: DType](KernelParams):
+    """Parameters of `merge_kernel`: the partitions' outputs `part_out [P, rows, R]`, maxima and sums `[P, rows]`."""
+
+    var part_out: FPtr
+    var part_max: FPtr
+    var part_sum: FPtr
+    var raw: FPtr  # [rows, R]
+    var total_rows: Int32
+    var num_partitions: Int32
+    var kv_lora_rank: Int32
+
+
+@fieldwise_init
+struct StoreParams[dtype: DType](KernelParams):
+    """Parameters of `store_kernel`: `count` values of `src` to `dst` as dtype."""
+
+    var src: FPtr
+    var dst: DPtr[Self.dtype]
+    var count: Int64
+
+
+def merge_kernel[dtype: DType](p: MergeParams[dtype]):
     """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`.
 
     The first warp turns the partitions' maxima and sums into weights
@@ -37,17 +50,17 @@ def merge_kernel[
     var weights = stack_allocation[MAX_PARTITIONS, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
     var row = block_idx.x
-    var rows = Int(total_rows)
-    var parts = Int(num_partitions)
-    var rank = Int(kv_lora_rank)
+    var rows = Int(p.total_rows)
+    var parts = Int(p.num_partitions)
+    var rank = Int(p.kv_lora_rank)
     if tid < WARP_SIZE:
-        var m0 = part_max.unsafe_load(tid * rows + row) if tid < parts else neg_inf[DType.float32]()
-        var m1 = part_max.unsafe_load((tid + WARP_SIZE) * rows + row) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
+        var m0 = p.part_max.unsafe_load(tid * rows + row) if tid < parts else neg_inf[DType.float32]()
+        var m1 = p.part_max.unsafe_load((tid + WARP_SIZE) * rows + row) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
         var top = warp.max(max(m0, m1))
         var e0 = exp(m0 - top) if m0 != neg_inf[DType.float32]() else Float32(0)
         var e1 = exp(m1 - top) if m1 != neg_inf[DType.float32]() else Float32(0)
-        var l0 = part_sum.unsafe_load(tid * rows + row) if e0 != 0 else Float32(0)
-        var l1 = part_sum.unsafe_load((tid + WARP_SIZE) * rows + row) if e1 != 0 else Float32(0)
+        var l0 = p.part_sum.unsafe_load(tid * rows + row) if e0 != 0 else Float32(0)
+        var l1 = p.part_sum.unsafe_load((tid + WARP_SIZE) * rows + row) if e1 != 0 else Float32(0)
         var total = warp.sum(e0 * l0 + e1 * l1)
         var inv = Float32(1) / total if total > 0 else Float32(0)  # no key at all: the row is 0
         weights.unsafe_store(tid, e0 * inv)
@@ -59,15 +72,15 @@ def merge_kernel[
             var v = Array[SIMD[DType.float32, 4], MERGE_UNROLL](fill=0)
             comptime for u in range(MERGE_UNROLL):
                 if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
-                    v[u] = part_out.unsafe_offset(((p0 + u) * rows + row) * rank + c).unsafe_load[width=4, alignment=16](0)
+                    v[u] = p.part_out.unsafe_offset(((p0 + u) * rows + row) * rank + c).unsafe_load[width=4, alignment=16](0)
             comptime for u in range(MERGE_UNROLL):
                 if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
                     acc += weights.unsafe_load(p0 + u) * v[u]
-        raw.unsafe_offset(row * rank + c).unsafe_store[alignment=16](0, acc.cast[dtype]().cast[DType.float32]())
+        p.raw.unsafe_offset(row * rank + c).unsafe_store[alignment=16](0, acc.cast[dtype]().cast[DType.float32]())
 
 
-def store_kernel[dtype: DType](src: FPtr, dst: DPtr[dtype], count: Int64):
+def store_kernel[dtype: DType](p: StoreParams[dtype]):
     """`dst[i] = src[i]` as dtype (the attention output, whose values are already dtype values)."""
     var i = block_idx.x * ELEMENTWISE_THREADS + thread_idx.x
-    if i < Int(count):
-        dst.unsafe_store(i, src.unsafe_load(i).cast[dtype]())
+    if i < Int(p.count):
+        p.dst.unsafe_store(i, p.src.unsafe_load(i).cast[dtype]())

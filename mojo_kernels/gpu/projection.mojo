@@ -8,6 +8,7 @@ from max.gpu.primitives import warp
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..fp8 import activation_scale, scaled_into_range
+from .params import KernelParams
 
 
 # Quantization: one warp per scale block.
@@ -25,19 +26,41 @@ comptime MATMUL_SMEM_FLOATS = 8192
 # ---------------------------------------------------------------------------
 
 
-def quantize_kernel[
-    dtype: DType
-](
-    a: DPtr[dtype],
-    g_stride: Int64,
-    m_stride: Int64,
-    num_groups: Int32,
-    num_rows: Int32,
-    depth: Int32,
-    block_m: Int32,
-    block_k: Int32,
-    a_dq: FPtr,
-):
+@fieldwise_init
+struct QuantizeParams[dtype: DType](KernelParams):
+    """Parameters of `quantize_kernel`: `a[g, m, k]` at `a + g g_stride + m m_stride + k` into `a_dq [G, M, K]`."""
+
+    var a: DPtr[Self.dtype]
+    var g_stride: Int64
+    var m_stride: Int64
+    var num_groups: Int32
+    var num_rows: Int32
+    var depth: Int32
+    var block_m: Int32
+    var block_k: Int32
+    var a_dq: FPtr
+
+
+@fieldwise_init
+struct Fp8MatmulParams[out_dtype: DType](KernelParams):
+    """Parameters of `fp8_matmul_kernel`: `c = a w^T` per group, `m_tile` rows of `a [G, M, K]` per block."""
+
+    var a: FPtr
+    var w: U8Ptr
+    var w_scale: FPtr
+    var block_n: Int32
+    var block_k: Int32
+    var c: DPtr[Self.out_dtype]
+    var c_g_stride: Int64
+    var c_m_stride: Int64
+    var num_groups: Int32
+    var num_rows: Int32
+    var n_out: Int32
+    var depth: Int32
+    var m_tile: Int32
+
+
+def quantize_kernel[dtype: DType](p: QuantizeParams[dtype]):
     """Quantizes `a[g, m, k]` (at `a + g g_stride + m m_stride + k`) blockwise to fp8.
 
     One warp per `block_m x block_k` block: `s = amax / 448` (1 when amax is 0),
@@ -46,11 +69,11 @@ def quantize_kernel[
     """
     var tid = thread_idx.x
     var lane = tid % WARP_SIZE
-    var groups = Int(num_groups)
-    var rows = Int(num_rows)
-    var k_total = Int(depth)
-    var bm = Int(block_m)
-    var bk = Int(block_k)
+    var groups = Int(p.num_groups)
+    var rows = Int(p.num_rows)
+    var k_total = Int(p.depth)
+    var bm = Int(p.block_m)
+    var bk = Int(p.block_k)
     var m_blocks = ceil_div(rows, bm)
     var k_blocks = ceil_div(k_total, bk)
     var qb = block_idx.x * QUANT_WARPS + tid // WARP_SIZE
@@ -65,8 +88,8 @@ def quantize_kernel[
     var k1 = min(k0 + bk, k_total)
     var width = k1 - k0
     var count = (m1 - m0) * width
-    var src = a.unsafe_offset(g * Int(g_stride))
-    var ms = Int(m_stride)
+    var src = p.a.unsafe_offset(g * Int(p.g_stride))
+    var ms = Int(p.m_stride)
 
     var amax = Float32(0)
     for e in range(lane, count, WARP_SIZE):
@@ -75,7 +98,7 @@ def quantize_kernel[
         amax = max(amax, abs(src.unsafe_load(m * ms + k).cast[DType.float32]()))
     amax = warp.max(amax)
     var s = activation_scale(amax)
-    var dst = a_dq.unsafe_offset(g * rows * k_total)
+    var dst = p.a_dq.unsafe_offset(g * rows * k_total)
     for e in range(lane, count, WARP_SIZE):
         var m = m0 + e // width
         var k = k0 + e % width
@@ -109,23 +132,7 @@ def fp8_chunk_fma(
                 acc[m] += a_row.unsafe_load[width=4, alignment=16](4 * part) * wv.slice[4, offset=4 * part]()
 
 
-def fp8_matmul_kernel[
-    out_dtype: DType, value_dtype: DType
-](
-    a: FPtr,
-    w: U8Ptr,
-    w_scale: FPtr,
-    block_n: Int32,
-    block_k: Int32,
-    c: DPtr[out_dtype],
-    c_g_stride: Int64,
-    c_m_stride: Int64,
-    num_groups: Int32,
-    num_rows: Int32,
-    n_out: Int32,
-    depth: Int32,
-    m_tile: Int32,
-):
+def fp8_matmul_kernel[out_dtype: DType, value_dtype: DType](p: Fp8MatmulParams[out_dtype]):
     """`c[g, m, n] = sum_k a[g, m, k] * w[g, n, k] * s_w[g, n / bn, k / bk]`.
 
     `a [G, M, K]` is the dequantized fp8 activation (float32), `w [G, N, K]`
@@ -141,17 +148,17 @@ def fp8_matmul_kernel[
     var tid = thread_idx.x
     var n = block_idx.x * MATMUL_THREADS + tid
     var g = block_idx.y
-    var rows = Int(num_rows)
-    var n_total = Int(n_out)
-    var k_total = Int(depth)
-    var bn = Int(block_n)
-    var bk = Int(block_k)
+    var rows = Int(p.num_rows)
+    var n_total = Int(p.n_out)
+    var k_total = Int(p.depth)
+    var bn = Int(p.block_n)
+    var bk = Int(p.block_k)
     var n_blocks = ceil_div(n_total, bn)
     var k_blocks = ceil_div(k_total, bk)
-    var m0 = block_idx.z * Int(m_tile)
-    var mt = min(Int(m_tile), rows - m0)
+    var m0 = block_idx.z * Int(p.m_tile)
+    var mt = min(Int(p.m_tile), rows - m0)
 
-    var a_src = a.unsafe_offset((g * rows + m0) * k_total)
+    var a_src = p.a.unsafe_offset((g * rows + m0) * k_total)
     if k_total % 4 == 0:
         for i in range(4 * tid, mt * k_total, 4 * MATMUL_THREADS):
             a_s.unsafe_offset(i).unsafe_store[alignment=16](0, a_src.unsafe_offset(i).unsafe_load[width=4, alignment=16](0))
@@ -162,8 +169,8 @@ def fp8_matmul_kernel[
     if n >= n_total:
         return
 
-    var w_row = w.unsafe_offset((g * n_total + n) * k_total)
-    var s_row = w_scale.unsafe_offset((g * n_blocks + n // bn) * k_blocks)
+    var w_row = p.w.unsafe_offset((g * n_total + n) * k_total)
+    var s_row = p.w_scale.unsafe_offset((g * n_blocks + n // bn) * k_blocks)
     var acc = Array[SIMD[DType.float32, 4], MATMUL_M_TILE](fill=0)
     if k_total % 64 == 0:
         # Four 16-byte weight loads in flight per step.
@@ -185,7 +192,7 @@ def fp8_matmul_kernel[
                 if m < mt:
                     acc[m][0] += a_s.unsafe_load(m * k_total + k) * wk[0]
 
-    var dst = c.unsafe_offset(g * Int(c_g_stride) + m0 * Int(c_m_stride) + n)
+    var dst = p.c.unsafe_offset(g * Int(p.c_g_stride) + m0 * Int(p.c_m_stride) + n)
     comptime for m in range(MATMUL_M_TILE):
         if m < mt:
-            dst.unsafe_store(m * Int(c_m_stride), acc[m].reduce_add().cast[value_dtype]().cast[out_dtype]())
+            dst.unsafe_store(m * Int(p.c_m_stride), acc[m].reduce_add().cast[value_dtype]().cast[out_dtype]())

@@ -46,7 +46,6 @@ from ..fp8 import activation_scale, scaled_into_range
 
 comptime KCHUNK = 64  # k per 16-byte fp8 fragment load: 4 mma k-steps
 comptime SEG_VECS = 4  # float32x4 registers per lane for one row's K block (K blocks up to 512)
-comptime MMA_SMEM_LIMIT = 227 * 1024  # opt-in shared memory per block on sm_90
 
 comptime SPtr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 

@@ -5,7 +5,6 @@ so that the fused q kernel (`steps_fused.mojo`) runs it as extra blocks of its
 own launch; `rope_norm_cache_kernel` and `rope_q_kernel` launch it alone.
 """
 
-from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 from std.math import sqrt
 from std.memory import stack_allocation
 
@@ -13,32 +12,22 @@ from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from .addressing import find_request, ELEMENTWISE_THREADS
-from ..common import DPtr, FPtr, U32Ptr
-from ..paged_cache import cache_row_offset
+from .addressing import ELEMENTWISE_THREADS
+from ..common import DPtr, FPtr
 from ..spec import rope_pair
+from .params import DeviceBatch, DeviceCache, KernelParams
 
 
 @fieldwise_init
-struct CacheRowsArgs[dtype: DType](DevicePassable, TrivialRegisterPassable):
+struct CacheRowsParams[dtype: DType](KernelParams):
     """Steps 1 and 2 on the new tokens' cache rows: where the rows are and how to normalize them.
 
-    Plain pointers and fixed-width scalars (a kernel parameter; `Int` is not
-    `DevicePassable` in this Mojo). `count` rows (the new tokens; 0 = none);
-    the raw row of token `t` is `new_rows[t]` when `has_new_rows`, else the
-    cache row itself.
+    `count` rows (the new tokens; 0 = none); the raw row of token `t` is
+    `new_rows[t]` when `has_new_rows`, else the cache row itself.
     """
 
-    var blocks: DPtr[Self.dtype]
-    var lookup: U32Ptr
-    var pages_per_request: Int32
-    var page_size: Int32
-    var page_stride: Int64
-    var layer_offset: Int64
-    var key_dim: Int32
-    var offsets: U32Ptr
-    var cache_lengths: U32Ptr
-    var num_requests: Int32
+    var cache: DeviceCache[Self.dtype]
+    var batch: DeviceBatch
     var freqs_cis: DPtr[Self.dtype]
     var gamma: DPtr[Self.dtype]
     var epsilon: Float32
@@ -48,14 +37,19 @@ struct CacheRowsArgs[dtype: DType](DevicePassable, TrivialRegisterPassable):
     var has_new_rows: Int32
     var count: Int32
 
-    comptime device_type: AnyType = Self
 
-    def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
-        encoder.encode(self, target)
+@fieldwise_init
+struct RopeQParams[dtype: DType](KernelParams):
+    """Parameters of `rope_q_kernel`: `q_full[t, h, R:] = rnd(rope(q[t, h, Dn:]))`."""
 
-    @staticmethod
-    def get_type_name() -> String:
-        return "CacheRowsArgs"
+    var q: DPtr[Self.dtype]  # [T, H, Dn + Dr]
+    var batch: DeviceBatch
+    var freqs_cis: DPtr[Self.dtype]
+    var q_full: FPtr  # [T, H, R + Dr]
+    var num_heads: Int32
+    var nope_dim: Int32
+    var rope_dim: Int32
+    var kv_lora_rank: Int32
 
 
 # ---------------------------------------------------------------------------
@@ -64,7 +58,7 @@ struct CacheRowsArgs[dtype: DType](DevicePassable, TrivialRegisterPassable):
 
 
 @always_inline
-def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsArgs[dtype], t: Int):
+def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t: Int):
     """RMSNorm of `row[:R]`, RoPE of `row[R:]` for new token `t`, by a block of `threads` threads.
 
     Every thread of the block calls it (it has a barrier).
@@ -73,16 +67,11 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsArgs[dtype], t: 
     var tid = thread_idx.x
     var rank = Int(a.kv_lora_rank)
     var rope = Int(a.rope_dim)
-    var b = find_request(a.offsets, Int(a.num_requests), t)
-    var pos = Int(a.cache_lengths.unsafe_load(b)) + t - Int(a.offsets.unsafe_load(b))
-    var row = a.blocks.unsafe_offset(
-        cache_row_offset(
-            a.lookup, Int(a.pages_per_request), Int(a.page_size), Int(a.page_stride), Int(a.layer_offset),
-            Int(a.key_dim), b, pos,
-        )
-    )
+    var b = a.batch.request(t)
+    var pos = a.batch.position(b, t)
+    var row = a.cache.blocks.unsafe_offset(a.cache.row_offset(b, pos))
 
-    var src = a.new_rows.unsafe_offset(t * Int(a.key_dim)) if a.has_new_rows != 0 else row
+    var src = a.new_rows.unsafe_offset(t * Int(a.cache.key_dim)) if a.has_new_rows != 0 else row
     var sum_sq = Float32(0)
     for i in range(tid, rank, threads):
         var x = src.unsafe_load(i).cast[DType.float32]()
@@ -113,7 +102,7 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsArgs[dtype], t: 
         rrow.unsafe_store(2 * j + 1, y[1].cast[dtype]())
 
 
-def rope_norm_cache_kernel[dtype: DType](a: CacheRowsArgs[dtype]):
+def rope_norm_cache_kernel[dtype: DType](a: CacheRowsParams[dtype]):
     """One block of ELEMENTWISE_THREADS per new token (grid `a.count`)."""
     rope_norm_cache_row[dtype, ELEMENTWISE_THREADS](a, block_idx.x)
 
@@ -137,40 +126,20 @@ def rope_q_pair[
     q_full_row.unsafe_store(rank + 2 * j + 1, y[1].cast[dtype]().cast[DType.float32]())
 
 
-@always_inline
-def token_position(offsets: U32Ptr, cache_lengths: U32Ptr, num_requests: Int, t: Int) -> Int:
-    """Sequence position of new token `t`."""
-    var b = find_request(offsets, num_requests, t)
-    return Int(cache_lengths.unsafe_load(b)) + t - Int(offsets.unsafe_load(b))
-
-
-def rope_q_kernel[
-    dtype: DType
-](
-    q: DPtr[dtype],
-    offsets: U32Ptr,
-    cache_lengths: U32Ptr,
-    num_requests: Int32,
-    freqs_cis: DPtr[dtype],
-    q_full: FPtr,
-    num_heads: Int32,
-    nope_dim: Int32,
-    rope_dim: Int32,
-    kv_lora_rank: Int32,
-):
+def rope_q_kernel[dtype: DType](p: RopeQParams[dtype]):
     """One block per token: `q_full[t, h, R:] = rope(q[t, h, Dn:])` for every head."""
     var tid = thread_idx.x
     var t = block_idx.x
-    var heads = Int(num_heads)
-    var nope = Int(nope_dim)
-    var rope = Int(rope_dim)
-    var rank = Int(kv_lora_rank)
-    var pos = token_position(offsets, cache_lengths, Int(num_requests), t)
-    var freqs = freqs_cis.unsafe_offset(pos * rope)
+    var heads = Int(p.num_heads)
+    var nope = Int(p.nope_dim)
+    var rope = Int(p.rope_dim)
+    var rank = Int(p.kv_lora_rank)
+    var pos = p.batch.token_position(t)
+    var freqs = p.freqs_cis.unsafe_offset(pos * rope)
     var pairs = rope // 2
     for e in range(tid, heads * pairs, ELEMENTWISE_THREADS):
         var h = e // pairs
         rope_q_pair[dtype](
-            q.unsafe_offset((t * heads + h) * (nope + rope)), freqs,
-            q_full.unsafe_offset((t * heads + h) * (rank + rope)), nope, rank, e % pairs,
+            p.q.unsafe_offset((t * heads + h) * (nope + rope)), freqs,
+            p.q_full.unsafe_offset((t * heads + h) * (rank + rope)), nope, rank, e % pairs,
         )

@@ -8,24 +8,20 @@
   `output = rnd(fp8mm(raw, w_uv))`; the blocks of column tile 0 also store the
   attention output (`raw` as dtype) when it is wanted.
 
-Each launch takes one parameter struct (FlashMLA's `Flash_fwd_mla_params`
-style): plain pointers and fixed-width scalars (`Int` is not `DevicePassable`
-in this Mojo), made `DevicePassable` by bit copy.
+Each launch takes one parameter struct (`QStepParams`, `OutStepParams`; `params.mojo`).
 
 The tile shape is a compile-time `(warps_m, warps_n, tm, tn)`: a block of
-`warps_m x warps_n` warps, each owning `16 tm` rows x `8 tn` columns; the host
-picks it from `PROJ_TILES` (`choose_proj_tile`).
+`warps_m x warps_n` warps, each owning `16 tm` rows x `8 tn` columns; the plan
+picks it from `PROJ_TILES` (`plan.mojo`).
 """
-
-from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 
 from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
-from ..common import DPtr, U32Ptr, ceil_div
+from ..common import DPtr
+from .params import DeviceBatch, KernelParams
 from .projection_mma import (
-    MMA_SMEM_LIMIT,
     Fp8Projection,
     TileLayout,
     TileSmem,
@@ -33,19 +29,7 @@ from .projection_mma import (
     stage_activations,
     stage_weights,
 )
-from .rope_norm import CacheRowsArgs, rope_norm_cache_row, rope_q_pair, token_position
-
-# Tile shapes (warps_m, warps_n, m16 tiles per warp, n8 tiles per warp), smallest first:
-# 16 x 32, 16 x 64 (4 warps) and 32 x 128 (8 warps). Chosen on the H200 (2026-12-03, build
-# 93ae151, ncu GPU time of each step alone, bf16, `gpu_smoke proj`): 128 heads, 64 tokens:
-# q step 81.6 / 51.7 / 36.8 us, output step 61.5 / 39.3 / 23.1 us; 16 heads, 8 tokens: q 8.4 /
-# 8.6 / 9.5 us, output 15.9 / 17.5 / 23.1 us. A 64 x 128 tile (2, 4, 2, 4; 168 registers,
-# one block per SM) lost everywhere (q 44.9 and 14.3 us, output 27.1 and 40.3 us) and was dropped.
-comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (2, 4, 1, 4))
-# A larger tile replaces a smaller one when its grid still has this many blocks (one per SM
-# of the H200) and fewer of them (fewer re-staged activations and weights); the smallest
-# tile is the default.
-comptime PROJ_MIN_BLOCKS = 132
+from .rope_norm import CacheRowsParams, rope_norm_cache_row, rope_q_pair
 
 
 def tile_rows(tile: Tuple[Int, Int, Int, Int]) -> Int:
@@ -60,53 +44,23 @@ def tile_threads(tile: Tuple[Int, Int, Int, Int]) -> Int:
     return tile[0] * tile[1] * WARP_SIZE
 
 
-def tile_fits(tile: Tuple[Int, Int, Int, Int], depth: Int, block_k: Int) -> Bool:
-    """Whether a block of `tile` on a projection of depth `depth`, K blocks `block_k`, fits in shared memory."""
-    return TileLayout.create(depth, block_k).smem_bytes(tile_rows(tile), tile_cols(tile)) <= MMA_SMEM_LIMIT
-
-
-def choose_proj_tile(groups: Int, rows: Int, n_out: Int, depth: Int, block_k: Int) -> Int:
-    """Index in PROJ_TILES of the tile for a projection, or -1 when none fits in shared memory."""
-    var best = -1
-    var best_blocks = 0
-    comptime for i in range(len(PROJ_TILES)):
-        comptime t = PROJ_TILES[i]
-        if tile_fits(t, depth, block_k):
-            var blocks = groups * ceil_div(rows, tile_rows(t)) * ceil_div(n_out, tile_cols(t))
-            if best < 0 or (blocks >= PROJ_MIN_BLOCKS and blocks < best_blocks):
-                best = i
-                best_blocks = blocks
-    return best
-
-
 @fieldwise_init
-struct QStepParams[dtype: DType](DevicePassable, TrivialRegisterPassable):
+struct QStepParams[dtype: DType](KernelParams):
     """Parameters of `q_step_kernel`: steps 1-4 (q_full) and steps 1-2 (the new cache rows)."""
 
     var proj: Fp8Projection[Self.dtype, DType.float32]  # a = q_nope (q [T, H, Dn + Dr]), c = q_full [T, H, R + Dr]
     var freqs_cis: DPtr[Self.dtype]
-    var offsets: U32Ptr
-    var cache_lengths: U32Ptr
-    var num_requests: Int32
+    var batch: DeviceBatch
     var nope_dim: Int32
     var rope_dim: Int32
     var kv_lora_rank: Int32
     var m_tiles: Int32
     var n_tiles: Int32
-    var cache_rows: CacheRowsArgs[Self.dtype]  # count = 0: no cache rows in this launch
-
-    comptime device_type: AnyType = Self
-
-    def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
-        encoder.encode(self, target)
-
-    @staticmethod
-    def get_type_name() -> String:
-        return "QStepParams"
+    var cache_rows: CacheRowsParams[Self.dtype]  # count = 0: no cache rows in this launch
 
 
 @fieldwise_init
-struct OutStepParams[dtype: DType](DevicePassable, TrivialRegisterPassable):
+struct OutStepParams[dtype: DType](KernelParams):
     """Parameters of `out_step_kernel`: step 6 and the optional attention-output store."""
 
     var proj: Fp8Projection[DType.float32, Self.dtype]  # a = raw [T, H, R], c = output [T, H, Dv]
@@ -114,15 +68,6 @@ struct OutStepParams[dtype: DType](DevicePassable, TrivialRegisterPassable):
     var has_attention_output: Int32
     var m_tiles: Int32
     var n_tiles: Int32
-
-    comptime device_type: AnyType = Self
-
-    def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
-        encoder.encode(self, target)
-
-    @staticmethod
-    def get_type_name() -> String:
-        return "OutStepParams"
 
 
 @always_inline
@@ -163,7 +108,7 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
         var rows = min(MT, Int(p.proj.rows) - m0)
         for r in range(thread_idx.x // TPR, rows, THREADS // TPR):
             var t = m0 + r
-            var pos = token_position(p.offsets, p.cache_lengths, Int(p.num_requests), t)
+            var pos = p.batch.token_position(t)
             var q_row = p.proj.a.unsafe_offset(g * Int(p.proj.a_g_stride) + t * Int(p.proj.a_m_stride))
             var freqs = p.freqs_cis.unsafe_offset(pos * rope)
             var out_row = p.proj.c.unsafe_offset(g * Int(p.proj.c_g_stride) + t * Int(p.proj.c_m_stride))
@@ -202,6 +147,19 @@ def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](
 # ---------------------------------------------------------------------------
 
 
+def enqueue_tiles[
+    P: KernelParams, //, kernel: def(P) thin -> None, tile: Tuple[Int, Int, Int, Int]
+](ctx: DeviceContext, params: P, blocks: Int, smem_bytes: Int) raises:
+    """Launches a projection step of `tile`: `blocks` blocks, `smem_bytes` of dynamic shared memory each."""
+    ctx.enqueue_function[kernel](
+        params,
+        grid_dim=blocks,
+        block_dim=tile_threads(tile),
+        shared_mem_bytes=smem_bytes,
+        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem_bytes)),
+    )
+
+
 def enqueue_q_step[
     dtype: DType, tile: Tuple[Int, Int, Int, Int]
 ](ctx: DeviceContext, p: QStepParams[dtype], groups: Int) raises:
@@ -210,13 +168,8 @@ def enqueue_q_step[
     var params = p
     params.m_tiles = Int32(grid[0])
     params.n_tiles = Int32(grid[1])
-    ctx.enqueue_function[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]]](
-        params,
-        grid_dim=Int(p.cache_rows.count) + groups * grid[0] * grid[1],
-        block_dim=tile_threads(tile),
-        shared_mem_bytes=grid[2],
-        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(grid[2])),
-    )
+    var blocks = Int(p.cache_rows.count) + groups * grid[0] * grid[1]
+    enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, grid[2])
 
 
 def enqueue_out_step[
@@ -227,10 +180,6 @@ def enqueue_out_step[
     var params = p
     params.m_tiles = Int32(grid[0])
     params.n_tiles = Int32(grid[1])
-    ctx.enqueue_function[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]]](
-        params,
-        grid_dim=groups * grid[0] * grid[1],
-        block_dim=tile_threads(tile),
-        shared_mem_bytes=grid[2],
-        func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(grid[2])),
+    enqueue_tiles[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](
+        ctx, params, groups * grid[0] * grid[1], grid[2]
     )

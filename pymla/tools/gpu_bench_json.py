@@ -1,4 +1,4 @@
-"""Turns the `bench` lines of `gpu_smoke.mojo bench-only ...` (run on the device) into JSON.
+"""Turns the `bench` lines of `gpu_bench.mojo bench ...` (run on the device) into JSON.
 
     python -m pymla.tools.gpu_bench_json benchmarks/results/gpu_op_bench.log \
         > benchmarks/results/gpu_op_bench.json
@@ -58,8 +58,8 @@ def main() -> int:
         return 1
     json.dump(
         {
-            "method": "mla_decode_branch_fp8_gpu called from a Mojo host loop (tests/gpu/gpu_smoke.mojo "
-            "bench-only), one new token per request, page size 64, mean of N calls after one warm-up",
+            "method": "mla_decode_branch_fp8_gpu called from a Mojo host loop (tests/gpu/gpu_bench.mojo "
+            "bench), one new token per request, page size 64, mean of N calls after one warm-up",
             "copy_bytes_per_s": copy,
             "bench": rows,
         },

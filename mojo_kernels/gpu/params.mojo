@@ -1,0 +1,88 @@
+"""What every kernel parameter struct shares: the `DevicePassable` bit copy, the batch, the paged cache.
+
+A launch takes one parameter struct (FlashMLA's `Flash_fwd_mla_params`
+style): plain pointers and fixed-width scalars (`Int` is not
+`DevicePassable` in this Mojo), passed by bit copy (`KernelParams`).
+`DeviceBatch` and `DeviceCache` are the device forms of the root's
+`RaggedBatch` and `PagedLatentRows`, fields of the structs that need them.
+"""
+
+from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
+
+from ..common import DPtr, U32Ptr
+from ..paged_cache import PagedLatentRows, RaggedBatch, cache_row_offset
+from .addressing import find_request
+
+
+trait KernelParams(DevicePassable, TrivialRegisterPassable):
+    """A kernel's one parameter struct, passed to the device by bit copy."""
+
+    comptime device_type: AnyType = Self
+
+    def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
+        encoder.encode(self, target)
+
+    @staticmethod
+    def get_type_name() -> String:
+        return "pymla.KernelParams"
+
+
+@fieldwise_init
+struct DeviceBatch(TrivialRegisterPassable):
+    """`RaggedBatch` on the device: request `b` owns query rows `[offsets[b], offsets[b + 1])`."""
+
+    var offsets: U32Ptr
+    var cache_lengths: U32Ptr
+    var num_requests: Int32
+
+    @staticmethod
+    def of(batch: RaggedBatch) -> Self:
+        return Self(batch.offsets, batch.cache_lengths, Int32(batch.num_requests))
+
+    @always_inline
+    def request(self, t: Int) -> Int:
+        """The request owning query row `t`."""
+        return find_request(self.offsets, Int(self.num_requests), t)
+
+    @always_inline
+    def position(self, b: Int, t: Int) -> Int:
+        """Sequence position of query row `t` of request `b`."""
+        return Int(self.cache_lengths.unsafe_load(b)) + t - Int(self.offsets.unsafe_load(b))
+
+    @always_inline
+    def token_position(self, t: Int) -> Int:
+        """Sequence position of query row `t`."""
+        return self.position(self.request(t), t)
+
+
+@fieldwise_init
+struct DeviceCache[dtype: DType](TrivialRegisterPassable):
+    """`PagedLatentRows` on the device: one layer's rows of `key_dim` values, one per (request, position)."""
+
+    var blocks: DPtr[Self.dtype]
+    var lookup: U32Ptr
+    var pages_per_request: Int32
+    var page_size: Int32
+    var page_stride: Int64
+    var layer_offset: Int64
+    var key_dim: Int32
+
+    @staticmethod
+    def of(cache: PagedLatentRows[Self.dtype]) -> Self:
+        return Self(
+            cache.blocks,
+            cache.lookup_table,
+            Int32(cache.pages_per_request),
+            Int32(cache.page_size),
+            Int64(cache.page_stride),
+            Int64(cache.layer_offset),
+            Int32(cache.head_dim),
+        )
+
+    @always_inline
+    def row_offset(self, b: Int, pos: Int) -> Int:
+        """Element offset in `blocks` of request `b`'s row at position `pos`."""
+        return cache_row_offset(
+            self.lookup, Int(self.pages_per_request), Int(self.page_size), Int(self.page_stride),
+            Int(self.layer_offset), Int(self.key_dim), b, pos,
+        )

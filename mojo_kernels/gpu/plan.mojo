@@ -1,0 +1,217 @@
+"""Planning of the GPU launches: one `GpuPlan` per op call, from the sizes and the device.
+
+The plan names which attention kernel runs (`ATTENTION_VARIANTS`, each with
+its `attention_supported` predicate), how many rows a block takes, how many
+key partitions each request's keys split into (`plan_partitions`), and
+which tile shape the fused q and output steps take (`PROJ_TILES`,
+`choose_proj_tile`; `FMA_PATH` for the float32 FMA path). The device's
+multiprocessor count, shared memory and registers come from its
+`DeviceContext` (`DeviceLimits.read`; an H200 reads 132 SMs, 228 KiB per SM,
+227 KiB per block). Tests pin a kernel or tile by building a plan.
+"""
+
+from max.gpu import WARP_SIZE
+from max.gpu.host import DeviceAttribute, DeviceContext
+
+from ..common import ceil_div
+from ..problem import DecodeProblem
+from .attention_fma import ATT_ROWS, ATT_THREADS, attention_smem_bytes
+from .attention_mma import MMA_ROWS, attention_mma_smem_bytes, mma_supported
+from .attention_wgmma import WG_ROWS, wgmma_supported
+from .merge import MAX_PARTITIONS
+from .projection import MATMUL_SMEM_FLOATS
+from .projection_mma import TileLayout
+from .steps_fused import tile_cols, tile_rows
+
+# Attention kernels as (16-row groups per block, keys per tile, warps per group): the fastest of
+# the variants timed on the H200 (benchmarks/results/gpu_variants.log; `gpu_bench variants`).
+# The warpgroup kernel (attention_wgmma.mojo): 4 groups = its 64 rows, 0 warps per group marks it
+# (two warpgroups of 4 warps); the default from WGMMA_MIN_HEADS heads (H200: 2.1x the MMA kernel
+# at 128 heads, half its speed at 16 heads; benchmarks/results/h200-2026-12-03-wgmma/gpu_variants.log).
+comptime WGMMA_SHAPE = (WG_ROWS // MMA_ROWS, 64, 0)
+comptime WGMMA_MIN_HEADS = 64
+comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
+comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
+# (H200, 16 heads, B128 L32k, step 5: 1798.5 us; (1, 32, 4) 1895 us; (1, 32, 8) 2262 us, and
+# 2230-2256 us with a ring of 3-5 cp.async key buffers: deeper prefetch does not help;
+# benchmarks/results/h200-2026-12-03-attn/)
+comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64 == 0
+comptime FMA_SHAPE = (0, 0, 0)  # attention_fma.mojo: float32 FMA, any dtype and size
+# The op takes the first variant its head count reaches whose kernel handles the sizes.
+comptime ATTENTION_VARIANTS = (WGMMA_SHAPE, MMA_MANY_HEADS, MMA_FEW_HEADS, MMA_FEW_HEADS_SMALL_RANK, FMA_SHAPE)
+comptime ATTENTION_MIN_HEADS = (WGMMA_MIN_HEADS, 2 * MMA_ROWS, 0, 0, 0)
+comptime FMA_ATTENTION = len(ATTENTION_VARIANTS) - 1
+
+comptime MMA_REGISTERS = 256  # registers per thread the tensor-core kernels use (ptxas: 208-255)
+comptime MIN_KEYS_PER_PARTITION = 256
+
+# Projection tile shapes (warps_m, warps_n, m16 tiles per warp, n8 tiles per warp), smallest first:
+# 16 x 32, 16 x 64 (4 warps) and 32 x 128 (8 warps). Chosen on the H200 (2026-12-03, build
+# 93ae151, ncu GPU time of each step alone, bf16, `gpu_bench proj`): 128 heads, 64 tokens:
+# q step 81.6 / 51.7 / 36.8 us, output step 61.5 / 39.3 / 23.1 us; 16 heads, 8 tokens: q 8.4 /
+# 8.6 / 9.5 us, output 15.9 / 17.5 / 23.1 us. A 64 x 128 tile (2, 4, 2, 4; 168 registers,
+# one block per SM) lost everywhere (q 44.9 and 14.3 us, output 27.1 and 40.3 us) and was dropped.
+# A larger tile replaces a smaller one when its grid still has a block per SM and fewer of them
+# (fewer re-staged activations and weights); the smallest tile is the default.
+comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (2, 4, 1, 4))
+comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile fits in shared memory
+
+
+@fieldwise_init
+struct DeviceLimits(TrivialRegisterPassable):
+    """What the plan reads from the device: multiprocessors, shared memory, registers."""
+
+    var sm_count: Int
+    var smem_per_sm: Int
+    var smem_per_block: Int  # opt-in dynamic shared memory per block
+    var registers_per_sm: Int
+
+    @staticmethod
+    def read(ctx: DeviceContext) raises -> Self:
+        return Self(
+            ctx.get_attribute(DeviceAttribute.MULTIPROCESSOR_COUNT),
+            ctx.get_attribute(DeviceAttribute.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+            ctx.get_attribute(DeviceAttribute.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+            ctx.get_attribute(DeviceAttribute.MAX_REGISTERS_PER_MULTIPROCESSOR),
+        )
+
+
+def attention_supported[dtype: DType, v: Tuple[Int, Int, Int]](key_dim: Int, kv_lora_rank: Int) -> Bool:
+    """Whether the attention kernel of variant `v` handles these sizes (the FMA kernel: always)."""
+    comptime if v[0] == 0:
+        return True
+    elif v[2] == 0:
+        return wgmma_supported[dtype](key_dim, kv_lora_rank)
+    else:
+        return mma_supported[dtype, v[2]](key_dim, kv_lora_rank)
+
+
+def choose_attention[dtype: DType](num_heads: Int, key_dim: Int, kv_lora_rank: Int) -> Int:
+    """Index in ATTENTION_VARIANTS of the op's attention kernel."""
+    comptime for i in range(len(ATTENTION_VARIANTS)):
+        if num_heads >= ATTENTION_MIN_HEADS[i] and attention_supported[dtype, ATTENTION_VARIANTS[i]](
+            key_dim, kv_lora_rank
+        ):
+            return i
+    return FMA_ATTENTION
+
+
+def attention_rows_per_block(v: Tuple[Int, Int, Int]) -> Int:
+    """(token, head) rows one block of variant `v` takes."""
+    if v[0] == 0:
+        return ATT_ROWS
+    if v[2] == 0:
+        return WG_ROWS
+    return v[0] * MMA_ROWS
+
+
+def attention_blocks_per_sm[dtype: DType](v: Tuple[Int, Int, Int], key_dim: Int, limits: DeviceLimits) -> Int:
+    """Blocks of variant `v` one SM holds (FMA: 256 threads at up to 255 registers; wgmma: one)."""
+    if v[0] == 0 or v[2] == 0:
+        return 1
+    var threads = v[0] * v[2] * WARP_SIZE
+    var smem = attention_mma_smem_bytes[dtype](v[0], v[1], v[2], key_dim)
+    return max(1, min(limits.registers_per_sm // (MMA_REGISTERS * threads), limits.smem_per_sm // (smem + 1024)))
+
+
+def plan_partitions(
+    num_tokens: Int, num_heads: Int, rows_per_block: Int, blocks_per_sm: Int, max_cache_length_hint: Int, sm_count: Int
+) -> Int:
+    """Key partitions per request: enough blocks for one full wave of `sm_count` SMs, none past it.
+
+    Row tiles are estimated as `T H / rows_per_block`; a partition keeps at
+    least MIN_KEYS_PER_PARTITION keys of `max_cache_length_hint` (at most 16
+    partitions when the hint is unknown, i.e. not positive).
+    """
+    var wave = sm_count * blocks_per_sm
+    var tiles = max(1, ceil_div(num_tokens * num_heads, rows_per_block))
+    var parts = max(1, wave // tiles)
+    if max_cache_length_hint > 0:
+        parts = min(parts, ceil_div(max_cache_length_hint, MIN_KEYS_PER_PARTITION))
+    else:
+        parts = min(parts, 16)
+    return max(1, min(parts, MAX_PARTITIONS))
+
+
+def attention_partitions[
+    dtype: DType
+](p: DecodeProblem[dtype], v: Tuple[Int, Int, Int], limits: DeviceLimits) -> Int:
+    """`plan_partitions` for variant `v` on problem `p`."""
+    return plan_partitions(
+        p.num_tokens, p.num_heads, attention_rows_per_block(v), attention_blocks_per_sm[dtype](v, p.key_dim(), limits),
+        p.max_visible_keys(), limits.sm_count,
+    )
+
+
+def tile_fits(tile: Tuple[Int, Int, Int, Int], depth: Int, block_k: Int, smem_per_block: Int) -> Bool:
+    """Whether a block of `tile` on a projection of depth `depth`, K blocks `block_k`, fits in shared memory."""
+    return TileLayout.create(depth, block_k).smem_bytes(tile_rows(tile), tile_cols(tile)) <= smem_per_block
+
+
+def choose_proj_tile[
+    dtype: DType
+](groups: Int, rows: Int, n_out: Int, depth: Int, block_k: Int, limits: DeviceLimits) -> Int:
+    """Index in PROJ_TILES of the tile for a projection, or FMA_PATH (float32, or no tile fits)."""
+    comptime if dtype == DType.float32:
+        return FMA_PATH
+    var best = FMA_PATH
+    var best_blocks = 0
+    comptime for i in range(len(PROJ_TILES)):
+        comptime t = PROJ_TILES[i]
+        if tile_fits(t, depth, block_k, limits.smem_per_block):
+            var blocks = groups * ceil_div(rows, tile_rows(t)) * ceil_div(n_out, tile_cols(t))
+            if best < 0 or (blocks >= limits.sm_count and blocks < best_blocks):
+                best = i
+                best_blocks = blocks
+    return best
+
+
+@fieldwise_init
+struct GpuPlan(TrivialRegisterPassable):
+    """How one op call runs on the GPU: its attention kernel and partitions, its projection tiles."""
+
+    var attention: Int  # index in ATTENTION_VARIANTS
+    var rows_per_block: Int  # of the attention kernel
+    var num_partitions: Int  # key partitions per request (merged when more than one)
+    var q_tile: Int  # steps 1-4: index in PROJ_TILES, or FMA_PATH
+    var out_tile: Int  # step 6: index in PROJ_TILES, or FMA_PATH
+
+    @staticmethod
+    def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
+        """The op's plan for `p` on a device of `limits`."""
+        return Self.with_attention(p, limits, choose_attention[dtype](p.num_heads, p.key_dim(), p.kv_lora_rank))
+
+    @staticmethod
+    def with_attention[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits, attention: Int) -> Self:
+        """The plan for `p` around attention kernel `attention` (an index in ATTENTION_VARIANTS)."""
+        var rows_per_block = 0
+        var parts = 0
+        comptime for i in range(len(ATTENTION_VARIANTS)):
+            if attention == i:
+                rows_per_block = attention_rows_per_block(ATTENTION_VARIANTS[i])
+                parts = attention_partitions(p, ATTENTION_VARIANTS[i], limits)
+        var q_k = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim).k
+        var out_k = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank).k
+        return Self(
+            attention,
+            rows_per_block,
+            parts,
+            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.kv_lora_rank, p.nope_dim, q_k, limits),
+            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.v_head_dim, p.kv_lora_rank, out_k, limits),
+        )
+
+
+def check_gpu_shapes[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) raises:
+    """Raises for sizes the GPU kernels do not handle."""
+    var key_dim = p.key_dim()
+    if p.cache.head_dim != key_dim:
+        raise Error("pymla gpu: cache head_dim ", p.cache.head_dim, " != kv_lora_rank + rope_dim = ", key_dim)
+    if p.kv_lora_rank % 4 != 0 or p.rope_dim % 4 != 0:
+        raise Error("pymla gpu: kv_lora_rank and rope_dim must be multiples of 4")
+    if p.nope_dim > MATMUL_SMEM_FLOATS or p.kv_lora_rank > MATMUL_SMEM_FLOATS:
+        raise Error("pymla gpu: nope_dim and kv_lora_rank must be at most ", MATMUL_SMEM_FLOATS)
+    if p.kv_lora_rank > 4 * ATT_THREADS:
+        raise Error("pymla gpu: kv_lora_rank must be at most ", 4 * ATT_THREADS)
+    var smem = attention_smem_bytes[dtype](key_dim)
+    if smem > limits.smem_per_block:
+        raise Error("pymla gpu: key dim ", key_dim, " needs ", smem, " bytes of shared memory")

@@ -1,0 +1,205 @@
+# GPU timings of mojo_kernels/gpu/ (no correctness checks: tests/gpu/gpu_smoke.mojo).
+#
+# Run on a machine with an NVIDIA GPU, from the repository root; configurations are
+# BATCH:HEADS:CACHE_LEN[:ITERS] (one new token per request, bf16):
+#     mojo run -I . tests/gpu/gpu_bench.mojo bench                     # the copy rate, then the whole op
+#                                                                      # (B=64 H=16/128 L=4096, B=1 L=32768, B=256 L=1024)
+#     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the whole op on these configurations
+#     mojo run -I . tests/gpu/gpu_bench.mojo variants 64:128:8191:5    # step 5 alone: the op's plan, then pinned kernels
+#     mojo run -I . tests/gpu/gpu_bench.mojo proj 64:128:0:50          # steps 1-4 on q and step 6 alone, every tile shape
+
+from std.sys import argv, has_accelerator, size_of
+from std.time import perf_counter_ns
+
+from max.gpu.host import DeviceBuffer, DeviceContext
+
+from mojo_kernels.gpu.pipeline import gpu_attention, gpu_attention_with
+from mojo_kernels.gpu.plan import FMA_PATH, PROJ_TILES, DeviceLimits, GpuPlan, attention_partitions
+
+from gpu_case import Case, DeviceCase, Rng, decode_case, download, round_to, untracked, upload
+
+
+def time_us(ctx: DeviceContext, start: Int) raises -> Float64:
+    ctx.synchronize()
+    return Float64(perf_counter_ns() - start) / 1000.0
+
+
+def bench_copy(ctx: DeviceContext, iters: Int) raises:
+    """The device-to-device copy rate (bytes read + written per second): the HBM yardstick."""
+    comptime N = 1 << 28  # 1 GiB of float32
+    var src = ctx.enqueue_create_buffer[DType.float32](N)
+    var dst = ctx.enqueue_create_buffer[DType.float32](N)
+    ctx.enqueue_memset(src, Float32(1))
+    ctx.enqueue_copy(dst_buf=dst, src_buf=src)
+    ctx.synchronize()
+    var t0 = perf_counter_ns()
+    for _ in range(iters):
+        ctx.enqueue_copy(dst_buf=dst, src_buf=src)
+    var s = time_us(ctx, t0) / 1e6 / Float64(iters)
+    print("copy", 2.0 * Float64(N * 4) / s / 1e9, "GB/s (bytes read + written, 1 GiB device-to-device)")
+
+
+def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int) raises:
+    """Times the whole op on a DeepSeek-sized decode step (one new token per request)."""
+    var c = decode_case[dtype](batch, heads, cache_len)  # random inputs, no CPU reference (large)
+    var d = DeviceCase[dtype](ctx, c)
+    d.run_op(ctx, c)
+    ctx.synchronize()
+    var t0 = perf_counter_ns()
+    for _ in range(iters):
+        d.run_op(ctx, c)
+    var us = time_us(ctx, t0) / Float64(iters)
+    var cache_bytes = Float64(batch * (cache_len + 1) * c.key_dim * size_of[dtype]())
+    var weight_bytes = Float64(len(c.w_uk.bytes) + len(c.w_uv.bytes))
+    var flops = 2.0 * Float64(batch * heads) * Float64(cache_len + 1) * Float64(c.key_dim + c.rank)
+    print(
+        "bench", dtype, "B", batch, "H", heads, "L", cache_len + 1, ":", us, "us per call,",
+        (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,", flops / us / 1e6, "TFLOP/s attention",
+    )
+
+
+comptime OP_PLAN = (-1, 0, 0)
+"""`bench_attention`'s variant for the op's own plan."""
+
+
+def bench_attention[
+    dtype: DType, v: Tuple[Int, Int, Int]
+](
+    ctx: DeviceContext, c: Case, d: DeviceCase[dtype], q_full: DeviceBuffer[DType.float32],
+    raw: DeviceBuffer[DType.float32], iters: Int, expected: List[Float32],
+) raises:
+    """Times step 5 alone with attention kernel `v` (groups, keys per tile, warps per group; OP_PLAN: the op's
+    plan), its key partitions planned for it."""
+    var problem = d.problem(c)
+    var limits = DeviceLimits.read(ctx)
+    var plan = GpuPlan.create(problem, limits)
+    var parts = attention_partitions(problem, v, limits)
+    var t0 = 0
+    for it in range(iters + 1):  # the first run is a warm-up
+        if it == 1:
+            ctx.synchronize()
+            t0 = perf_counter_ns()
+        comptime if v[0] < 0:
+            gpu_attention[dtype](ctx, problem, plan, untracked(q_full), untracked(raw))
+        else:
+            gpu_attention_with[dtype, v](ctx, problem, parts, untracked(q_full), untracked(raw))
+    var us = time_us(ctx, t0) / Float64(iters)
+    var cache_bytes = Float64(c.num_requests * (Int(c.lengths[0]) + 1) * c.key_dim * size_of[dtype]())
+    var line = String(
+        "  attention groups ", v[0], " kt ", v[1], " warps/group ", v[2], " : ", us, " us, ", cache_bytes / us / 1e3,
+        " GB/s of cache",
+    )
+    comptime if v[0] < 0:
+        line = String("  attention op's plan (variant ", plan.attention, ", ", plan.num_partitions, " partitions) : ", us,
+                      " us, ", cache_bytes / us / 1e3, " GB/s of cache")
+    if len(expected) > 0:  # a pinned variant: compared with the op's own kernel
+        var got = download[DType.float32](ctx, raw, c.num_tokens * c.heads * c.rank)
+        var diff = Float32(0)
+        var top = Float32(0)
+        for i in range(len(got)):
+            diff = max(diff, abs(got[i] - expected[i]))
+            top = max(top, abs(expected[i]))
+        line += String("; max |diff| vs the op's kernel ", diff / top, " x max|raw|")
+    print(line)
+
+
+def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int) raises:
+    """Step 5 alone, the op's plan and pinned attention kernels, on one decode step."""
+    var c = decode_case[dtype](batch, heads, cache_len)
+    var d = DeviceCase[dtype](ctx, c)
+    var rows = c.num_tokens * c.heads
+    var q_host = List[Float32]()
+    var rng = Rng(5)
+    for _ in range(rows * c.key_dim):
+        q_host.append(rng.normal())
+    var q_full = upload[DType.float32](ctx, q_host)
+    var raw = ctx.enqueue_create_buffer[DType.float32](rows * c.rank)
+    print("variants B", batch, "H", heads, "L", cache_len + 1)
+    bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
+    var expected = download[DType.float32](ctx, raw, rows * c.rank)
+    # (groups, kt, warps per group; 0: the warpgroup kernel): a launch that asks for too many
+    # registers is reported, not fatal.
+    comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8), (4, 32, 0), (4, 64, 0)]
+    comptime for v in VARIANTS:
+        try:
+            bench_attention[dtype, v](ctx, c, d, q_full, raw, iters, expected)
+        except e:
+            print("  attention groups", v[0], "kt", v[1], "warps/group", v[2], ": launch failed:", e)
+
+
+def bench_proj_plan[dtype: DType](
+    ctx: DeviceContext, c: Case, d: DeviceCase[dtype], plan: GpuPlan, name: String, q_full: DeviceBuffer[DType.float32],
+    raw: DeviceBuffer[DType.float32], att_out: DeviceBuffer[dtype], iters: Int,
+) raises:
+    """Times steps 1-4 on q (`gpu_build_q_full`) and step 6 (`gpu_project_output`) alone under `plan`."""
+    d.build_q_full(ctx, c, plan, q_full)
+    ctx.synchronize()
+    var t0 = perf_counter_ns()
+    for _ in range(iters):
+        d.build_q_full(ctx, c, plan, q_full)
+    var q_us = time_us(ctx, t0) / Float64(iters)
+    d.project_output(ctx, c, plan, raw, att_out)
+    ctx.synchronize()
+    t0 = perf_counter_ns()
+    for _ in range(iters):
+        d.project_output(ctx, c, plan, raw, att_out)
+    var o_us = time_us(ctx, t0) / Float64(iters)
+    print("  ", name, ": q_full", q_us, "us, output (+attention output)", o_us, "us")
+
+
+def bench_proj[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, iters: Int) raises:
+    """Steps 1-4 on q and step 6 alone on one decode step (one token per request), every tile shape."""
+    var c = decode_case[dtype](batch, heads, 15)
+    var d = DeviceCase[dtype](ctx, c)
+    var rows = c.num_tokens * c.heads
+    var q_full = ctx.enqueue_create_buffer[DType.float32](rows * c.key_dim)
+    var raw_host = List[Float32]()
+    var rng = Rng(7)
+    for _ in range(rows * c.rank):
+        raw_host.append(round_to[dtype](rng.normal()))
+    var raw = upload[DType.float32](ctx, raw_host)
+    var att_out = ctx.enqueue_create_buffer[dtype](rows * c.rank)
+    print("proj B", batch, "H", heads, "(time per call, launch included)")
+    var plan = d.plan(ctx, c)
+    bench_proj_plan[dtype](ctx, c, d, plan, "op's choice", q_full, raw, att_out, iters)
+    comptime for i in range(len(PROJ_TILES)):
+        comptime t = PROJ_TILES[i]
+        var tiled = plan
+        tiled.q_tile = i
+        tiled.out_tile = i
+        bench_proj_plan[dtype](ctx, c, d, tiled, String("tile ", t[0], "x", t[1], "x", t[2], "x", t[3]), q_full, raw, att_out, iters)
+    var fma = plan
+    fma.q_tile = FMA_PATH
+    fma.out_tile = FMA_PATH
+    bench_proj_plan[dtype](ctx, c, d, fma, "FMA path", q_full, raw, att_out, iters)
+
+
+def main() raises:
+    comptime if not has_accelerator():
+        print("gpu_bench: no GPU in this build (compile with --target-accelerator=sm_90 on a GPU machine)")
+        return
+    else:
+        var ctx = DeviceContext()
+        var args = argv()
+        var mode = String(args[1]) if len(args) > 1 else String("")
+        # Configurations BATCH:HEADS:CACHE_LEN[:ITERS], e.g. 64:128:8191:5
+        if mode == "proj":
+            for i in range(2, len(args)):
+                var f = String(args[i]).split(":")
+                bench_proj[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[3]) if len(f) > 3 else 50)
+        elif mode == "variants":
+            for i in range(2, len(args)):
+                var f = String(args[i]).split(":")
+                bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10)
+        elif mode == "bench":
+            bench_copy(ctx, 10)
+            for i in range(2, len(args)):
+                var f = String(args[i]).split(":")
+                bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10)
+            if len(args) == 2:
+                bench[DType.bfloat16](ctx, 64, 16, 4095, 20)
+                bench[DType.bfloat16](ctx, 64, 128, 4095, 5)
+                bench[DType.bfloat16](ctx, 1, 128, 32767, 20)
+                bench[DType.bfloat16](ctx, 256, 16, 1023, 20)
+        else:
+            raise Error("gpu_bench: mode bench, variants or proj, then BATCH:HEADS:CACHE_LEN[:ITERS]...")

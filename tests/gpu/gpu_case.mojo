@@ -1,0 +1,404 @@
+# The cases of the GPU checks (gpu_smoke.mojo) and timings (gpu_bench.mojo): random inputs on
+# the host (`Case`), the same on the device with each step launched alone (`DeviceCase`).
+
+from std.math import cos, log, sin, sqrt
+from std.memory import bitcast
+
+from max.gpu.host import DeviceBuffer, DeviceContext
+
+from mojo_kernels.common import DPtr
+from mojo_kernels.gpu.pipeline import (
+    cache_rows_params,
+    gpu_attention,
+    gpu_build_q_full,
+    gpu_project_output,
+    mla_decode_branch_fp8_gpu,
+)
+from mojo_kernels.gpu.plan import ATTENTION_VARIANTS, DeviceLimits, GpuPlan
+from mojo_kernels.paged_cache import PagedLatentRows, RaggedBatch
+from mojo_kernels.problem import DecodeProblem
+from mojo_kernels.spec import Granularity, MaskSpec
+
+comptime UNUSED_PAGE = UInt32(0xFFFFFFFF)
+comptime FP8_MAX: Float32 = 448.0
+
+
+struct Rng(Movable):
+    var state: UInt64
+
+    def __init__(out self, seed: Int):
+        self.state = UInt64(seed) * 6364136223846793005 + 1442695040888963407
+        if self.state == 0:
+            self.state = 1
+
+    def next(mut self) -> UInt64:
+        var x = self.state
+        x ^= x >> 12
+        x ^= x << 25
+        x ^= x >> 27
+        self.state = x
+        return x * 2685821657736338717
+
+    def uniform(mut self) -> Float32:
+        return Float32(Int(self.next() >> 40)) / Float32(1 << 24)
+
+    def normal(mut self) -> Float32:
+        var u1 = max(self.uniform(), Float32(1e-7))
+        var u2 = self.uniform()
+        return sqrt(Float32(-2.0) * log(u1)) * cos(Float32(6.283185307) * u2)
+
+    def below(mut self, n: Int) -> Int:
+        return Int(self.next() >> 33) % n
+
+
+def ceil_div(a: Int, b: Int) -> Int:
+    return (a + b - 1) // b
+
+
+def extent(g: Int, size: Int) -> Int:
+    """Elements per scale block along an axis (0 = the whole axis)."""
+    return max(size, 1) if g == 0 else g
+
+
+def fp8_value(x: Float32) -> Float32:
+    return x.cast[DType.float8_e4m3fn]().cast[DType.float32]()
+
+
+def fp8_byte(x: Float32) -> UInt8:
+    return bitcast[DType.uint8, 1](x.cast[DType.float8_e4m3fn]())
+
+
+def round_to[dtype: DType](x: Float32) -> Float32:
+    return x.cast[dtype]().cast[DType.float32]()
+
+
+struct QuantWeights(Movable):
+    """The fp8 weights `[G, N, K]` as bytes and as values, scales `[G, NB, KB]`."""
+
+    var bytes: List[UInt8]
+    var values: List[Float32]
+    var scales: List[Float32]
+    var groups: Int
+    var n: Int
+    var k: Int
+    var bn: Int
+    var bk: Int
+
+    def __init__(out self, mut rng: Rng, groups: Int, n: Int, k: Int, gn: Int, gk: Int, std: Float32):
+        self.groups = groups
+        self.n = n
+        self.k = k
+        self.bn = extent(gn, n)
+        self.bk = extent(gk, k)
+        var nb = ceil_div(n, self.bn)
+        var kb = ceil_div(k, self.bk)
+        var w = List[Float32](length=groups * n * k, fill=0)
+        for i in range(len(w)):
+            w[i] = rng.normal() * std
+        self.bytes = List[UInt8](length=groups * n * k, fill=0)
+        self.values = List[Float32](length=groups * n * k, fill=0)
+        self.scales = List[Float32](length=groups * nb * kb, fill=0)
+        for g in range(groups):
+            for ib in range(nb):
+                for jb in range(kb):
+                    var amax = Float32(0)
+                    for i in range(ib * self.bn, min((ib + 1) * self.bn, n)):
+                        for j in range(jb * self.bk, min((jb + 1) * self.bk, k)):
+                            amax = max(amax, abs(w[(g * n + i) * k + j]))
+                    var s = amax / FP8_MAX if amax > 0 else Float32(1)
+                    self.scales[(g * nb + ib) * kb + jb] = s
+                    for i in range(ib * self.bn, min((ib + 1) * self.bn, n)):
+                        for j in range(jb * self.bk, min((jb + 1) * self.bk, k)):
+                            var x = min(max(w[(g * n + i) * k + j] / s, -FP8_MAX), FP8_MAX)
+                            self.bytes[(g * n + i) * k + j] = fp8_byte(x)
+                            self.values[(g * n + i) * k + j] = fp8_value(x)
+
+    def scale(self, g: Int, i: Int, kb: Int) -> Float32:
+        var nb = ceil_div(self.n, self.bn)
+        var kbs = ceil_div(self.k, self.bk)
+        return self.scales[(g * nb + i // self.bn) * kbs + kb]
+
+
+struct Case(Movable):
+    var heads: Int
+    var nope: Int
+    var rope: Int
+    var rank: Int
+    var v_dim: Int
+    var key_dim: Int
+    var page_size: Int
+    var num_layers: Int
+    var layer: Int
+    var num_blocks: Int
+    var pages_per_request: Int
+    var num_requests: Int
+    var num_tokens: Int
+    var max_seq: Int
+    var mask_kind: Int
+    var window: Int
+    var score_mod: Int
+    var gm: Int
+    var gn: Int
+    var gk: Int
+    var scale: Float32
+    var epsilon: Float32
+    var offsets: List[UInt32]
+    var lengths: List[UInt32]
+    var lookup: List[UInt32]
+    var q: List[Float32]  # [T, H, Dn + Dr], values already rounded to dtype
+    var freqs: List[Float32]  # [S, Dr]
+    var gamma: List[Float32]  # [R]
+    var blocks: List[Float32]  # [num_blocks, 1, L, ps, 1, D]
+    var w_uk: QuantWeights
+    var w_uv: QuantWeights
+
+    def __init__[
+        dtype: DType
+    ](
+        out self,
+        seed: Int,
+        heads: Int,
+        cache_lengths: List[Int],
+        new_tokens: List[Int],
+        page_size: Int = 16,
+        num_layers: Int = 2,
+        layer: Int = 1,
+        rank: Int = 512,
+        nope: Int = 128,
+        rope: Int = 64,
+        v_dim: Int = 128,
+        mask_kind: Int = 1,
+        window: Int = 0,
+        score_mod: Int = 0,
+        gm: Int = 1,
+        gn: Int = 128,
+        gk: Int = 128,
+    ):
+        var rng = Rng(seed)
+        self.heads = heads
+        self.nope = nope
+        self.rope = rope
+        self.rank = rank
+        self.v_dim = v_dim
+        self.key_dim = rank + rope
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.layer = layer
+        self.mask_kind = mask_kind
+        self.window = window
+        self.score_mod = score_mod
+        self.gm = gm
+        self.gn = gn
+        self.gk = gk
+        self.epsilon = 1e-6
+        self.scale = Float32(1.0) / sqrt(Float32(nope + rope)) * (1 + Float32(0.2) * rng.uniform())
+        self.num_requests = len(cache_lengths)
+        self.offsets = List[UInt32](length=self.num_requests + 1, fill=0)
+        self.lengths = List[UInt32](length=self.num_requests, fill=0)
+        var longest = 1
+        for b in range(self.num_requests):
+            self.offsets[b + 1] = self.offsets[b] + UInt32(new_tokens[b])
+            self.lengths[b] = UInt32(cache_lengths[b])
+            longest = max(longest, cache_lengths[b] + new_tokens[b])
+        self.num_tokens = Int(self.offsets[self.num_requests])
+        self.max_seq = longest + 1
+        self.pages_per_request = ceil_div(longest, page_size) + 1
+        self.num_blocks = self.num_requests * self.pages_per_request + 3
+        # Pages handed out in a shuffled order; unused table entries are UNUSED_PAGE.
+        var order = List[Int](length=self.num_blocks, fill=0)
+        for i in range(self.num_blocks):
+            order[i] = i
+        for i in range(self.num_blocks - 1, 0, -1):
+            var j = rng.below(i + 1)
+            var tmp = order[i]
+            order[i] = order[j]
+            order[j] = tmp
+        self.lookup = List[UInt32](length=self.num_requests * self.pages_per_request, fill=UNUSED_PAGE)
+        var next_page = 0
+        for b in range(self.num_requests):
+            var visible = cache_lengths[b] + new_tokens[b]
+            for p in range(ceil_div(visible, page_size)):
+                self.lookup[b * self.pages_per_request + p] = UInt32(order[next_page])
+                next_page += 1
+        var row_elems = self.num_blocks * num_layers * page_size * self.key_dim
+        self.blocks = List[Float32](length=row_elems, fill=0)
+        for i in range(row_elems):
+            self.blocks[i] = round_to[dtype](rng.normal() * 2 + 0.5)
+        self.q = List[Float32](length=self.num_tokens * heads * (nope + rope), fill=0)
+        for i in range(len(self.q)):
+            self.q[i] = round_to[dtype](rng.normal() * 1.5)
+        self.freqs = List[Float32](length=self.max_seq * rope, fill=0)
+        for i in range(self.max_seq * rope // 2):
+            var angle = rng.uniform() * 6.3
+            self.freqs[2 * i] = round_to[dtype](cos(angle))
+            self.freqs[2 * i + 1] = round_to[dtype](sin(angle))
+        self.gamma = List[Float32](length=rank, fill=0)
+        for i in range(rank):
+            self.gamma[i] = round_to[dtype](1 + Float32(0.25) * rng.normal())
+        var std = Float32(1.0) / sqrt(Float32(rank))
+        self.w_uk = QuantWeights(rng, heads, rank, nope, gn, gk, std)
+        self.w_uv = QuantWeights(rng, heads, v_dim, rank, gn, gk, std)
+
+    def row_offset(self, b: Int, pos: Int) -> Int:
+        var page = Int(self.lookup[b * self.pages_per_request + pos // self.page_size])
+        return ((page * self.num_layers + self.layer) * self.page_size + pos % self.page_size) * self.key_dim
+
+    def request_of(self, t: Int) -> Int:
+        var b = 0
+        while Int(self.offsets[b + 1]) <= t:
+            b += 1
+        return b
+
+    def position(self, t: Int) -> Int:
+        var b = self.request_of(t)
+        return Int(self.lengths[b]) + t - Int(self.offsets[b])
+
+    def new_row_mask(self) -> List[Bool]:
+        """True at the elements of the rows the op updates."""
+        var mask = List[Bool](length=len(self.blocks), fill=False)
+        for t in range(self.num_tokens):
+            var off = self.row_offset(self.request_of(t), self.position(t))
+            for i in range(self.key_dim):
+                mask[off + i] = True
+        return mask^
+
+
+# ---------------------------------------------------------------------------
+# Host <-> device
+# ---------------------------------------------------------------------------
+
+
+def upload[dtype: DType](ctx: DeviceContext, values: List[Float32]) raises -> DeviceBuffer[dtype]:
+    var host = List[Scalar[dtype]](length=max(len(values), 1), fill=0)
+    for i in range(len(values)):
+        host[i] = values[i].cast[dtype]()
+    var buf = ctx.enqueue_create_buffer[dtype](len(host))
+    ctx.enqueue_copy(dst_buf=buf, src_ptr=host.unsafe_ptr())
+    ctx.synchronize()
+    return buf^
+
+
+def upload_u32(ctx: DeviceContext, values: List[UInt32]) raises -> DeviceBuffer[DType.uint32]:
+    var host = values.copy()
+    if len(host) == 0:
+        host.append(0)
+    var buf = ctx.enqueue_create_buffer[DType.uint32](len(host))
+    ctx.enqueue_copy(dst_buf=buf, src_ptr=host.unsafe_ptr())
+    ctx.synchronize()
+    return buf^
+
+
+def upload_u8(ctx: DeviceContext, values: List[UInt8]) raises -> DeviceBuffer[DType.uint8]:
+    var buf = ctx.enqueue_create_buffer[DType.uint8](len(values))
+    ctx.enqueue_copy(dst_buf=buf, src_ptr=values.unsafe_ptr())
+    ctx.synchronize()
+    return buf^
+
+
+def download[dtype: DType](ctx: DeviceContext, buf: DeviceBuffer[dtype], n: Int) raises -> List[Float32]:
+    var host = List[Scalar[dtype]](length=max(len(buf), 1), fill=0)
+    ctx.enqueue_copy(dst_ptr=host.unsafe_ptr(), src_buf=buf)
+    ctx.synchronize()
+    var out = List[Float32](length=n, fill=0)
+    for i in range(n):
+        out[i] = host[i].cast[DType.float32]()
+    return out^
+
+
+def untracked[dtype: DType](buf: DeviceBuffer[dtype]) -> DPtr[dtype]:
+    return buf.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
+struct DeviceCase[dtype: DType](Movable):
+    """A case's inputs on the device, and each step launched alone on them under a given plan."""
+
+    var q: DeviceBuffer[Self.dtype]
+    var offsets: DeviceBuffer[DType.uint32]
+    var lengths: DeviceBuffer[DType.uint32]
+    var lookup: DeviceBuffer[DType.uint32]
+    var freqs: DeviceBuffer[Self.dtype]
+    var gamma: DeviceBuffer[Self.dtype]
+    var blocks: DeviceBuffer[Self.dtype]
+    var w_uk: DeviceBuffer[DType.uint8]
+    var w_uk_scale: DeviceBuffer[DType.float32]
+    var w_uv: DeviceBuffer[DType.uint8]
+    var w_uv_scale: DeviceBuffer[DType.float32]
+    var output: DeviceBuffer[Self.dtype]
+
+    def __init__(out self, ctx: DeviceContext, c: Case) raises:
+        self.q = upload[Self.dtype](ctx, c.q)
+        self.offsets = upload_u32(ctx, c.offsets)
+        self.lengths = upload_u32(ctx, c.lengths)
+        self.lookup = upload_u32(ctx, c.lookup)
+        self.freqs = upload[Self.dtype](ctx, c.freqs)
+        self.gamma = upload[Self.dtype](ctx, c.gamma)
+        self.blocks = upload[Self.dtype](ctx, c.blocks)
+        self.w_uk = upload_u8(ctx, c.w_uk.bytes)
+        self.w_uk_scale = upload[DType.float32](ctx, c.w_uk.scales)
+        self.w_uv = upload_u8(ctx, c.w_uv.bytes)
+        self.w_uv_scale = upload[DType.float32](ctx, c.w_uv.scales)
+        self.output = ctx.enqueue_create_buffer[Self.dtype](max(c.num_tokens * c.heads * c.v_dim, 1))
+
+    def problem(self, c: Case) -> DecodeProblem[Self.dtype]:
+        """The op's inputs: no attention output, no new rows (the rows are in the cache)."""
+        return DecodeProblem[Self.dtype](
+            untracked(self.output), untracked(self.q),
+            RaggedBatch(untracked(self.offsets), untracked(self.lengths), c.num_requests),
+            untracked(self.freqs), untracked(self.gamma),
+            PagedLatentRows[Self.dtype].create(
+                untracked(self.blocks), untracked(self.lookup), c.pages_per_request,
+                c.num_layers, c.page_size, c.key_dim, c.layer,
+            ),
+            c.num_tokens, c.heads, c.nope, c.rope, c.rank, c.v_dim,
+            c.scale, c.epsilon, MaskSpec(c.mask_kind, c.window), c.score_mod,
+            Granularity(c.gm, c.gn, c.gk),
+            untracked(self.w_uk), untracked(self.w_uk_scale), untracked(self.w_uv), untracked(self.w_uv_scale),
+            untracked(self.output), False,  # no attention_output
+            untracked(self.q), False,  # no new_rows
+        )
+
+    def plan(self, ctx: DeviceContext, c: Case) raises -> GpuPlan:
+        """The op's own plan for this case on this device."""
+        return GpuPlan.create(self.problem(c), DeviceLimits.read(ctx))
+
+    def attention(
+        self, ctx: DeviceContext, c: Case, plan: GpuPlan, q_full: DeviceBuffer[DType.float32], raw: DeviceBuffer[DType.float32]
+    ) raises:
+        """Step 5 alone on this case's cache."""
+        gpu_attention[Self.dtype](ctx, self.problem(c), plan, untracked(q_full), untracked(raw))
+
+    def build_q_full(self, ctx: DeviceContext, c: Case, plan: GpuPlan, q_full: DeviceBuffer[DType.float32]) raises:
+        """Steps 1, 3, 4 on q alone (no cache rows)."""
+        var p = self.problem(c)
+        gpu_build_q_full[Self.dtype](ctx, p, plan, untracked(q_full), cache_rows_params(p, 0))
+
+    def project_output(
+        self, ctx: DeviceContext, c: Case, plan: GpuPlan, raw: DeviceBuffer[DType.float32], att_out: DeviceBuffer[Self.dtype]
+    ) raises:
+        """Step 6 alone into `self.output`, storing the attention output in `att_out`."""
+        var p = self.problem(c)
+        p.attention_output = untracked(att_out)
+        p.has_attention_output = True
+        gpu_project_output[Self.dtype](ctx, p, plan, untracked(raw))
+
+    def run_op(self, ctx: DeviceContext, c: Case) raises:
+        mla_decode_branch_fp8_gpu[Self.dtype](self.problem(c), ctx)
+
+
+def variant_index[v: Tuple[Int, Int, Int]]() -> Int:
+    """Index of attention variant `v` in ATTENTION_VARIANTS (-1 when it is not one of them)."""
+    comptime for i in range(len(ATTENTION_VARIANTS)):
+        comptime w = ATTENTION_VARIANTS[i]
+        if w[0] == v[0] and w[1] == v[1] and w[2] == v[2]:
+            return i
+    return -1
+
+
+def decode_case[dtype: DType](batch: Int, heads: Int, cache_len: Int, seed: Int = 99) -> Case:
+    """A DeepSeek-sized decode step: `batch` requests of `cache_len` cached tokens and one new token each."""
+    var lengths = List[Int]()
+    var news = List[Int]()
+    for _ in range(batch):
+        lengths.append(cache_len)
+        news.append(1)
+    return Case.__init__[dtype](seed, heads, lengths, news, page_size=64, num_layers=1, layer=0)
