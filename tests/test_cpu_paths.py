@@ -115,7 +115,7 @@ def test_a_target_without_the_unit_has_only_f32():
     )
 
 
-@pytest.mark.parametrize("value", ["bogus", "AVX512BF16", "avx512bf16"])
+@pytest.mark.parametrize("value", ["bogus", "AVX512BF16", "avx512bf16", "amx"])
 def test_refused_path_leaves_everything_as_it_was(value, monkeypatch):
     """Refused in Python before any kernel runs: cache bytes and outputs untouched."""
     if value in kernel_cpu_paths():
