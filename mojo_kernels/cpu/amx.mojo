@@ -31,17 +31,17 @@ any bits, and `0 * NaN` is NaN).
 The tile operations go through `TileUnit`: `AmxTiles` is the unit itself;
 `tests/cpu/amx_check.mojo` brings an emulation of the same instructions, so
 the layouts are checked on CPUs without AMX too. Linux hands a process the
-tile registers only on request (`request_amx_permission`, before the first
-tile instruction of a call).
+tile registers only on request (`amx_permitted`, before the first tile
+instruction of a call).
 """
 
 from std.ffi import external_call
 from std.math import min
-from std.sys import llvm_intrinsic
+from std.sys import llvm_intrinsic, prefetch
 from std.sys.info import CompilationTarget
 
 from ..common import FPtr, ceil_div
-from .bf16 import BF16Ptr
+from .bf16 import NEXT_TILE_PREFETCH, BF16Ptr
 
 comptime HAS_AMX = CompilationTarget._has_feature["amx-tile"]() and CompilationTarget._has_feature["amx-bf16"]()
 """Whether the CPU the op is compiled for has the AMX tile unit with bf16 dot products."""
@@ -68,17 +68,15 @@ comptime ARCH_REQ_XCOMP_PERM = 0x1023
 comptime XFEATURE_XTILEDATA = 18
 
 
-def request_amx_permission() raises:
-    """Asks Linux for the tile registers (once granted, for the whole process; asking again is a no-op).
+def amx_permitted() -> Bool:
+    """Asks Linux for the tile registers; whether it granted them.
 
-    Without it the first tile instruction faults.
+    Once granted, for the whole process (every thread); asking again is a
+    no-op. Without the grant the first tile instruction faults. Linux
+    refuses where its AMX support is off, or where a thread's signal stack
+    is too small for the tile state.
     """
-    var rc = external_call["syscall", Int](SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-    if rc != 0:
-        raise Error(
-            "PYMLA_CPU_PATH=amx: Linux refused this process the AMX tile registers "
-            "(arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA) returned ", rc, ")"
-        )
+    return external_call["syscall", Int](SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
 
 
 trait TileUnit(Defaultable, Deinitable):
@@ -201,15 +199,27 @@ def gather_keys(
     return KeyRows(staging, padded_dim)
 
 
-def pack_values(keys: Array[KeyRows, 2], valid: Array[Bool, AMX_KEY_TILE], packed: BF16Ptr, rank_main: Int):
-    """The right operands of P V: `packed[p * 2 rank_main + 2 c + i] = V[2 p + i, c]` for `c < rank_main`.
+comptime PAD = TILE_BYTES
+"""Bytes added to the row stride of the packed values and of O: at rank 512 their rows would be
+2 KiB apart, so a tile's 16 rows would fall into two sets of the L1 cache."""
 
-    `V[j]` is key `j` of the tile (row `j % 16` of `keys[j // 16]`), zeros for keys not `valid`.
-    The column block `cb` of the tile is then 64 bytes at `packed + 32 cb`, rows `4 rank_main` bytes apart.
+
+def packed_values_stride(rank_main: Int) -> Int:
+    """Elements between the rows of `pack_values`' output."""
+    return 2 * rank_main + PAD // 2
+
+
+def pack_values(keys: Array[KeyRows, 2], valid: Array[Bool, AMX_KEY_TILE], packed: BF16Ptr, rank_main: Int):
+    """The right operands of P V: `packed[p * stride + 2 c + i] = V[2 p + i, c]` for `c < rank_main`.
+
+    `V[j]` is key `j` of the tile (row `j % 16` of `keys[j // 16]`), zeros for keys not `valid`;
+    `stride = packed_values_stride(rank_main)`. The column block `cb` of the tile is then 64 bytes
+    at `packed + 32 cb`, rows `2 stride` bytes apart.
     """
     comptime W = 16
+    var stride = packed_values_stride(rank_main)
     for p in range(TILE_PAIRS):
-        var dst = packed.unsafe_offset(p * 2 * rank_main)
+        var dst = packed.unsafe_offset(p * stride)
         var j = 2 * p
         var half = keys[j // TILE_ROWS]
         var a = half.base.unsafe_offset((j % TILE_ROWS) * half.stride)
@@ -237,6 +247,7 @@ def tile_scores_amx[
 ](
     mut unit: T,
     keys: Array[KeyRows, 2],
+    next_keys: Array[BF16Ptr, AMX_KEY_TILE],
     q_packed: BF16Ptr,
     scores: FPtr,
     acc: FPtr,
@@ -246,7 +257,9 @@ def tile_scores_amx[
     """`scores [rows, 32]` of the tile's two key halves against the packed queries; `acc [4 x 256]` is scratch.
 
     Row blocks are taken in pairs: per depth step, two key tiles and two
-    query tiles feed four `tdpbf16ps`.
+    query tiles feed four `tdpbf16ps`. The first pair's depth step `s` also
+    prefetches 64-byte line `s` of each row of the next tile (`next_keys`):
+    pages are scattered, so the hardware prefetcher cannot run ahead across them.
     """
     var row_blocks = padded_rows // TILE_ROWS
     var k0 = as_bytes(keys[0].base, 0)
@@ -262,6 +275,9 @@ def tile_scores_amx[
             unit.zero[ACC + 2]()
             unit.zero[ACC + 3]()
         for s in range(steps):
+            if rb == 0:
+                comptime for j in range(AMX_KEY_TILE):
+                    prefetch[NEXT_TILE_PREFETCH](next_keys[j].unsafe_offset(s * TILE_DEPTH))
             unit.load[LEFT](k0.unsafe_offset(s * TILE_BYTES), stride0)
             unit.load[LEFT + 1](k1.unsafe_offset(s * TILE_BYTES), stride1)
             unit.load[RIGHT](as_bytes(q_packed, (rb * steps + s) * TILE_ELEMENTS), TILE_BYTES)
@@ -293,15 +309,17 @@ def accumulate_values_amx[
     valid: Array[Bool, AMX_KEY_TILE],
     v_packed: BF16Ptr,
     acc_out: FPtr,
+    out_stride: Int,
     correction: FPtr,
     padded_rows: Int,
     rank: Int,
 ):
     """`acc_out[r] = acc_out[r] * correction[r] + sum_j probs[r, j] V[j, :rank]` over the tile's 32 keys.
 
+    `acc_out` rows are `out_stride` floats apart (`AmxScratch.out_stride`).
     `probs [rows, 32]` hold bf16 values in float32 (the probabilities rounded
-    for P V); `probs_bf16 [rows, 32]` and `v_packed [16, 2 rank]` are scratch.
-    Columns past the last multiple of 16 are summed in float32 here.
+    for P V); `probs_bf16 [rows, 32]` and `v_packed` are scratch. Columns past
+    the last multiple of 16 are summed in float32 here.
     """
     comptime W = 16
     var rank_main = rank - rank % W
@@ -311,7 +329,7 @@ def accumulate_values_amx[
         )
         var corr = correction.unsafe_load(r)
         if corr != 1:
-            var row = acc_out.unsafe_offset(r * rank)
+            var row = acc_out.unsafe_offset(r * out_stride)
             var c = 0
             while c + W <= rank:
                 row.unsafe_store(c, row.unsafe_load[width=W](c) * corr)
@@ -322,8 +340,8 @@ def accumulate_values_amx[
     pack_values(keys, valid, v_packed, rank_main)
     var row_blocks = padded_rows // TILE_ROWS
     var col_blocks = rank_main // W
-    var out_stride = rank * 4
-    var v_stride = rank_main * 4
+    var out_bytes = out_stride * 4
+    var v_bytes = packed_values_stride(rank_main) * 2
     var rb = 0
     while rb < row_blocks:
         var two_rows = rb + 1 < row_blocks
@@ -333,55 +351,60 @@ def accumulate_values_amx[
         var cb = 0
         while cb < col_blocks:
             var two_cols = cb + 1 < col_blocks
-            var o0 = f32_bytes(acc_out, rb * TILE_ROWS * rank + cb * W)
-            var o1 = f32_bytes(acc_out, (rb + 1) * TILE_ROWS * rank + cb * W)
-            unit.load[RIGHT](as_bytes(v_packed, cb * TILE_DEPTH), v_stride)
-            unit.load[ACC](o0, out_stride)
+            var o0 = f32_bytes(acc_out, rb * TILE_ROWS * out_stride + cb * W)
+            var o1 = f32_bytes(acc_out, (rb + 1) * TILE_ROWS * out_stride + cb * W)
+            unit.load[RIGHT](as_bytes(v_packed, cb * TILE_DEPTH), v_bytes)
+            unit.load[ACC](o0, out_bytes)
             unit.dot[ACC, LEFT, RIGHT]()
-            unit.store[ACC](o0, out_stride)
+            unit.store[ACC](o0, out_bytes)
             if two_cols:
-                unit.load[RIGHT + 1](as_bytes(v_packed, (cb + 1) * TILE_DEPTH), v_stride)
-                unit.load[ACC + 1](o0.unsafe_offset(TILE_BYTES), out_stride)
+                unit.load[RIGHT + 1](as_bytes(v_packed, (cb + 1) * TILE_DEPTH), v_bytes)
+                unit.load[ACC + 1](o0.unsafe_offset(TILE_BYTES), out_bytes)
                 unit.dot[ACC + 1, LEFT, RIGHT + 1]()
-                unit.store[ACC + 1](o0.unsafe_offset(TILE_BYTES), out_stride)
+                unit.store[ACC + 1](o0.unsafe_offset(TILE_BYTES), out_bytes)
             if two_rows:
-                unit.load[ACC + 2](o1, out_stride)
+                unit.load[ACC + 2](o1, out_bytes)
                 unit.dot[ACC + 2, LEFT + 1, RIGHT]()
-                unit.store[ACC + 2](o1, out_stride)
+                unit.store[ACC + 2](o1, out_bytes)
                 if two_cols:
-                    unit.load[ACC + 3](o1.unsafe_offset(TILE_BYTES), out_stride)
+                    unit.load[ACC + 3](o1.unsafe_offset(TILE_BYTES), out_bytes)
                     unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
-                    unit.store[ACC + 3](o1.unsafe_offset(TILE_BYTES), out_stride)
+                    unit.store[ACC + 3](o1.unsafe_offset(TILE_BYTES), out_bytes)
             cb += 2
         rb += 2
     # Columns past the last whole column block (a kv_lora_rank that is not a multiple of 16).
     for r in range(padded_rows):
         for c in range(rank_main, rank):
-            var acc = acc_out.unsafe_load(r * rank + c)
+            var acc = acc_out.unsafe_load(r * out_stride + c)
             for j in range(AMX_KEY_TILE):
                 if valid[j]:
                     var half = keys[j // TILE_ROWS]
                     var v = half.base.unsafe_load((j % TILE_ROWS) * half.stride + c).cast[DType.float32]()
                     acc += probs.unsafe_load(r * AMX_KEY_TILE + j) * v
-            acc_out.unsafe_store(r * rank + c, acc)
+            acc_out.unsafe_store(r * out_stride + c, acc)
 
 
 struct AmxScratch(Movable):
-    """A task's buffers for the AMX path: packed queries, staging for gathered keys, packed values, P, S^T."""
+    """A task's buffers for the AMX path: packed queries, staging for gathered keys, packed values, P, S^T,
+    and O with padded rows."""
 
     var q_packed: List[BFloat16]  # [row blocks, steps, 16, 32]
     var staging: List[BFloat16]  # [2, 16, steps * 32]
-    var v_packed: List[BFloat16]  # [16, 2 * rank]
+    var v_packed: List[BFloat16]  # [16, packed_values_stride]
     var probs: List[BFloat16]  # [padded rows, 32]
     var acc: List[Float32]  # [4, 16, 16]
+    var out: List[Float32]  # [padded rows, out_stride]
     var steps: Int
+    var out_stride: Int
 
     def __init__(out self, padded_rows: Int, key_dim: Int, rank: Int):
         self.steps = ceil_div(key_dim, TILE_DEPTH)
         var padded_dim = self.steps * TILE_DEPTH
         self.q_packed = List[BFloat16](length=padded_rows * padded_dim, fill=0)
         self.staging = List[BFloat16](length=2 * TILE_ROWS * padded_dim, fill=0)
-        self.v_packed = List[BFloat16](length=TILE_PAIRS * 2 * rank, fill=0)
+        self.v_packed = List[BFloat16](length=TILE_PAIRS * packed_values_stride(rank), fill=0)
+        self.out_stride = rank + PAD // 4
+        self.out = List[Float32](length=padded_rows * self.out_stride, fill=0)
         self.probs = List[BFloat16](length=padded_rows * AMX_KEY_TILE, fill=0)
         self.acc = List[Float32](length=4 * TILE_ROWS * TILE_ROWS, fill=0)
 

@@ -333,6 +333,7 @@ def attend_tiles_amx[
     var padded_dim = steps * TILE_DEPTH
     var q_packed = untracked_bf16(buffers.q_packed)
     var staging = untracked_bf16(buffers.staging)
+    var out = scratch(buffers.out)
     pack_queries(scratch(rows.q_buf), q_packed, rows.padded, key_dim, steps)
     var unit = tiles()
     unit.start()
@@ -347,14 +348,21 @@ def attend_tiles_amx[
         var valid = Array[Bool, tile](fill=False)
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
-        tile_scores_amx(unit, keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps)
+        var next_keys = tile_rows[DType.bfloat16, tile](bf16_cache, b, min(j0 + tile, k_hi - 1), k_hi)
+        tile_scores_amx(
+            unit, keys, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
+        )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale)
         accumulate_values_amx(
             unit, scratch(rows.scores_buf), untracked_bf16(buffers.probs), keys, valid,
-            untracked_bf16(buffers.v_packed), scratch(rows.out_buf), rows.correction(), rows.padded, rank,
+            untracked_bf16(buffers.v_packed), out, buffers.out_stride, rows.correction(), rows.padded, rank,
         )
         j0 += tile
     unit.stop()
+    var out_rows = scratch(rows.out_buf)
+    for r in range(rows.num_rows):
+        for c in range(rank):
+            out_rows.unsafe_store(r * rank + c, out.unsafe_load(r * buffers.out_stride + c))
     _ = buffers^
 
 

@@ -16,7 +16,7 @@ from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..paged_cache import RaggedBatch
 from ..problem import DecodeProblem
 from ..spec import Granularity
-from .amx import HAS_AMX, request_amx_permission
+from .amx import HAS_AMX, amx_permitted
 from .attention import (
     PATH_AMX,
     PATH_AVX512BF16,
@@ -101,12 +101,12 @@ def plan_attention(batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_
 def attention_path[dtype: DType]() raises -> Int:
     """The products of step 5 (a PATH_* code) from `PYMLA_CPU_PATH`: `auto`, `f32`, `avx512bf16`, `amx`.
 
-    `auto` (or unset) takes the AVX512-BF16 unit for bfloat16 caches where
-    the CPU the op is compiled for has it (`pymla/cpu_paths.py` says why AMX
-    is not yet `auto`'s choice), else AMX where it has that; `f32` widens
-    keys to float32 (same results up to summation order); `avx512bf16` and
-    `amx` insist and fail where the kernel lacks them. float16 and float32
-    caches always take the float32 path.
+    `auto` (or unset) takes, for bfloat16 caches, AMX where the CPU the op is
+    compiled for has it and Linux grants the tile registers, else the
+    AVX512-BF16 unit where it has that; `f32` widens keys to float32 (same
+    results up to summation order); `avx512bf16` and `amx` insist and fail
+    where the kernel (or Linux, for AMX) lacks them. float16 and float32
+    caches always take the float32 path. Called before any cache row changes.
     """
     var path = getenv("PYMLA_CPU_PATH", "auto")
     if path == "avx512bf16":
@@ -119,8 +119,14 @@ def attention_path[dtype: DType]() raises -> Int:
         raise Error("PYMLA_CPU_PATH: expected auto, f32, avx512bf16 or amx, got ", path)
     if dtype != DType.bfloat16 or path == "f32":
         return PATH_F32
-    if path == "amx" or (path != "avx512bf16" and HAS_AMX and not HAS_AVX512_BF16):
-        return PATH_AMX
+    if path == "amx" or (path != "avx512bf16" and HAS_AMX):
+        if amx_permitted():
+            return PATH_AMX
+        if path == "amx":
+            raise Error(
+                "PYMLA_CPU_PATH=amx: Linux refused this process the AMX tile registers "
+                "(arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA))"
+            )
     return PATH_AVX512BF16 if HAS_AVX512_BF16 else PATH_F32
 
 
@@ -141,8 +147,6 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
         return
     # The attention path first: a refused PYMLA_CPU_PATH raises before any cache row changes.
     var path = attention_path[dtype]()
-    if path == PATH_AMX:
-        request_amx_permission()
     var key_dim = p.key_dim()
 
     # Steps 1 and 2 on the cache: the new rows (from `new_rows` when given), rotated and

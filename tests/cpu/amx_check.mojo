@@ -25,7 +25,7 @@ from std.sys.info import CompilationTarget
 from std.time import perf_counter_ns
 
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, ceil_div
-from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, BytePtr, TileUnit, request_amx_permission
+from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, BytePtr, TileUnit, amx_permitted
 from mojo_kernels.cpu.attention import (
     PATH_AMX,
     PATH_AVX512BF16,
@@ -308,8 +308,8 @@ def main() raises:
     var quick = len(argv()) > 1 and argv()[1] == "quick"
     print("amx_check: compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
-    if amx_runs():
-        request_amx_permission()
+    if amx_runs() and not amx_permitted():
+        raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
     var failures = 0
     var seed = 1
     # Page sizes x heads, ragged: a request with no new token, one with an empty cache, one crossing pages.
