@@ -232,14 +232,41 @@ def pack_values(keys: Array[KeyRows, 2], valid: Array[Bool, AMX_KEY_TILE], packe
             dst.unsafe_store(2 * c, va.interleave(vb))
 
 
+@always_inline
+def swap_blocks[b: Int](mut v: Array[SIMD[DType.float32, 16], 16]):
+    """Swaps the off-diagonal `b x b` blocks of every `2b x 2b` block of the 16 x 16 matrix `v` (rows)."""
+    comptime for i in range(16):
+        comptime if i & b == 0:
+            var x = v[i]
+            var y = v[i + b]
+            comptime if b == 8:
+                v[i] = x.shuffle[0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23](y)
+                v[i + b] = x.shuffle[8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31](y)
+            elif b == 4:
+                v[i] = x.shuffle[0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27](y)
+                v[i + b] = x.shuffle[4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31](y)
+            elif b == 2:
+                v[i] = x.shuffle[0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29](y)
+                v[i + b] = x.shuffle[2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31](y)
+            else:
+                v[i] = x.shuffle[0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30](y)
+                v[i + b] = x.shuffle[1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31](y)
+
+
 def transpose_into_scores(acc: FPtr, scores: FPtr, row0: Int, key0: Int, tile: Int):
-    """`scores[(row0 + n) * tile + key0 + m] = acc[m * 16 + n]`: a stored `S^T` block back to `[rows x keys]`."""
-    for n in range(TILE_ROWS):
-        var dst = scores.unsafe_offset((row0 + n) * tile + key0)
-        var col = SIMD[DType.float32, TILE_ROWS](0)
-        comptime for m in range(TILE_ROWS):
-            col[m] = acc.unsafe_load(m * TILE_ROWS + n)
-        dst.unsafe_store(0, col)
+    """`scores[(row0 + n) * tile + key0 + m] = acc[m * 16 + n]`: a stored `S^T` block back to `[rows x keys]`.
+
+    Four butterfly levels of two-source shuffles (`swap_blocks` 8, 4, 2, 1).
+    """
+    var v = Array[SIMD[DType.float32, 16], 16](fill=SIMD[DType.float32, 16](0))
+    comptime for m in range(16):
+        v[m] = acc.unsafe_load[width=16](m * 16)
+    swap_blocks[8](v)
+    swap_blocks[4](v)
+    swap_blocks[2](v)
+    swap_blocks[1](v)
+    comptime for n in range(16):
+        scores.unsafe_store((row0 + n) * tile + key0, v[n])
 
 
 def tile_scores_amx[

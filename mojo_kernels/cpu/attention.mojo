@@ -11,13 +11,15 @@ once per head group. Per tile:
   the row sums take the float32 probabilities, P V gets them rounded to dtype;
 - `O = O * correction + P V`.
 
-Two paths compute the products (`attend_tiles_f32`, `attend_tiles_bf16`):
-the tile widened to float32 once, with the register-blocked `dot_block` of
-common.mojo and `ROW_BLOCK x COL_BLOCK` FMA blocks (every dtype, every CPU);
-or, for bfloat16 caches on CPUs with AVX512-BF16, `vdpbf16ps` on the cache
-rows in place (`cpu_bf16.mojo`), `BF16_KEY_TILE` keys per tile, the next
-tile's rows prefetched while one is scored. Both sum the same products in
-float32.
+Three paths compute the products (`attend_tiles_f32`, `attend_tiles_bf16`,
+`attend_tiles_amx`; PATH_*): the tile widened to float32 once, with the
+register-blocked `dot_block` of `cpu/simd.mojo` and `ROW_BLOCK x COL_BLOCK`
+FMA blocks (every dtype, every CPU); or, for bfloat16 caches on CPUs with
+AVX512-BF16, `vdpbf16ps` on the cache rows in place (`cpu/bf16.mojo`),
+`BF16_KEY_TILE` keys per tile, the next tile's rows prefetched while one is
+scored; or, on CPUs with AMX, `tdpbf16ps` on 16-key tiles loaded in place
+from the cache (`cpu/amx.mojo`), `AMX_KEY_TILE` keys per tile, rows padded
+to 16. All sum the same products in float32.
 
 Partitions are merged with their log-sum-exp at the end.
 """

@@ -16,10 +16,11 @@
 # (the unit) where the CPU has it. Every path must match f32 within TOLERANCE (products of the
 # same bf16 values summed in another order; the probabilities and the output rounded to bf16).
 # Timings: batch 8, 16k context, page 64, 16 and 128 heads, every path the CPU has, one line each
-# with the thread count. Exit status 1 if any check fails.
+# with the thread count: step 5 alone, then the whole CPU op (mla_decode_branch_fp8_cpu with
+# DeepSeek-V3 dims, blockwise fp8 weights; PYMLA_CPU_PATH set per path) and its steps 3 and 6
+# alone. Exit status 1 if any check fails.
 
-from std.ffi import external_call
-from std.math import ceil
+from std.os import setenv
 from std.sys import argv, num_physical_cores
 from std.sys.info import CompilationTarget
 from std.time import perf_counter_ns
@@ -36,9 +37,10 @@ from mojo_kernels.cpu.attention import (
     merge_partitions,
 )
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
-from mojo_kernels.cpu.pipeline import plan_attention
+from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention, project_output, project_q_nope
 from mojo_kernels.paged_cache import PagedLatentRows, RaggedBatch
-from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, MaskSpec
+from mojo_kernels.problem import DecodeProblem
+from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
 
 comptime TOLERANCE: Float32 = 0.02
 """Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
@@ -304,6 +306,93 @@ def time_path[tiles: TileUnit](mut c: Case, path: Int, iters: Int) raises -> Flo
     return best
 
 
+struct OpInputs(Movable):
+    """The rest of the op's inputs for a `Case` (DeepSeek-V3 dims: nope 128, rope 64, v_head 128)."""
+
+    var q: List[BFloat16]
+    var freqs: List[BFloat16]
+    var gamma: List[BFloat16]
+    var w_uk: List[UInt8]
+    var w_uv: List[UInt8]
+    var w_uk_scale: List[Float32]
+    var w_uv_scale: List[Float32]
+    var output: List[BFloat16]
+    var raw: List[BFloat16]
+
+    def __init__(out self, c: Case, max_len: Int):
+        var h = c.num_heads
+        var t = c.num_tokens
+        var rng = Rng(7)
+        self.q = List[BFloat16](length=t * h * 192, fill=0)
+        for i in range(len(self.q)):
+            self.q[i] = rng.uniform().cast[BF16]()
+        self.freqs = List[BFloat16](length=max_len * 64, fill=0)
+        for i in range(len(self.freqs)):
+            self.freqs[i] = rng.uniform().cast[BF16]()
+        self.gamma = List[BFloat16](length=c.rank, fill=BFloat16(1))
+        self.w_uk = List[UInt8](length=h * c.rank * 128, fill=0)
+        self.w_uv = List[UInt8](length=h * 128 * c.rank, fill=0)
+        for i in range(len(self.w_uk)):
+            self.w_uk[i] = UInt8(rng.next() % 256) & 0xF7  # never 0x7F / 0xFF (NaN)
+            self.w_uv[i] = UInt8(rng.next() % 256) & 0xF7
+        self.w_uk_scale = List[Float32](length=h * (c.rank // 128), fill=0.01)
+        self.w_uv_scale = List[Float32](length=h * (c.rank // 128), fill=0.01)
+        self.output = List[BFloat16](length=t * h * 128, fill=0)
+        self.raw = List[BFloat16](length=t * h * c.rank, fill=0)
+
+    def problem(mut self, mut c: Case) -> DecodeProblem[BF16]:
+        return DecodeProblem[BF16](
+            untracked(self.output), untracked(self.q), c.batch(), untracked(self.freqs), untracked(self.gamma),
+            c.cache(), c.num_tokens, c.num_heads, 128, 64, c.rank, 128, Float32(0.0416), Float32(1e-6), c.mask, 0,
+            Granularity(1, 128, 128),
+            self.w_uk.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.w_uv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.w_uv_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            untracked(self.raw), False, untracked(self.raw), False,
+        )
+
+
+def untracked(mut buffer: List[BFloat16]) -> DPtr[BF16]:
+    return buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
+def time_op(mut c: Case, mut inputs: OpInputs, path: String, iters: Int) raises -> Float64:
+    """Best of `iters` calls of the whole CPU op with `PYMLA_CPU_PATH=path` (the new rows rotated again each time)."""
+    _ = setenv("PYMLA_CPU_PATH", path)
+    var p = inputs.problem(c)
+    mla_decode_branch_fp8_cpu[BF16](p)
+    var best = Float64(1e30)
+    for _ in range(iters):
+        var t0 = perf_counter_ns()
+        mla_decode_branch_fp8_cpu[BF16](p)
+        best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
+    return best
+
+
+def time_projections(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> Tuple[Float64, Float64]:
+    """Best of `iters` calls of step 3 (into a scratch q_full) and of step 6 alone."""
+    var p = inputs.problem(c)
+    var q_full = List[BFloat16](length=c.num_tokens * c.num_heads * c.key_dim, fill=0)
+    var best3 = Float64(1e30)
+    var best6 = Float64(1e30)
+    for _ in range(iters + 1):
+        var t0 = perf_counter_ns()
+        project_q_nope[BF16](
+            p.q, p.w_uk, p.w_uk_scale, untracked(q_full), p.num_tokens, p.num_heads, 128, 64, c.rank, p.granularity
+        )
+        var t1 = perf_counter_ns()
+        project_output[BF16](
+            untracked(inputs.raw), p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, c.rank, 128,
+            p.granularity,
+        )
+        var t2 = perf_counter_ns()
+        best3 = min(best3, Float64(t1 - t0) / 1e6)
+        best6 = min(best6, Float64(t2 - t1) / 1e6)
+    _ = q_full^
+    return (best3, best6)
+
+
 def main() raises:
     var quick = len(argv()) > 1 and argv()[1] == "quick"
     print("amx_check: compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
@@ -347,5 +436,15 @@ def main() raises:
                 if not (err <= TOLERANCE):
                     failures += 1
             print(line)
+            var inputs = OpInputs(c, 16384 + 1)
+            var op_line = String("timing: whole CPU op, same shape:")
+            op_line += String(" f32 ", time_op(c, inputs, "f32", 3), " ms")
+            comptime if HAS_AVX512_BF16:
+                op_line += String(", avx512bf16 ", time_op(c, inputs, "avx512bf16", 5), " ms")
+            if amx_runs():
+                op_line += String(", amx ", time_op(c, inputs, "amx", 5), " ms")
+            var proj = time_projections(c, inputs, 5)
+            op_line += String("; step 3 ", proj[0], " ms, step 6 ", proj[1], " ms")
+            print(op_line)
     if failures:
         raise Error(String(failures, " checks failed"))
