@@ -173,6 +173,7 @@ def test_amx_tile_layouts(tmp_path):
         [mojo_binary(), "build", "--target-cpu", compile_target_name(), "-I", str(root),
          str(root / "tests" / "cpu" / "amx_check.mojo"), "-o", str(binary)],
         capture_output=True, text=True, timeout=600,
+        env=dict(os.environ),  # not the C environment: max.nn putenv()s PYTHONEXECUTABLE
     )  # fmt: skip
     assert build.returncode == 0, build.stderr[-3000:]
     result = subprocess.run([str(binary), "quick"], capture_output=True, text=True, timeout=600)
