@@ -18,7 +18,8 @@
 # Timings: batch 8, 16k context, page 64, 16 and 128 heads, every path the CPU has, one line each
 # with the thread count: step 5 alone, then the whole CPU op (mla_decode_branch_fp8_cpu with
 # DeepSeek-V3 dims, blockwise fp8 weights; PYMLA_CPU_PATH set per path) and its steps 3 and 6
-# alone. Exit status 1 if any check fails.
+# alone. The AMX line also times the path with `tdpbf16ps` left out and with no tile instruction
+# at all (wrong results, where the time goes). Exit status 1 if any check fails.
 
 from std.os import setenv
 from std.sys import argv, num_physical_cores
@@ -105,6 +106,58 @@ struct EmulatedTiles(TileUnit):
 
     def stop(mut self):
         self.started = False
+
+
+struct AmxWithoutDots(TileUnit):
+    """The AMX unit with `tdpbf16ps` left out (loads, stores, zeros only): timings only."""
+
+    var unit: AmxTiles
+
+    def __init__(out self):
+        self.unit = AmxTiles()
+
+    def start(mut self):
+        self.unit.start()
+
+    def load[t: Int](mut self, src: BytePtr, stride: Int):
+        self.unit.load[t](src, stride)
+
+    def store[t: Int](mut self, dst: BytePtr, stride: Int):
+        self.unit.store[t](dst, stride)
+
+    def zero[t: Int](mut self):
+        self.unit.zero[t]()
+
+    def dot[c: Int, a: Int, b: Int](mut self):
+        pass
+
+    def stop(mut self):
+        self.unit.stop()
+
+
+struct NoTiles(TileUnit):
+    """No tile instruction at all: what the AMX path costs besides the unit. Timings only."""
+
+    def __init__(out self):
+        pass
+
+    def start(mut self):
+        pass
+
+    def load[t: Int](mut self, src: BytePtr, stride: Int):
+        pass
+
+    def store[t: Int](mut self, dst: BytePtr, stride: Int):
+        pass
+
+    def zero[t: Int](mut self):
+        pass
+
+    def dot[c: Int, a: Int, b: Int](mut self):
+        pass
+
+    def stop(mut self):
+        pass
 
 
 struct Rng(Movable):
@@ -432,7 +485,9 @@ def main() raises:
             if amx_runs():
                 line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms")
                 var err = max_error(c.attend[AmxTiles](PATH_F32, 0), c.attend[AmxTiles](PATH_AMX, 0))
-                line += String(" (amx vs f32 max|err| ", err, ")")
+                line += String(" (amx vs f32 max|err| ", err, "; without tdpbf16ps ")
+                line += String(time_path[AmxWithoutDots](c, PATH_AMX, 5), " ms, without tile instructions ")
+                line += String(time_path[NoTiles](c, PATH_AMX, 5), " ms)")
                 if not (err <= TOLERANCE):
                     failures += 1
             print(line)
