@@ -37,6 +37,7 @@ instruction of a call).
 """
 
 from std.ffi import external_call
+from std.memory import bitcast
 from std.math import min
 from std.sys import llvm_intrinsic, prefetch
 from std.sys.info import CompilationTarget
@@ -172,17 +173,24 @@ def pack_queries(q: FPtr, packed: BF16Ptr, padded_rows: Int, key_dim: Int, steps
     """The right operands of the scores, per 16-row block `rb` and depth step `s` (zeros past `key_dim`):
 
     `packed[((rb * steps + s) * 16 + p) * 32 + 2 n + i] = q[16 rb + n, 32 s + 2 p + i]`;
-    `q [padded_rows, key_dim]` holds bf16 values in float32 (exact).
+    `q [padded_rows, key_dim]` holds bf16 values in float32 (exact). Each 32-value step of a
+    row is 16 bf16 pairs, one 32-bit word each, written down column `n` of the block.
     """
+    var words = packed.unsafe_bitcast[UInt32]()
     for rb in range(padded_rows // TILE_ROWS):
-        for s in range(steps):
-            var block = packed.unsafe_offset((rb * steps + s) * TILE_ELEMENTS)
-            for n in range(TILE_ROWS):
-                var row = q.unsafe_offset((rb * TILE_ROWS + n) * key_dim)
-                for k in range(TILE_DEPTH):
-                    var d = s * TILE_DEPTH + k
-                    var v = row.unsafe_load(d) if d < key_dim else Float32(0)
-                    block.unsafe_store((k // 2) * TILE_DEPTH + 2 * n + k % 2, v.cast[DType.bfloat16]())
+        for n in range(TILE_ROWS):
+            var row = q.unsafe_offset((rb * TILE_ROWS + n) * key_dim)
+            for s in range(steps):
+                var step = SIMD[DType.float32, TILE_DEPTH](0)
+                if (s + 1) * TILE_DEPTH <= key_dim:
+                    step = row.unsafe_load[width=TILE_DEPTH](s * TILE_DEPTH)
+                else:
+                    for k in range(key_dim - s * TILE_DEPTH):
+                        step[k] = row.unsafe_load(s * TILE_DEPTH + k)
+                var pairs = bitcast[DType.uint32, TILE_PAIRS](step.cast[DType.bfloat16]())
+                var block = words.unsafe_offset((rb * steps + s) * TILE_ELEMENTS // 2)
+                comptime for p in range(TILE_PAIRS):
+                    block.unsafe_store(p * TILE_ROWS + n, pairs[p])
 
 
 @fieldwise_init
