@@ -11,8 +11,8 @@ The kernel picks a path per call from the environment variable
 - ``amx``: bf16 tile products summed in float32 with ``tdpbf16ps`` on Intel
   AMX (bfloat16 caches; other dtypes still take ``f32``). Step 5 alone on
   the H200's 16-core Xeon host (batch 8, 16k context, page 64), one run of
-  ``tests/cpu/amx_check.mojo``: 16 heads 3.96 ms (avx512bf16 8.84, f32
-  7.07), 128 heads 16.7 ms (avx512bf16 63.3, f32 36.9). Where Linux refuses
+  ``tests/cpu/amx_check.mojo``: 16 heads 3.20 ms (avx512bf16 9.15, f32
+  8.73), 128 heads 15.9 ms (avx512bf16 64.5, f32 43.3). Where Linux refuses
   the process the tile registers, ``auto`` runs ``avx512bf16`` instead and a
   forced ``amx`` fails.
 

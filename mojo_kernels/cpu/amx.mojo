@@ -12,22 +12,21 @@ rows of 64 bytes, the most AMX has.
   row stride) when the 16 keys lie in one page and the key dim is a multiple
   of 32; otherwise they are gathered into a staging buffer first. The `b`
   tiles are the task's query rows in pairs (`pack_queries`), packed once per
-  task. Per pair of 16-key halves, two key tiles against two 16-row
-  blocks: four accumulators, two key tiles, two query tiles, the eight tile
-  registers. The accumulators are stored and transposed into the
-  `[rows x keys]` scores the shared softmax update reads.
+  task. A 32-key tile takes two key tiles against two 16-row blocks: four
+  accumulators, two key tiles, two query tiles, the eight tile registers.
+  The accumulators are stored and transposed into the `[rows x keys]`
+  scores the shared softmax update reads.
 * `O = O * correction + P V`: the `a` tiles are the probabilities rounded
-  to bf16 (16 rows by 32 keys), the `b` tiles the tile's value rows
-  interleaved in key pairs (`pack_values`, once per key tile, shared by
-  every row block), and the accumulators are loaded from `O` itself, take
-  PV_STEPS depth steps (AMX_KEY_TILE = 64 keys) and are stored back, after
-  the rows whose maximum moved are rescaled.
+  to bf16 (16 rows by the tile's 32 keys), the `b` tiles the tile's value
+  rows interleaved in key pairs (`pack_values`, once per key tile, shared by
+  every row block), and the accumulators are loaded from and stored back to
+  `O` itself, after the rows whose maximum moved are rescaled.
 
-Key tiles start at multiples of AMX_KEY_TILE of the request's positions,
-so with a page size that is a multiple of 16 every 16-key half lies in one
-page. Keys of a tile outside the task's range are masked by the softmax
-update; their value rows are packed as zeros (a slot past the request's
-tokens may hold any bits, and `0 * NaN` is NaN).
+Key tiles start at multiples of 32 of the request's positions, so with a
+page size that is a multiple of 16 every 16-key half lies in one page. Keys
+of a tile outside the task's range are masked by the softmax update; their
+value rows are packed as zeros (a slot past the request's tokens may hold
+any bits, and `0 * NaN` is NaN).
 
 The tile operations go through `TileUnit`: `AmxTiles` is the unit itself;
 `tests/cpu/amx_check.mojo` brings an emulation of the same instructions, so
@@ -37,7 +36,6 @@ instruction of a call).
 """
 
 from std.ffi import external_call
-from std.memory import bitcast
 from std.math import min
 from std.sys import llvm_intrinsic, prefetch
 from std.sys.info import CompilationTarget
@@ -56,12 +54,8 @@ comptime TILE_PAIRS = 16
 comptime TILE_DEPTH = 2 * TILE_PAIRS
 comptime TILE_BYTES = TILE_PAIRS * 4
 comptime TILE_ELEMENTS = TILE_ROWS * TILE_DEPTH
-comptime PV_STEPS = 2
-"""Depth steps of P V per key tile: each `O` tile loaded and stored once per `32 * PV_STEPS` keys."""
-comptime AMX_KEY_TILE = PV_STEPS * TILE_DEPTH
-"""Keys per tile: `2 * PV_STEPS` score tiles of 16 keys."""
-comptime KEY_HALVES = AMX_KEY_TILE // TILE_ROWS
-"""16-key tiles per key tile (each one tile load of the scores)."""
+comptime AMX_KEY_TILE = 2 * TILE_ROWS
+"""Keys per tile: two score tiles, one depth step of P V."""
 
 # The eight tile registers: four accumulators (row block i, key half or column block j: ACC + 2 i + j),
 # two left operands, two right operands.
@@ -173,24 +167,17 @@ def pack_queries(q: FPtr, packed: BF16Ptr, padded_rows: Int, key_dim: Int, steps
     """The right operands of the scores, per 16-row block `rb` and depth step `s` (zeros past `key_dim`):
 
     `packed[((rb * steps + s) * 16 + p) * 32 + 2 n + i] = q[16 rb + n, 32 s + 2 p + i]`;
-    `q [padded_rows, key_dim]` holds bf16 values in float32 (exact). Each 32-value step of a
-    row is 16 bf16 pairs, one 32-bit word each, written down column `n` of the block.
+    `q [padded_rows, key_dim]` holds bf16 values in float32 (exact).
     """
-    var words = packed.unsafe_bitcast[UInt32]()
     for rb in range(padded_rows // TILE_ROWS):
-        for n in range(TILE_ROWS):
-            var row = q.unsafe_offset((rb * TILE_ROWS + n) * key_dim)
-            for s in range(steps):
-                var step = SIMD[DType.float32, TILE_DEPTH](0)
-                if (s + 1) * TILE_DEPTH <= key_dim:
-                    step = row.unsafe_load[width=TILE_DEPTH](s * TILE_DEPTH)
-                else:
-                    for k in range(key_dim - s * TILE_DEPTH):
-                        step[k] = row.unsafe_load(s * TILE_DEPTH + k)
-                var pairs = bitcast[DType.uint32, TILE_PAIRS](step.cast[DType.bfloat16]())
-                var block = words.unsafe_offset((rb * steps + s) * TILE_ELEMENTS // 2)
-                comptime for p in range(TILE_PAIRS):
-                    block.unsafe_store(p * TILE_ROWS + n, pairs[p])
+        for s in range(steps):
+            var block = packed.unsafe_offset((rb * steps + s) * TILE_ELEMENTS)
+            for n in range(TILE_ROWS):
+                var row = q.unsafe_offset((rb * TILE_ROWS + n) * key_dim)
+                for k in range(TILE_DEPTH):
+                    var d = s * TILE_DEPTH + k
+                    var v = row.unsafe_load(d) if d < key_dim else Float32(0)
+                    block.unsafe_store((k // 2) * TILE_DEPTH + 2 * n + k % 2, v.cast[DType.bfloat16]())
 
 
 @fieldwise_init
@@ -222,18 +209,16 @@ def packed_values_stride(rank_main: Int) -> Int:
     return 2 * rank_main + PAD // 2
 
 
-def pack_values(
-    keys: Array[KeyRows, KEY_HALVES], valid: Array[Bool, AMX_KEY_TILE], packed: BF16Ptr, rank_main: Int
-):
+def pack_values(keys: Array[KeyRows, 2], valid: Array[Bool, AMX_KEY_TILE], packed: BF16Ptr, rank_main: Int):
     """The right operands of P V: `packed[p * stride + 2 c + i] = V[2 p + i, c]` for `c < rank_main`.
 
     `V[j]` is key `j` of the tile (row `j % 16` of `keys[j // 16]`), zeros for keys not `valid`;
-    `stride = packed_values_stride(rank_main)`. Depth step `d`, column block `cb` is then the
-    64 bytes at `packed + 16 d stride + 32 cb`, rows `2 stride` bytes apart.
+    `stride = packed_values_stride(rank_main)`. The column block `cb` of the tile is then 64 bytes
+    at `packed + 32 cb`, rows `2 stride` bytes apart.
     """
     comptime W = 16
     var stride = packed_values_stride(rank_main)
-    for p in range(AMX_KEY_TILE // 2):
+    for p in range(TILE_PAIRS):
         var dst = packed.unsafe_offset(p * stride)
         var j = 2 * p
         var half = keys[j // TILE_ROWS]
@@ -288,7 +273,7 @@ def tile_scores_amx[
     T: TileUnit
 ](
     mut unit: T,
-    keys: Array[KeyRows, KEY_HALVES],
+    keys: Array[KeyRows, 2],
     next_keys: Array[BF16Ptr, AMX_KEY_TILE],
     q_packed: BF16Ptr,
     scores: FPtr,
@@ -296,38 +281,18 @@ def tile_scores_amx[
     padded_rows: Int,
     steps: Int,
 ):
-    """`scores [rows, AMX_KEY_TILE]` of the tile's 16-key halves against the packed queries; `acc [4 x 256]` is scratch.
+    """`scores [rows, 32]` of the tile's two key halves against the packed queries; `acc [4 x 256]` is scratch.
 
-    Per pair of halves, row blocks are taken in pairs: per depth step, two
-    key tiles and two query tiles feed four `tdpbf16ps`. The first row
-    blocks' depth step `s` also prefetches 64-byte line `s` of each row of the
-    next tile (`next_keys`): pages are scattered, so the hardware prefetcher
-    cannot run ahead across them.
+    Row blocks are taken in pairs: per depth step, two key tiles and two
+    query tiles feed four `tdpbf16ps`. The first pair's depth step `s` also
+    prefetches 64-byte line `s` of each row of the next tile (`next_keys`):
+    pages are scattered, so the hardware prefetcher cannot run ahead across them.
     """
-    comptime for pair in range(KEY_HALVES // 2):
-        score_key_pair[T, pair](unit, keys, next_keys, q_packed, scores, acc, padded_rows, steps)
-
-
-def score_key_pair[
-    T: TileUnit, pair: Int
-](
-    mut unit: T,
-    keys: Array[KeyRows, KEY_HALVES],
-    next_keys: Array[BF16Ptr, AMX_KEY_TILE],
-    q_packed: BF16Ptr,
-    scores: FPtr,
-    acc: FPtr,
-    padded_rows: Int,
-    steps: Int,
-):
-    """Scores of halves `2 pair` and `2 pair + 1` (`tile_scores_amx`)."""
-    comptime h = 2 * pair
-    comptime key0 = h * TILE_ROWS
     var row_blocks = padded_rows // TILE_ROWS
-    var k0 = as_bytes(keys[h].base, 0)
-    var k1 = as_bytes(keys[h + 1].base, 0)
-    var stride0 = keys[h].stride * 2
-    var stride1 = keys[h + 1].stride * 2
+    var k0 = as_bytes(keys[0].base, 0)
+    var k1 = as_bytes(keys[1].base, 0)
+    var stride0 = keys[0].stride * 2
+    var stride1 = keys[1].stride * 2
     var rb = 0
     while rb < row_blocks:
         var two = rb + 1 < row_blocks
@@ -338,8 +303,8 @@ def score_key_pair[
             unit.zero[ACC + 3]()
         for s in range(steps):
             if rb == 0:
-                comptime for j in range(2 * TILE_ROWS):
-                    prefetch[NEXT_TILE_PREFETCH](next_keys[key0 + j].unsafe_offset(s * TILE_DEPTH))
+                comptime for j in range(AMX_KEY_TILE):
+                    prefetch[NEXT_TILE_PREFETCH](next_keys[j].unsafe_offset(s * TILE_DEPTH))
             unit.load[LEFT](k0.unsafe_offset(s * TILE_BYTES), stride0)
             unit.load[LEFT + 1](k1.unsafe_offset(s * TILE_BYTES), stride1)
             unit.load[RIGHT](as_bytes(q_packed, (rb * steps + s) * TILE_ELEMENTS), TILE_BYTES)
@@ -351,15 +316,13 @@ def score_key_pair[
                 unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
         unit.store[ACC](f32_bytes(acc, 0), TILE_BYTES)
         unit.store[ACC + 1](f32_bytes(acc, 256), TILE_BYTES)
-        transpose_into_scores(acc, scores, rb * TILE_ROWS, key0, AMX_KEY_TILE)
-        transpose_into_scores(acc.unsafe_offset(256), scores, rb * TILE_ROWS, key0 + TILE_ROWS, AMX_KEY_TILE)
+        transpose_into_scores(acc, scores, rb * TILE_ROWS, 0, AMX_KEY_TILE)
+        transpose_into_scores(acc.unsafe_offset(256), scores, rb * TILE_ROWS, TILE_ROWS, AMX_KEY_TILE)
         if two:
             unit.store[ACC + 2](f32_bytes(acc, 512), TILE_BYTES)
             unit.store[ACC + 3](f32_bytes(acc, 768), TILE_BYTES)
-            transpose_into_scores(acc.unsafe_offset(512), scores, (rb + 1) * TILE_ROWS, key0, AMX_KEY_TILE)
-            transpose_into_scores(
-                acc.unsafe_offset(768), scores, (rb + 1) * TILE_ROWS, key0 + TILE_ROWS, AMX_KEY_TILE
-            )
+            transpose_into_scores(acc.unsafe_offset(512), scores, (rb + 1) * TILE_ROWS, 0, AMX_KEY_TILE)
+            transpose_into_scores(acc.unsafe_offset(768), scores, (rb + 1) * TILE_ROWS, TILE_ROWS, AMX_KEY_TILE)
         rb += 2
 
 
@@ -369,7 +332,7 @@ def accumulate_values_amx[
     mut unit: T,
     probs: FPtr,
     probs_bf16: BF16Ptr,
-    keys: Array[KeyRows, KEY_HALVES],
+    keys: Array[KeyRows, 2],
     valid: Array[Bool, AMX_KEY_TILE],
     v_packed: BF16Ptr,
     acc_out: FPtr,
@@ -378,13 +341,12 @@ def accumulate_values_amx[
     padded_rows: Int,
     rank: Int,
 ):
-    """`acc_out[r] = acc_out[r] * correction[r] + sum_j probs[r, j] V[j, :rank]` over the tile's keys.
+    """`acc_out[r] = acc_out[r] * correction[r] + sum_j probs[r, j] V[j, :rank]` over the tile's 32 keys.
 
     `acc_out` rows are `out_stride` floats apart (`AmxScratch.out_stride`).
-    `probs [rows, AMX_KEY_TILE]` hold bf16 values in float32 (the probabilities
-    rounded for P V); `probs_bf16 [rows, AMX_KEY_TILE]` and `v_packed` are
-    scratch. Each `O` tile is loaded, takes PV_STEPS `tdpbf16ps`, and is
-    stored. Columns past the last multiple of 16 are summed in float32 here.
+    `probs [rows, 32]` hold bf16 values in float32 (the probabilities rounded
+    for P V); `probs_bf16 [rows, 32]` and `v_packed` are scratch. Columns past
+    the last multiple of 16 are summed in float32 here.
     """
     comptime W = 16
     var rank_main = rank - rank % W
@@ -406,45 +368,34 @@ def accumulate_values_amx[
     var row_blocks = padded_rows // TILE_ROWS
     var col_blocks = rank_main // W
     var out_bytes = out_stride * 4
-    var v_stride = packed_values_stride(rank_main)
-    var v_bytes = v_stride * 2
-    var p_bytes = AMX_KEY_TILE * 2
+    var v_bytes = packed_values_stride(rank_main) * 2
     var rb = 0
     while rb < row_blocks:
         var two_rows = rb + 1 < row_blocks
-        var p0 = as_bytes(probs_bf16, rb * TILE_ROWS * AMX_KEY_TILE)
-        var p1 = as_bytes(probs_bf16, (rb + 1) * TILE_ROWS * AMX_KEY_TILE)
+        unit.load[LEFT](as_bytes(probs_bf16, rb * TILE_ROWS * AMX_KEY_TILE), TILE_BYTES)
+        if two_rows:
+            unit.load[LEFT + 1](as_bytes(probs_bf16, (rb + 1) * TILE_ROWS * AMX_KEY_TILE), TILE_BYTES)
         var cb = 0
         while cb < col_blocks:
             var two_cols = cb + 1 < col_blocks
             var o0 = f32_bytes(acc_out, rb * TILE_ROWS * out_stride + cb * W)
             var o1 = f32_bytes(acc_out, (rb + 1) * TILE_ROWS * out_stride + cb * W)
+            unit.load[RIGHT](as_bytes(v_packed, cb * TILE_DEPTH), v_bytes)
             unit.load[ACC](o0, out_bytes)
-            if two_cols:
-                unit.load[ACC + 1](o0.unsafe_offset(TILE_BYTES), out_bytes)
-            if two_rows:
-                unit.load[ACC + 2](o1, out_bytes)
-                if two_cols:
-                    unit.load[ACC + 3](o1.unsafe_offset(TILE_BYTES), out_bytes)
-            comptime for d in range(PV_STEPS):
-                var v = as_bytes(v_packed, d * TILE_PAIRS * v_stride + cb * TILE_DEPTH)
-                unit.load[LEFT](p0.unsafe_offset(d * TILE_BYTES), p_bytes)
-                unit.load[RIGHT](v, v_bytes)
-                unit.dot[ACC, LEFT, RIGHT]()
-                if two_cols:
-                    unit.load[RIGHT + 1](v.unsafe_offset(TILE_BYTES), v_bytes)
-                    unit.dot[ACC + 1, LEFT, RIGHT + 1]()
-                if two_rows:
-                    unit.load[LEFT + 1](p1.unsafe_offset(d * TILE_BYTES), p_bytes)
-                    unit.dot[ACC + 2, LEFT + 1, RIGHT]()
-                    if two_cols:
-                        unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
+            unit.dot[ACC, LEFT, RIGHT]()
             unit.store[ACC](o0, out_bytes)
             if two_cols:
+                unit.load[RIGHT + 1](as_bytes(v_packed, (cb + 1) * TILE_DEPTH), v_bytes)
+                unit.load[ACC + 1](o0.unsafe_offset(TILE_BYTES), out_bytes)
+                unit.dot[ACC + 1, LEFT, RIGHT + 1]()
                 unit.store[ACC + 1](o0.unsafe_offset(TILE_BYTES), out_bytes)
             if two_rows:
+                unit.load[ACC + 2](o1, out_bytes)
+                unit.dot[ACC + 2, LEFT + 1, RIGHT]()
                 unit.store[ACC + 2](o1, out_bytes)
                 if two_cols:
+                    unit.load[ACC + 3](o1.unsafe_offset(TILE_BYTES), out_bytes)
+                    unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
                     unit.store[ACC + 3](o1.unsafe_offset(TILE_BYTES), out_bytes)
             cb += 2
         rb += 2
@@ -465,9 +416,9 @@ struct AmxScratch(Movable):
     and O with padded rows."""
 
     var q_packed: List[BFloat16]  # [row blocks, steps, 16, 32]
-    var staging: List[BFloat16]  # [KEY_HALVES, 16, steps * 32]
-    var v_packed: List[BFloat16]  # [AMX_KEY_TILE / 2, packed_values_stride]
-    var probs: List[BFloat16]  # [padded rows, AMX_KEY_TILE]
+    var staging: List[BFloat16]  # [2, 16, steps * 32]
+    var v_packed: List[BFloat16]  # [16, packed_values_stride]
+    var probs: List[BFloat16]  # [padded rows, 32]
     var acc: List[Float32]  # [4, 16, 16]
     var out: List[Float32]  # [padded rows, out_stride]
     var steps: Int
@@ -477,8 +428,8 @@ struct AmxScratch(Movable):
         self.steps = ceil_div(key_dim, TILE_DEPTH)
         var padded_dim = self.steps * TILE_DEPTH
         self.q_packed = List[BFloat16](length=padded_rows * padded_dim, fill=0)
-        self.staging = List[BFloat16](length=KEY_HALVES * TILE_ROWS * padded_dim, fill=0)
-        self.v_packed = List[BFloat16](length=(AMX_KEY_TILE // 2) * packed_values_stride(rank), fill=0)
+        self.staging = List[BFloat16](length=2 * TILE_ROWS * padded_dim, fill=0)
+        self.v_packed = List[BFloat16](length=TILE_PAIRS * packed_values_stride(rank), fill=0)
         self.out_stride = rank + PAD // 4
         self.out = List[Float32](length=padded_rows * self.out_stride, fill=0)
         self.probs = List[BFloat16](length=padded_rows * AMX_KEY_TILE, fill=0)

@@ -32,7 +32,6 @@ from ..paged_cache import PagedLatentRows, RaggedBatch, partition_keys
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from .amx import (
     AMX_KEY_TILE,
-    KEY_HALVES,
     TILE_DEPTH,
     TILE_ROWS,
     AmxScratch,
@@ -322,7 +321,7 @@ def key_half(
 def attend_tiles_amx[
     dtype: DType, tiles: TileUnit
 ](mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, key_dim: Int, rank: Int):
-    """The task's keys on AMX tiles (`cpu/amx.mojo`), key tiles aligned to multiples of AMX_KEY_TILE positions.
+    """The task's keys on AMX tiles (`cpu/amx.mojo`), 32-key tiles aligned to multiples of 32 positions.
 
     `rows.padded` is a multiple of 16.
     """
@@ -342,8 +341,8 @@ def attend_tiles_amx[
     unit.start()
     var j0 = k_lo - k_lo % tile
     while j0 < k_hi:
-        var keys = Array[KeyRows, KEY_HALVES](fill=KeyRows(staging, padded_dim))
-        comptime for h in range(KEY_HALVES):
+        var keys = Array[KeyRows, 2](fill=KeyRows(staging, padded_dim))
+        comptime for h in range(2):
             keys[h] = key_half(
                 bf16_cache, b, j0 + h * TILE_ROWS, k_lo, k_hi, staging.unsafe_offset(h * TILE_ROWS * padded_dim),
                 key_dim, padded_dim,
