@@ -11,7 +11,8 @@
 # exact products summed in another order), and the gaps between output rows unchanged.
 # Timings: steps 3 and 6 alone (pipeline.project_q_nope / project_output, DeepSeek-V3 dims, bf16,
 # blockwise weights) per path, batch 8 at 16 and 128 heads and batch 1 at 128 heads, with the
-# thread count and the largest difference between the paths' bf16 outputs.
+# thread count and the largest difference between the paths' bf16 outputs; also the tile matmul
+# with no tile instruction (`NoTiles`, wrong results: what it costs besides the unit, on any CPU).
 
 from std.sys import num_physical_cores
 from std.time import perf_counter_ns
@@ -24,7 +25,7 @@ from mojo_kernels.cpu.fp8_matmul import StridedMatrices, fp8_batched_matmul
 from mojo_kernels.cpu.pipeline import project_output, project_q_nope
 from mojo_kernels.spec import BlockShape, Granularity
 
-from check_common import EmulatedTiles, Rng, amx_runs
+from check_common import EmulatedTiles, NoTiles, Rng, amx_runs
 
 comptime TOLERANCE: Float32 = 1.0 / 4096
 """Largest |tiles - f32| / sum |terms| per output: reordered float32 sums of at most a few hundred
@@ -188,27 +189,49 @@ struct ProjectionInputs(Movable):
         self.w_uk_scale = List[Float32](length=heads * 4, fill=0.01)
         self.w_uv_scale = List[Float32](length=heads * 4, fill=0.01)
 
-    def step3(mut self, path: Int) raises:
+    def step3[T: TileUnit](mut self, path: Int, tiles_direct: Bool) raises:
+        """Step 3 as the op runs it on `path`, or (`tiles_direct`) the tile matmul on unit `T`."""
+        var w = self.w_uk.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var blocks = Granularity(1, 128, 128)
+        if tiles_direct:
+            var a = StridedMatrices[BF16](untracked(self.q), 192, self.heads * 192)
+            var c = StridedMatrices[BF16](untracked(self.q_full), 576, self.heads * 576)
+            fp8_batched_matmul_amx[BF16, BF16, T](
+                a, w, untracked(self.w_uk_scale), c, self.heads, self.tokens, 512, 128,
+                blocks.resolve(self.tokens, 512, 128),
+            )
+            return
         project_q_nope[BF16](
-            untracked(self.q), self.w_uk.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), untracked(self.w_uk_scale),
-            untracked(self.q_full), self.tokens, self.heads, 128, 64, 512, Granularity(1, 128, 128), path,
+            untracked(self.q), w, untracked(self.w_uk_scale), untracked(self.q_full), self.tokens, self.heads,
+            128, 64, 512, blocks, path,
         )
 
-    def step6(mut self, path: Int) raises:
+    def step6[T: TileUnit](mut self, path: Int, tiles_direct: Bool) raises:
+        """Step 6 as the op runs it on `path`, or (`tiles_direct`) the tile matmul on unit `T`."""
+        var w = self.w_uv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var blocks = Granularity(1, 128, 128)
+        if tiles_direct:
+            var a = StridedMatrices[BF16](untracked(self.raw), 512, self.heads * 512)
+            var c = StridedMatrices[BF16](untracked(self.output), 128, self.heads * 128)
+            fp8_batched_matmul_amx[BF16, BF16, T](
+                a, w, untracked(self.w_uv_scale), c, self.heads, self.tokens, 128, 512,
+                blocks.resolve(self.tokens, 128, 512),
+            )
+            return
         project_output[BF16](
-            untracked(self.raw), self.w_uv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), untracked(self.w_uv_scale),
-            untracked(self.output), self.tokens, self.heads, 512, 128, Granularity(1, 128, 128), path,
+            untracked(self.raw), w, untracked(self.w_uv_scale), untracked(self.output), self.tokens, self.heads,
+            512, 128, blocks, path,
         )
 
-    def time(mut self, path: Int, iters: Int) raises -> Tuple[Float64, Float64]:
-        """Best of `iters` calls of step 3, and of step 6, on `path` (after a warm-up call of each)."""
+    def time[T: TileUnit = AmxTiles](mut self, path: Int, iters: Int, tiles_direct: Bool = False) raises -> Tuple[Float64, Float64]:
+        """Best of `iters` calls of step 3, and of step 6 (after a warm-up call of each)."""
         var best3 = Float64(1e30)
         var best6 = Float64(1e30)
         for _ in range(iters + 1):
             var t0 = perf_counter_ns()
-            self.step3(path)
+            self.step3[T](path, tiles_direct)
             var t1 = perf_counter_ns()
-            self.step6(path)
+            self.step6[T](path, tiles_direct)
             var t2 = perf_counter_ns()
             best3 = min(best3, Float64(t1 - t0) / 1e6)
             best6 = min(best6, Float64(t2 - t1) / 1e6)
@@ -236,6 +259,9 @@ def time_projections(iters: Int, mut failures: Int) raises:
         var f32 = x.time(PATH_F32, iters)
         var line = String("timing: steps 3 + 6 alone, batch ", tokens, ", heads ", heads, ", threads ", threads, ":")
         line += String(" f32 vectors ", f32[0], " + ", f32[1], " ms")
+        # The tile matmul with no tile instruction (wrong results): quantize, pack, widen, scale, store.
+        var bare = x.time[NoTiles](PATH_AMX, iters, tiles_direct=True)
+        line += String(", tile path without tile instructions ", bare[0], " + ", bare[1], " ms")
         if amx_runs():
             var q_full = x.q_full.copy()
             var output = x.output.copy()
