@@ -21,7 +21,8 @@ the last, shorter one) still sums only its own products.
 
 from std.math import min
 
-from ..common import FPtr, U8Ptr, ceil_div
+from ..common import DPtr, FPtr, U8Ptr, ceil_div
+from ..fp8 import widen_e4m3
 from ..spec import BlockShape
 from .amx import (
     ACC,
@@ -41,7 +42,7 @@ from .amx import (
 )
 from .attention import PATH_AMX
 from .bf16 import BF16Ptr
-from .fp8_matmul import StridedMatrices, fp8_batched_matmul, quantize_activations, widen_weight_rows
+from .fp8_matmul import StridedMatrices, fp8_batched_matmul, quantize_activations
 from .simd import F32_WIDTH, run_tasks, scratch
 
 comptime AMX_PROJECTION_MIN_TOKENS = 8
@@ -81,8 +82,18 @@ struct KBlocks(TrivialRegisterPassable):
         return self.padded // TILE_DEPTH
 
 
-def to_padded_bf16(src: FPtr, dst: BF16Ptr, kb: KBlocks):
-    """`dst [kb.padded_depth()]`: the `kb.depth` values of `src` (exact in bf16), each K block padded with zeros."""
+@always_inline
+def exact_f32[src_dtype: DType, w: Int](src: DPtr[src_dtype], i: Int) -> SIMD[DType.float32, w]:
+    """`w` values from `src + i` as float32: e4m3 bytes widened (`widen_e4m3`), float32 as they are."""
+    comptime if src_dtype == DType.uint8:
+        return widen_e4m3[w](rebind[SIMD[DType.uint8, w]](src.unsafe_load[width=w](i)))
+    else:
+        return src.unsafe_load[width=w](i).cast[DType.float32]()
+
+
+def to_padded_bf16[src_dtype: DType](src: DPtr[src_dtype], dst: BF16Ptr, kb: KBlocks):
+    """`dst [kb.padded_depth()]`: the `kb.depth` values of `src` (e4m3 bytes or float32 holding e4m3 values,
+    exact in bf16), each K block padded with zeros."""
     comptime W = F32_WIDTH
     for b in range(kb.count):
         var k0 = b * kb.size
@@ -90,10 +101,10 @@ def to_padded_bf16(src: FPtr, dst: BF16Ptr, kb: KBlocks):
         var d = dst.unsafe_offset(b * kb.padded)
         var i = 0
         while i + W <= n:
-            d.unsafe_store(i, src.unsafe_load[width=W](k0 + i).cast[DType.bfloat16]())
+            d.unsafe_store(i, exact_f32[src_dtype, W](src, k0 + i).cast[DType.bfloat16]())
             i += W
         while i < n:
-            d.unsafe_store(i, src.unsafe_load(k0 + i).cast[DType.bfloat16]())
+            d.unsafe_store(i, exact_f32[src_dtype, 1](src, k0 + i).cast[DType.bfloat16]()[0])
             i += 1
         while i < kb.padded:
             d.unsafe_store(i, BFloat16(0))
@@ -118,7 +129,7 @@ def pack_activations(
             var row = rb * TILE_ROWS + m
             if row >= num_rows:
                 break  # the rows past the tokens stay zero
-            to_padded_bf16(a_q.unsafe_offset((g * num_rows + row) * kb.depth), row_buf, kb)
+            to_padded_bf16[DType.float32](a_q.unsafe_offset((g * num_rows + row) * kb.depth), row_buf, kb)
             for s in range(steps):
                 for p in range(TILE_PAIRS):
                     block.unsafe_store((s * TILE_PAIRS + p) * TILE_ROWS + m, words.unsafe_load(s * TILE_PAIRS + p))
@@ -139,12 +150,11 @@ struct AmxMatmul[out_dtype: DType](TrivialRegisterPassable):
     var kb: KBlocks
     var row_blocks: Int
 
-    def widen_weights(self, g: Int, n0: Int, n1: Int, w_rows: BF16Ptr, row_f32: FPtr):
-        """`w_rows [n1 - n0, Kp]`: weight rows `n0 ..` of head `g` in bf16, K blocks padded (`row_f32 [K]` scratch)."""
-        var depth = self.kb.depth
+    def widen_weights(self, g: Int, n0: Int, n1: Int, w_rows: BF16Ptr):
+        """`w_rows [n1 - n0, Kp]`: weight rows `n0 ..` of head `g` in bf16, K blocks padded."""
         for n in range(n0, n1):
-            widen_weight_rows(self.w.unsafe_offset((g * self.n_out + n) * depth), row_f32, depth)
-            to_padded_bf16(row_f32, w_rows.unsafe_offset((n - n0) * self.kb.padded_depth()), self.kb)
+            var src = self.w.unsafe_offset((g * self.n_out + n) * self.kb.depth)
+            to_padded_bf16[DType.uint8](src, w_rows.unsafe_offset((n - n0) * self.kb.padded_depth()), self.kb)
 
     def scale_into(self, part: FPtr, total: FPtr, g: Int, m0: Int, n0: Int, b: Int):
         """`total[n, m] += part[n, m] * (sa[m0 + m, b] * sw[n0 + n, b])` for a `16 x 16` tile (`[n, m]`)."""
@@ -271,23 +281,23 @@ def fp8_batched_matmul_amx[
     var mm = AmxMatmul[out_dtype](packed, scratch(a_scale_buf), w, w_scale, c, num_rows, n_out, blocks, kb, row_blocks)
     var slices = ceil_div(n_out, AMX_WEIGHT_ROWS_PER_TASK)
 
-    def slice_task(i: Int) {var mm, var n_out, var depth, var slices}:
+    def slice_task(i: Int) {var mm, var n_out, var slices}:
         var g = i // slices
         var n0 = (i % slices) * AMX_WEIGHT_ROWS_PER_TASK
         var n1 = min(n0 + AMX_WEIGHT_ROWS_PER_TASK, n_out)
         var n_tiles = ceil_div(n1 - n0, TILE_ROWS)
-        # The slice's weights, widened once for every token; rows past n1 (up to the tile) stay zero.
-        var w_buf = List[BFloat16](length=n_tiles * TILE_ROWS * mm.kb.padded_depth(), fill=0)
-        var row_f32 = List[Float32](length=depth, fill=0)
+        # The slice's weights, widened once for every token; rows past n1 (up to the tile) zero.
+        var w_buf = List[BFloat16](unsafe_uninit_length=n_tiles * TILE_ROWS * mm.kb.padded_depth())
+        for i in range((n1 - n0) * mm.kb.padded_depth(), len(w_buf)):
+            w_buf[i] = 0
         var buf = List[Float32](length=9 * TILE_ROWS * TILE_ROWS, fill=0)
         var w_rows = untracked_bf16(w_buf)
-        mm.widen_weights(g, n0, n1, w_rows, scratch(row_f32))
+        mm.widen_weights(g, n0, n1, w_rows)
         var unit = tiles()
         unit.start()
         mm.tiles_of_slice(unit, w_rows, g, n0, n_tiles, scratch(buf))
         unit.stop()
         _ = w_buf^
-        _ = row_f32^
         _ = buf^
 
     run_tasks(slice_task, num_groups * slices, num_groups * n_out * depth * max(num_rows, 1))
