@@ -241,7 +241,7 @@ struct AmxMatmul[out_dtype: DType](TrivialRegisterPassable):
             rb += 2
 
 
-def fp8_batched_matmul_amx[
+def fp8_projection[
     in_dtype: DType, out_dtype: DType, tiles: TileUnit = AmxTiles
 ](
     a: StridedMatrices[in_dtype],
@@ -253,14 +253,20 @@ def fp8_batched_matmul_amx[
     n_out: Int,
     depth: Int,
     blocks: BlockShape,
+    on_amx: Bool,
 ) raises:
-    """`fp8_batched_matmul` on tiles: the same `c`, up to the order of the float32 sums.
+    """Step 3 or 6: `fp8_batched_matmul`, on tiles where `on_amx` (`projection_on_amx`): the same `c`,
+    up to the order of the float32 sums.
 
-    Quantizes `a` (`quantize_activations`) and packs it as right operands;
-    each task widens AMX_WEIGHT_ROWS_PER_TASK weight rows of one head to bf16
-    once and multiplies them with every token. The tile registers are asked
-    for by the caller (`amx_permitted`, done by `pipeline.attention_path`).
+    On tiles: quantizes `a` (`quantize_activations`) and packs it as right
+    operands; each task widens AMX_WEIGHT_ROWS_PER_TASK weight rows of one
+    head to bf16 once and multiplies them with every token. The tile
+    registers are asked for by the caller (`amx_permitted`, done by
+    `pipeline.attention_path`).
     """
+    if not on_amx:
+        fp8_batched_matmul[in_dtype, out_dtype](a, w, w_scale, c, num_groups, num_rows, n_out, depth, blocks)
+        return
     var m_blocks = ceil_div(num_rows, blocks.m)
     var kb = KBlocks.of(depth, blocks.k)
     var row_blocks = ceil_div(num_rows, TILE_ROWS)
@@ -304,24 +310,3 @@ def fp8_batched_matmul_amx[
     _ = a_q_buf^
     _ = a_scale_buf^
     _ = packed_buf^
-
-
-def fp8_projection[
-    in_dtype: DType, out_dtype: DType, tiles: TileUnit = AmxTiles
-](
-    a: StridedMatrices[in_dtype],
-    w: U8Ptr,
-    w_scale: FPtr,
-    c: StridedMatrices[out_dtype],
-    num_groups: Int,
-    num_rows: Int,
-    n_out: Int,
-    depth: Int,
-    blocks: BlockShape,
-    on_amx: Bool,
-) raises:
-    """Step 3 or 6: on tiles where `on_amx` (`projection_on_amx`), else on float32 vectors."""
-    if on_amx:
-        fp8_batched_matmul_amx[in_dtype, out_dtype, tiles](a, w, w_scale, c, num_groups, num_rows, n_out, depth, blocks)
-    else:
-        fp8_batched_matmul[in_dtype, out_dtype](a, w, w_scale, c, num_groups, num_rows, n_out, depth, blocks)

@@ -19,9 +19,9 @@ from std.time import perf_counter_ns
 
 from mojo_kernels.common import DPtr, FPtr, U8Ptr
 from mojo_kernels.cpu.amx import AmxTiles, TileUnit
-from mojo_kernels.cpu.amx_matmul import fp8_batched_matmul_amx, projection_on_amx
+from mojo_kernels.cpu.amx_matmul import fp8_projection, projection_on_amx
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_F32
-from mojo_kernels.cpu.fp8_matmul import StridedMatrices, fp8_batched_matmul
+from mojo_kernels.cpu.fp8_matmul import StridedMatrices
 from mojo_kernels.cpu.pipeline import project_output, project_q_nope
 from mojo_kernels.spec import BlockShape, Granularity
 
@@ -90,12 +90,7 @@ struct Projection(Movable):
         var w = self.w.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var ws = untracked(self.w_scale)
         var a = self.activations()
-        if on_tiles:
-            fp8_batched_matmul_amx[BF16, F32, tiles](
-                a, w, ws, out, self.heads, self.tokens, self.n_out, self.depth, self.blocks
-            )
-        else:
-            fp8_batched_matmul[BF16, F32](a, w, ws, out, self.heads, self.tokens, self.n_out, self.depth, self.blocks)
+        fp8_projection[BF16, F32, tiles](a, w, ws, out, self.heads, self.tokens, self.n_out, self.depth, self.blocks, on_tiles)
         return c^
 
     def magnitudes(mut self) raises -> List[Float32]:
@@ -196,9 +191,9 @@ struct ProjectionInputs(Movable):
         if tiles_direct:
             var a = StridedMatrices[BF16](untracked(self.q), 192, self.heads * 192)
             var c = StridedMatrices[BF16](untracked(self.q_full), 576, self.heads * 576)
-            fp8_batched_matmul_amx[BF16, BF16, T](
+            fp8_projection[BF16, BF16, T](
                 a, w, untracked(self.w_uk_scale), c, self.heads, self.tokens, 512, 128,
-                blocks.resolve(self.tokens, 512, 128),
+                blocks.resolve(self.tokens, 512, 128), True,
             )
             return
         project_q_nope[BF16](
@@ -213,9 +208,9 @@ struct ProjectionInputs(Movable):
         if tiles_direct:
             var a = StridedMatrices[BF16](untracked(self.raw), 512, self.heads * 512)
             var c = StridedMatrices[BF16](untracked(self.output), 128, self.heads * 128)
-            fp8_batched_matmul_amx[BF16, BF16, T](
+            fp8_projection[BF16, BF16, T](
                 a, w, untracked(self.w_uv_scale), c, self.heads, self.tokens, 128, 512,
-                blocks.resolve(self.tokens, 128, 512),
+                blocks.resolve(self.tokens, 128, 512), True,
             )
             return
         project_output[BF16](
