@@ -41,8 +41,9 @@ from max.gpu.compute.mma import mma
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group
 from max.gpu.primitives import warp
 
-from ..common import DPtr, FPtr, U8Ptr, ceil_div
+from ..common import ceil_div
 from ..fp8 import activation_scale, scaled_into_range
+from .params import GFPtr, GlobalPtr, GPtr
 
 comptime KCHUNK = 64  # k per 16-byte fp8 fragment load: 4 mma k-steps
 comptime SEG_VECS = 4  # float32x4 registers per lane for one row's K block (K blocks up to 512)
@@ -60,12 +61,12 @@ struct Fp8Projection[in_dtype: DType, out_dtype: DType](TrivialRegisterPassable)
     blocks. A field of the kernels' parameter structs.
     """
 
-    var a: DPtr[Self.in_dtype]
+    var a: GPtr[Self.in_dtype]
     var a_g_stride: Int64
     var a_m_stride: Int64
-    var w: U8Ptr
-    var w_scale: FPtr
-    var c: DPtr[Self.out_dtype]
+    var w: GlobalPtr[UInt8]
+    var w_scale: GFPtr
+    var c: GPtr[Self.out_dtype]
     var c_g_stride: Int64
     var c_m_stride: Int64
     var rows: Int32
@@ -153,12 +154,11 @@ def stage_weights[
     var rows = min(nt, n_total - n0)
     if lay.fast_weights:
         var vecs = k_total // 16
-        var src = w_g.unsafe_address_space_cast[AddressSpace.GLOBAL]()
         for i in range(tid, rows * vecs, threads):
             var r = i // vecs
             var v = i % vecs
             async_copy[16](
-                src.unsafe_offset((n0 + r) * k_total + 16 * v), sm.w_s.unsafe_offset(r * lay.w_stride + 16 * v)
+                w_g.unsafe_offset((n0 + r) * k_total + 16 * v), sm.w_s.unsafe_offset(r * lay.w_stride + 16 * v)
             )
         async_copy_commit_group()
     else:
@@ -191,7 +191,7 @@ def stage_activations[
     g: Int,
     m0: Int,
     mt: Int,
-    copy: DPtr[copy_dtype],
+    copy: GPtr[copy_dtype],
     copy_g_stride: Int,
     copy_m_stride: Int,
     do_copy: Bool,
@@ -289,7 +289,7 @@ def quantize_rows_in_registers[
     g: Int,
     m0: Int,
     mt: Int,
-    copy: DPtr[copy_dtype],
+    copy: GPtr[copy_dtype],
     copy_g_stride: Int,
     copy_m_stride: Int,
     do_copy: Bool,

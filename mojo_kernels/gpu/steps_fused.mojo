@@ -19,8 +19,7 @@ from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
-from ..common import DPtr
-from .params import DeviceBatch, KernelParams
+from .params import DeviceBatch, GPtr, KernelParams
 from .projection_mma import (
     Fp8Projection,
     TileLayout,
@@ -49,7 +48,7 @@ struct QStepParams[dtype: DType](KernelParams):
     """Parameters of `q_step_kernel`: steps 1-4 (q_full) and steps 1-2 (the new cache rows)."""
 
     var proj: Fp8Projection[Self.dtype, DType.float32]  # a = q_nope (q [T, H, Dn + Dr]), c = q_full [T, H, R + Dr]
-    var freqs_cis: DPtr[Self.dtype]
+    var freqs_cis: GPtr[Self.dtype]
     var batch: DeviceBatch
     var nope_dim: Int32
     var rope_dim: Int32
@@ -64,7 +63,7 @@ struct OutStepParams[dtype: DType](KernelParams):
     """Parameters of `out_step_kernel`: step 6 and the optional attention-output store."""
 
     var proj: Fp8Projection[DType.float32, Self.dtype]  # a = raw [T, H, R], c = output [T, H, Dv]
-    var attention_output: DPtr[Self.dtype]  # [T, H, R] when has_attention_output
+    var attention_output: GPtr[Self.dtype]  # [T, H, R] when has_attention_output
     var has_attention_output: Int32
     var m_tiles: Int32
     var n_tiles: Int32
