@@ -64,8 +64,6 @@ def attention_fma_kernel[
         return
     var rank = Int(p.kv_lora_rank)
     var dim = Int(p.cache.key_dim)
-    var row0 = blk.row0
-    var row_end = blk.row_end
 
     # Shared memory regions (byte offsets are multiples of 16).
     var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
@@ -91,8 +89,8 @@ def attention_fma_kernel[
         var r = e % ATT_ROWS
         var k = e // ATT_ROWS
         var v = Float32(0)
-        if row0 + r < row_end:
-            v = p.q_full.unsafe_load((row0 + r) * dim + k)
+        if blk.row0 + r < blk.row_end:
+            v = p.q_full.unsafe_load((blk.row0 + r) * dim + k)
         qT_s.unsafe_store(e, v)
     barrier()
 
@@ -185,13 +183,13 @@ def attention_fma_kernel[
     # Results of the block's valid rows.
     if c0 < rank:
         comptime for r in range(ATT_ROWS):
-            if row0 + r < row_end:
+            if blk.row0 + r < blk.row_end:
                 var v = SIMD[DType.float32, CPT](0)
                 comptime for i in range(CPT):
                     v[i] = acc[i][r]
                 var inv = AttentionBlock.inverse_sum(st.l.unsafe_load(r))
-                blk.result_row(p, row0 + r).unsafe_offset(c0).unsafe_store(
+                blk.result_row(p, blk.row0 + r).unsafe_offset(c0).unsafe_store(
                     0, AttentionBlock.result[dtype, CPT](p, v, inv)
                 )
     if tid < ATT_ROWS:
-        blk.store_stats(p, row0 + tid, st.m.unsafe_load(tid), st.l.unsafe_load(tid))
+        blk.store_stats(p, blk.row0 + tid, st.m.unsafe_load(tid), st.l.unsafe_load(tid))

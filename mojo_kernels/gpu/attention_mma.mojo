@@ -153,17 +153,15 @@ def attention_mma_kernel[
     var lane = tid % WARP_SIZE
     var g = lane // 4
     var t4 = lane % 4
+    var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()  # carved below
 
     var blk = AttentionBlock.locate[ROWS_BLK](p)
     if not blk.has_rows():
         return
     var rank = Int(p.kv_lora_rank)
     var dim = Int(p.cache.key_dim)
-    var row0 = blk.row0
-    var row_end = blk.row_end
 
     # Shared memory.
-    var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
     var stride = dim + MMA_KEY_PAD
     var off = 0
     var k_buf_bytes = ceil_div(kt * stride * size_of[dtype](), 16) * 16
@@ -184,7 +182,7 @@ def attention_mma_kernel[
 
     # This lane's q fragments (rows g and g + 8 of its group), in dtype.
     var nks = dim // 16
-    var gr_a = row0 + group * MMA_ROWS + g
+    var gr_a = blk.row0 + group * MMA_ROWS + g
     var gr_b = gr_a + 8
     var q_h = Array[SIMD[dtype, 8], KS_MAX](fill=0)
     comptime for i in range(KS_MAX):
@@ -193,7 +191,7 @@ def attention_mma_kernel[
             var d0 = ks * 16 + 2 * t4
             var x = SIMD[DType.float32, 8](0)
             comptime for h in range(2):  # row g in x[0, 1, 4, 5], row g + 8 in x[2, 3, 6, 7]
-                if gr_a + 8 * h < row_end:
+                if gr_a + 8 * h < blk.row_end:
                     var src = p.q_full.unsafe_offset((gr_a + 8 * h) * dim + d0)
                     var v0 = src.unsafe_load[width=2, alignment=8](0)
                     var v1 = src.unsafe_load[width=2, alignment=8](8)
@@ -331,13 +329,13 @@ def attention_mma_kernel[
     comptime for nt in range(NT_MAX):
         if nt < nt_count:
             var col = col_base + nt * 8 + 2 * t4
-            if gr_a < row_end:
+            if gr_a < blk.row_end:
                 out_a.unsafe_offset(col).unsafe_store[alignment=8](
                     0, AttentionBlock.result[dtype, 2](p, acc[nt].slice[2, offset=0](), inv_a)
                 )
-            if gr_b < row_end:
+            if gr_b < blk.row_end:
                 out_b.unsafe_offset(col).unsafe_store[alignment=8](
                     0, AttentionBlock.result[dtype, 2](p, acc[nt].slice[2, offset=2](), inv_b)
                 )
     if tid < ROWS_BLK:
-        blk.store_stats(p, row0 + tid, st.m.unsafe_load(tid), st.l.unsafe_load(tid))
+        blk.store_stats(p, blk.row0 + tid, st.m.unsafe_load(tid), st.l.unsafe_load(tid))
