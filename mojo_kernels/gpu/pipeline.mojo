@@ -63,7 +63,7 @@ from .projection import (
 )
 from .projection_mma import Fp8Projection
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
-from .steps_fused import OutStepParams, QStepParams, enqueue_out_step, enqueue_q_step
+from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
 
 def cache_rows_params[dtype: DType](p: DecodeProblem[dtype], count: Int) -> CacheRowsParams[dtype]:
@@ -161,7 +161,8 @@ def gpu_build_q_full[
     comptime if dtype != DType.float32:
         if plan.q_tile >= 0:
             var params = QStepParams[dtype](
-                proj, to_global(p.freqs_cis), batch, Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank), 0, 0, cache_rows
+                proj, to_global(p.freqs_cis), batch, Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank),
+                TileGrid.unset(), cache_rows,
             )
             comptime for i in range(len(PROJ_TILES)):
                 if plan.q_tile == i:
@@ -259,7 +260,7 @@ def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype]
     comptime if dtype != DType.float32:
         if plan.out_tile >= 0:
             var has_attention_output = Int32(1 if p.has_attention_output else 0)
-            var params = OutStepParams[dtype](proj, to_global(p.attention_output), has_attention_output, 0, 0)
+            var params = OutStepParams[dtype](proj, to_global(p.attention_output), has_attention_output, TileGrid.unset())
             comptime for i in range(len(PROJ_TILES)):
                 if plan.out_tile == i:
                     enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads)

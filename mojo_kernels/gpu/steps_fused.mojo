@@ -44,6 +44,30 @@ def tile_threads(tile: Tuple[Int, Int, Int, Int]) -> Int:
 
 
 @fieldwise_init
+struct TileGrid(TrivialRegisterPassable):
+    """A projection step's tiles per group (head): `m_tiles` row tiles x `n_tiles` column tiles (`fit` sets them)."""
+
+    var m_tiles: Int32
+    var n_tiles: Int32
+
+    @staticmethod
+    def unset() -> Self:
+        return Self(0, 0)
+
+    def fit[
+        in_dtype: DType, out_dtype: DType, //, tile: Tuple[Int, Int, Int, Int]
+    ](mut self, proj: Fp8Projection[in_dtype, out_dtype]) -> Int:
+        """Sets the tile counts of `proj` in tiles of `tile`; returns a block's dynamic shared memory."""
+        var grid = proj.tile_grid(tile_rows(tile), tile_cols(tile))
+        self.m_tiles = Int32(grid[0])
+        self.n_tiles = Int32(grid[1])
+        return grid[2]
+
+    def blocks(self, groups: Int) -> Int:
+        return groups * Int(self.m_tiles) * Int(self.n_tiles)
+
+
+@fieldwise_init
 struct QStepParams[dtype: DType](KernelParams):
     """Parameters of `q_step_kernel`: steps 1-4 (q_full) and steps 1-2 (the new cache rows)."""
 
@@ -53,8 +77,7 @@ struct QStepParams[dtype: DType](KernelParams):
     var nope_dim: Int32
     var rope_dim: Int32
     var kv_lora_rank: Int32
-    var m_tiles: Int32
-    var n_tiles: Int32
+    var tiles: TileGrid
     var cache_rows: CacheRowsParams[Self.dtype]  # count = 0: no cache rows in this launch
 
 
@@ -65,14 +88,14 @@ struct OutStepParams[dtype: DType](KernelParams):
     var proj: Fp8Projection[DType.float32, Self.dtype]  # a = raw [T, H, R], c = output [T, H, Dv]
     var attention_output: GPtr[Self.dtype]  # [T, H, R] when has_attention_output
     var has_attention_output: Int32
-    var m_tiles: Int32
-    var n_tiles: Int32
+    var tiles: TileGrid
 
 
 @always_inline
-def tile_of_block(blk: Int, m_tiles: Int, n_tiles: Int) -> Tuple[Int, Int, Int]:
+def tile_of_block(blk: Int, tiles: TileGrid) -> Tuple[Int, Int, Int]:
     """(group, row tile, column tile) of projection block `blk`; neighbours share their weight tile."""
-    var per_group = m_tiles * n_tiles
+    var m_tiles = Int(tiles.m_tiles)
+    var per_group = m_tiles * Int(tiles.n_tiles)
     var rest = blk % per_group
     return (blk // per_group, rest % m_tiles, rest // m_tiles)
 
@@ -89,7 +112,7 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
     if blk >= proj_blocks:
         rope_norm_cache_row[dtype, THREADS](p.cache_rows, blk - proj_blocks)
         return
-    var tile = tile_of_block(blk, Int(p.m_tiles), Int(p.n_tiles))
+    var tile = tile_of_block(blk, p.tiles)
     var g = tile[0]
     var m0 = tile[1] * MT
     var n0 = tile[2] * NT
@@ -123,7 +146,7 @@ def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](
     comptime THREADS = warps_m * warps_n * WARP_SIZE
     comptime MT = warps_m * tm * 16
     comptime NT = warps_n * tn * 8
-    var tile = tile_of_block(block_idx.x, Int(p.m_tiles), Int(p.n_tiles))
+    var tile = tile_of_block(block_idx.x, p.tiles)
     var g = tile[0]
     var m0 = tile[1] * MT
     var n0 = tile[2] * NT
@@ -159,26 +182,16 @@ def enqueue_tiles[
     )
 
 
-def enqueue_q_step[
-    dtype: DType, tile: Tuple[Int, Int, Int, Int]
-](ctx: DeviceContext, p: QStepParams[dtype], groups: Int) raises:
-    """Launches `q_step_kernel` with `tile` over `groups` heads (`p.m_tiles`, `p.n_tiles` are set here)."""
-    var grid = p.proj.tile_grid(tile_rows(tile), tile_cols(tile))
+def enqueue_q_step[dtype: DType, tile: Tuple[Int, Int, Int, Int]](ctx: DeviceContext, p: QStepParams[dtype], groups: Int) raises:
+    """Launches `q_step_kernel` with `tile` over `groups` heads (and `p.cache_rows.count` blocks of cache rows)."""
     var params = p
-    params.m_tiles = Int32(grid[0])
-    params.n_tiles = Int32(grid[1])
-    var blocks = Int(p.cache_rows.count) + groups * grid[0] * grid[1]
-    enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, grid[2])
+    var smem = params.tiles.fit[tile](p.proj)
+    var blocks = Int(p.cache_rows.count) + params.tiles.blocks(groups)
+    enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, smem)
 
 
-def enqueue_out_step[
-    dtype: DType, tile: Tuple[Int, Int, Int, Int]
-](ctx: DeviceContext, p: OutStepParams[dtype], groups: Int) raises:
-    """Launches `out_step_kernel` with `tile` over `groups` heads (`p.m_tiles`, `p.n_tiles` are set here)."""
-    var grid = p.proj.tile_grid(tile_rows(tile), tile_cols(tile))
+def enqueue_out_step[dtype: DType, tile: Tuple[Int, Int, Int, Int]](ctx: DeviceContext, p: OutStepParams[dtype], groups: Int) raises:
+    """Launches `out_step_kernel` with `tile` over `groups` heads."""
     var params = p
-    params.m_tiles = Int32(grid[0])
-    params.n_tiles = Int32(grid[1])
-    enqueue_tiles[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](
-        ctx, params, groups * grid[0] * grid[1], grid[2]
-    )
+    var smem = params.tiles.fit[tile](p.proj)
+    enqueue_tiles[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, params.tiles.blocks(groups), smem)
