@@ -181,6 +181,20 @@ def stage_weights[
         sm.sw_s.unsafe_store(i, s)
 
 
+@fieldwise_init
+struct ActivationRows[in_dtype: DType, copy_dtype: DType](TrivialRegisterPassable):
+    """A block's group of activation rows, as `stage_activations` reads them."""
+
+    var a_g: GPtr[Self.in_dtype]  # row m at a_g + m ms
+    var ms: Int
+    var copy_g: GPtr[Self.copy_dtype]  # with do_copy, row m also stored at copy_g + m copy_ms
+    var copy_ms: Int
+    var do_copy: Bool
+    var rows: Int  # M
+    var k_total: Int  # K
+    var bk: Int  # K block
+
+
 @always_inline
 def stage_activations[
     in_dtype: DType, out_dtype: DType, copy_dtype: DType, warps: Int
@@ -211,22 +225,20 @@ def stage_activations[
     """
     var lane = thread_idx.x % WARP_SIZE
     var wid = thread_idx.x // WARP_SIZE
-    var rows = Int(p.rows)
-    var k_total = Int(p.depth)
+    var act = ActivationRows[in_dtype, copy_dtype](
+        p.a.unsafe_offset(g * Int(p.a_g_stride)), Int(p.a_m_stride), copy.unsafe_offset(g * copy_g_stride), copy_m_stride,
+        do_copy, Int(p.rows), Int(p.depth), Int(p.block_k),
+    )
     var bm = Int(p.block_m)
-    var bk = Int(p.block_k)
     var kb_count = lay.k_blocks
     var items = mt * kb_count
-    var ms = Int(p.a_m_stride)
-    var a_g = p.a.unsafe_offset(g * Int(p.a_g_stride))
-    var copy_g = copy.unsafe_offset(g * copy_g_stride)
     comptime SLOT = 4 * WARP_SIZE  # values per float32x4 slot of a warp
     var in_registers = (
         bm == 1
-        and bk <= SEG_VECS * SLOT
-        and bk % 4 == 0
-        and k_total % 4 == 0
-        and ms % 4 == 0
+        and act.bk <= SEG_VECS * SLOT
+        and act.bk % 4 == 0
+        and act.k_total % 4 == 0
+        and act.ms % 4 == 0
         and Int(p.a_g_stride) % 4 == 0
         and (not do_copy or (copy_m_stride % 4 == 0 and copy_g_stride % 4 == 0))
     )
@@ -235,17 +247,11 @@ def stage_activations[
         # the item arithmetic of a warp step folds away.
         var vpi = ceil_div(lay.block_kp, SLOT)
         if vpi == 1:
-            quantize_rows_in_registers[in_dtype, out_dtype, copy_dtype, warps, 1](
-                p, lay, sm, g, m0, mt, copy, copy_g_stride, copy_m_stride, do_copy
-            )
+            quantize_rows_in_registers[warps, 1](act, lay, sm, m0, mt)
         elif vpi == 2:
-            quantize_rows_in_registers[in_dtype, out_dtype, copy_dtype, warps, 2](
-                p, lay, sm, g, m0, mt, copy, copy_g_stride, copy_m_stride, do_copy
-            )
+            quantize_rows_in_registers[warps, 2](act, lay, sm, m0, mt)
         else:
-            quantize_rows_in_registers[in_dtype, out_dtype, copy_dtype, warps, 4](
-                p, lay, sm, g, m0, mt, copy, copy_g_stride, copy_m_stride, do_copy
-            )
+            quantize_rows_in_registers[warps, 4](act, lay, sm, m0, mt)
         return
 
     for item in range(wid, items, warps):
@@ -253,27 +259,27 @@ def stage_activations[
         var kb = item % kb_count
         var m = m0 + r
         var dst = sm.a_s.unsafe_offset(r * lay.a_stride + kb * lay.block_kp)
-        var k0 = kb * bk
-        var width = min(bk, k_total - k0)
+        var k0 = kb * act.bk
+        var width = min(act.bk, act.k_total - k0)
         var scale = Float32(1)
-        if m < rows:
+        if m < act.rows:
             # The amax over the whole `bm x bk` block, then this row.
             var amax = Float32(0)
             var r0 = (m // bm) * bm
-            for mm in range(r0, min(r0 + bm, rows)):
-                var row = a_g.unsafe_offset(mm * ms + k0)
+            for mm in range(r0, min(r0 + bm, act.rows)):
+                var row = act.a_g.unsafe_offset(mm * act.ms + k0)
                 for kk in range(lane, width, WARP_SIZE):
                     amax = max(amax, abs(row.unsafe_load(kk).cast[DType.float32]()))
             amax = warp.max(amax)
             scale = activation_scale(amax)
-        var src = a_g.unsafe_offset(m * ms + k0)
+        var src = act.a_g.unsafe_offset(m * act.ms + k0)
         for kk in range(lane, lay.block_kp, WARP_SIZE):
             var x = Float32(0)
-            if m < rows and kk < width:
+            if m < act.rows and kk < width:
                 var xv = src.unsafe_load(kk)
                 x = scaled_into_range[1](xv.cast[DType.float32](), scale)
                 if do_copy:
-                    copy_g.unsafe_store(m * copy_m_stride + k0 + kk, xv.cast[copy_dtype]())
+                    act.copy_g.unsafe_store(m * copy_m_stride + k0 + kk, xv.cast[copy_dtype]())
             dst.unsafe_store(kk, x.cast[DType.float8_e4m3fn]().cast[DType.float16]())
         if lane == 0:
             sm.sa_s.unsafe_store(item, scale)
@@ -281,19 +287,8 @@ def stage_activations[
 
 @always_inline
 def quantize_rows_in_registers[
-    in_dtype: DType, out_dtype: DType, copy_dtype: DType, warps: Int, VPI: Int
-](
-    p: Fp8Projection[in_dtype, out_dtype],
-    lay: TileLayout,
-    sm: TileSmem,
-    g: Int,
-    m0: Int,
-    mt: Int,
-    copy: GPtr[copy_dtype],
-    copy_g_stride: Int,
-    copy_m_stride: Int,
-    do_copy: Bool,
-):
+    in_dtype: DType, copy_dtype: DType, //, warps: Int, VPI: Int
+](act: ActivationRows[in_dtype, copy_dtype], lay: TileLayout, sm: TileSmem, m0: Int, mt: Int):
     """`stage_activations` for per-row scales (`bm == 1`) and K blocks of up to `VPI` float32x4 slots of a warp.
 
     A warp step takes `SEG_VECS / VPI` items (row, K block) in `SEG_VECS`
@@ -305,14 +300,8 @@ def quantize_rows_in_registers[
     comptime IPG = SEG_VECS // VPI  # items per warp step
     var lane = thread_idx.x % WARP_SIZE
     var wid = thread_idx.x // WARP_SIZE
-    var rows = Int(p.rows)
-    var k_total = Int(p.depth)
-    var bk = Int(p.block_k)
     var kb_count = lay.k_blocks
     var items = mt * kb_count
-    var ms = Int(p.a_m_stride)
-    var a_g = p.a.unsafe_offset(g * Int(p.a_g_stride))
-    var copy_g = copy.unsafe_offset(g * copy_g_stride)
     for grp in range(wid, ceil_div(items, IPG), warps):
         # Row and K block of the step's items, and the valid width of each block.
         var r_of = SIMD[DType.int32, IPG](0)
@@ -332,9 +321,9 @@ def quantize_rows_in_registers[
             var rr = Int(r_of[s // VPI])
             var kbb = Int(kb_of[s // VPI])
             var kk = 4 * lane + SLOT * (s % VPI)
-            if rr < mt and m0 + rr < rows and kk < min(bk, k_total - kbb * bk):
+            if rr < mt and m0 + rr < act.rows and kk < min(act.bk, act.k_total - kbb * act.bk):
                 v[s] = (
-                    a_g.unsafe_offset((m0 + rr) * ms + kbb * bk + kk)
+                    act.a_g.unsafe_offset((m0 + rr) * act.ms + kbb * act.bk + kk)
                     .unsafe_load[width=4, alignment=4 * size_of[in_dtype]()](0)
                     .cast[DType.float32]()
                 )
@@ -358,8 +347,8 @@ def quantize_rows_in_registers[
                 )
                 if lane == 0 and s % VPI == 0:
                     sm.sa_s.unsafe_store(rr * kb_count + kbb, scale)
-                if do_copy and m0 + rr < rows and kk < min(bk, k_total - kbb * bk):
-                    copy_g.unsafe_offset((m0 + rr) * copy_m_stride + kbb * bk + kk).unsafe_store[
+                if act.do_copy and m0 + rr < act.rows and kk < min(act.bk, act.k_total - kbb * act.bk):
+                    act.copy_g.unsafe_offset((m0 + rr) * act.copy_ms + kbb * act.bk + kk).unsafe_store[
                         alignment=4 * size_of[copy_dtype]()
                     ](0, v[s].cast[copy_dtype]())
 
