@@ -61,7 +61,7 @@ from .projection import (
     fp8_matmul_kernel,
     quantize_kernel,
 )
-from .projection_mma import Fp8Projection
+from .projection_mma import Fp8Projection, ScaleBlocks, StridedRows
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
@@ -97,9 +97,9 @@ def q_projection[dtype: DType](p: DecodeProblem[dtype], q_full: FPtr) -> Fp8Proj
     var key_dim = p.key_dim()
     var blocks = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim)
     return Fp8Projection[dtype, DType.float32](
-        to_global(p.q), Int64(q_dim), Int64(p.num_heads * q_dim), to_global(p.w_uk), to_global(p.w_uk_scale),
-        to_global(q_full), Int64(key_dim), Int64(p.num_heads * key_dim),
-        Int32(p.num_tokens), Int32(p.kv_lora_rank), Int32(p.nope_dim), Int32(blocks.m), Int32(blocks.n), Int32(blocks.k),
+        StridedRows(to_global(p.q), Int64(q_dim), Int64(p.num_heads * q_dim)), to_global(p.w_uk), to_global(p.w_uk_scale),
+        StridedRows(to_global(q_full), Int64(key_dim), Int64(p.num_heads * key_dim)),
+        Int32(p.num_tokens), Int32(p.kv_lora_rank), Int32(p.nope_dim), ScaleBlocks.of(blocks),
     )
 
 
@@ -108,9 +108,9 @@ def output_projection[dtype: DType](p: DecodeProblem[dtype], raw: FPtr) -> Fp8Pr
     var rank = p.kv_lora_rank
     var blocks = p.granularity.resolve(p.num_tokens, p.v_head_dim, rank)
     return Fp8Projection[DType.float32, dtype](
-        to_global(raw), Int64(rank), Int64(p.num_heads * rank), to_global(p.w_uv), to_global(p.w_uv_scale),
-        to_global(p.output), Int64(p.v_head_dim), Int64(p.num_heads * p.v_head_dim),
-        Int32(p.num_tokens), Int32(p.v_head_dim), Int32(rank), Int32(blocks.m), Int32(blocks.n), Int32(blocks.k),
+        StridedRows(to_global(raw), Int64(rank), Int64(p.num_heads * rank)), to_global(p.w_uv), to_global(p.w_uv_scale),
+        StridedRows(to_global(p.output), Int64(p.v_head_dim), Int64(p.num_heads * p.v_head_dim)),
+        Int32(p.num_tokens), Int32(p.v_head_dim), Int32(rank), ScaleBlocks.of(blocks),
     )
 
 
@@ -134,7 +134,7 @@ def gpu_fp8_batched_matmul[
     var a_dq = a_dq_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var m_tile = max(1, min(MATMUL_M_TILE, MATMUL_SMEM_FLOATS // max(depth, 1)))
     var params = FmaProjectionParams(proj, to_global(a_dq), Int32(groups), Int32(m_tile))
-    var quant_blocks = groups * ceil_div(rows, Int(proj.block_m)) * ceil_div(depth, Int(proj.block_k))
+    var quant_blocks = groups * ceil_div(rows, Int(proj.blocks.m)) * ceil_div(depth, Int(proj.blocks.k))
     ctx.enqueue_function[quantize_kernel[in_dtype, out_dtype]](
         params, grid_dim=ceil_div(quant_blocks, QUANT_WARPS), block_dim=QUANT_WARPS * WARP_SIZE
     )

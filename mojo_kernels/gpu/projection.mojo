@@ -52,8 +52,8 @@ def quantize_kernel[in_dtype: DType, out_dtype: DType](p: FmaProjectionParams[in
     var lane = tid % WARP_SIZE
     var rows = Int(p.proj.rows)
     var k_total = Int(p.proj.depth)
-    var bm = Int(p.proj.block_m)
-    var bk = Int(p.proj.block_k)
+    var bm = Int(p.proj.blocks.m)
+    var bk = Int(p.proj.blocks.k)
     var m_blocks = ceil_div(rows, bm)
     var k_blocks = ceil_div(k_total, bk)
     var qb = block_idx.x * QUANT_WARPS + tid // WARP_SIZE
@@ -68,8 +68,8 @@ def quantize_kernel[in_dtype: DType, out_dtype: DType](p: FmaProjectionParams[in
     var k1 = min(k0 + bk, k_total)
     var width = k1 - k0
     var count = (m1 - m0) * width
-    var src = p.proj.a.unsafe_offset(g * Int(p.proj.a_g_stride))
-    var ms = Int(p.proj.a_m_stride)
+    var src = p.proj.a.ptr.unsafe_offset(g * Int(p.proj.a.g_stride))
+    var ms = Int(p.proj.a.m_stride)
 
     var amax = Float32(0)
     for e in range(lane, count, WARP_SIZE):
@@ -133,7 +133,7 @@ def fp8_matmul_kernel[
     var rows = Int(p.proj.rows)
     var n_total = Int(p.proj.n_out)
     var k_total = Int(p.proj.depth)
-    var bk = Int(p.proj.block_k)
+    var bk = Int(p.proj.blocks.k)
     var m0 = block_idx.z * Int(p.m_tile)
     var mt = min(Int(p.m_tile), rows - m0)
 
@@ -149,7 +149,7 @@ def fp8_matmul_kernel[
         return
 
     var w_row = p.proj.w.unsafe_offset((g * n_total + n) * k_total)
-    var bn = Int(p.proj.block_n)
+    var bn = Int(p.proj.blocks.n)
     var s_row = p.proj.w_scale.unsafe_offset((g * ceil_div(n_total, bn) + n // bn) * ceil_div(k_total, bk))
     var acc = Array[SIMD[DType.float32, 4], MATMUL_M_TILE](fill=0)
     if k_total % 64 == 0:
@@ -172,7 +172,7 @@ def fp8_matmul_kernel[
                 if m < mt:
                     acc[m][0] += a_s.unsafe_load(m * k_total + k) * wk[0]
 
-    var dst = p.proj.c.unsafe_offset(g * Int(p.proj.c_g_stride) + m0 * Int(p.proj.c_m_stride) + n)
+    var dst = p.proj.c.ptr.unsafe_offset(g * Int(p.proj.c.g_stride) + m0 * Int(p.proj.c.m_stride) + n)
     comptime for m in range(MATMUL_M_TILE):
         if m < mt:
-            dst.unsafe_store(m * Int(p.proj.c_m_stride), acc[m].reduce_add().cast[value_dtype]().cast[out_dtype]())
+            dst.unsafe_store(m * Int(p.proj.c.m_stride), acc[m].reduce_add().cast[value_dtype]().cast[out_dtype]())

@@ -43,6 +43,7 @@ from max.gpu.primitives import warp
 
 from ..common import ceil_div
 from ..fp8 import activation_scale, scaled_into_range
+from ..spec import BlockShape
 from .params import GFPtr, GlobalPtr, GPtr
 
 comptime KCHUNK = 64  # k per 16-byte fp8 fragment load: 4 mma k-steps
@@ -52,33 +53,48 @@ comptime SPtr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin, address
 
 
 @fieldwise_init
+struct StridedRows[dtype: DType](TrivialRegisterPassable):
+    """Rows `[G, M, K]` of a projection's input or output: element `(g, m, k)` at `ptr + g g_stride + m m_stride + k`."""
+
+    var ptr: GPtr[Self.dtype]
+    var g_stride: Int64
+    var m_stride: Int64
+
+
+@fieldwise_init
+struct ScaleBlocks(TrivialRegisterPassable):
+    """The resolved fp8 scale blocks of a projection: elements per scale along M, N and K."""
+
+    var m: Int32  # bm
+    var n: Int32  # bn
+    var k: Int32  # bk
+
+    @staticmethod
+    def of(blocks: BlockShape) -> Self:
+        return Self(Int32(blocks.m), Int32(blocks.n), Int32(blocks.k))
+
+
+@fieldwise_init
 struct Fp8Projection[in_dtype: DType, out_dtype: DType](TrivialRegisterPassable):
     """One batched fp8 projection `c[g, m, :] = fp8mm(a[g, m, :], w[g])` over groups (heads) `g`.
 
-    `a[g, m, k]` at `a + g a_g_stride + m a_m_stride + k`, `w [G, N, K]` fp8
-    bytes, `w_scale [G, ceil(N / bn), ceil(K / bk)]`, `c[g, m, n]` at
-    `c + g c_g_stride + m c_m_stride + n`; `(bm, bn, bk)` the resolved scale
-    blocks. A field of the kernels' parameter structs.
+    `a [G, M, K]`, `w [G, N, K]` fp8 bytes, `w_scale [G, ceil(N / bn),
+    ceil(K / bk)]`, `c [G, M, N]`; `rows` M, `n_out` N, `depth` K. A field of
+    the kernels' parameter structs.
     """
 
-    var a: GPtr[Self.in_dtype]
-    var a_g_stride: Int64
-    var a_m_stride: Int64
+    var a: StridedRows[Self.in_dtype]
     var w: GlobalPtr[UInt8]
     var w_scale: GFPtr
-    var c: GPtr[Self.out_dtype]
-    var c_g_stride: Int64
-    var c_m_stride: Int64
+    var c: StridedRows[Self.out_dtype]
     var rows: Int32
     var n_out: Int32
     var depth: Int32
-    var block_m: Int32
-    var block_n: Int32
-    var block_k: Int32
+    var blocks: ScaleBlocks
 
     def tile_grid(self, mt: Int, nt: Int) -> Tuple[Int, Int, Int]:
         """(row tiles, column tiles, dynamic shared memory per block) in tiles of `mt` x `nt`."""
-        var smem = TileLayout.create(Int(self.depth), Int(self.block_k)).smem_bytes(mt, nt)
+        var smem = TileLayout.create(Int(self.depth), Int(self.blocks.k)).smem_bytes(mt, nt)
         return (ceil_div(Int(self.rows), mt), ceil_div(Int(self.n_out), nt), smem)
 
 
@@ -147,8 +163,8 @@ def stage_weights[
     var tid = thread_idx.x
     var n_total = Int(p.n_out)
     var k_total = Int(p.depth)
-    var bn = Int(p.block_n)
-    var bk = Int(p.block_k)
+    var bn = Int(p.blocks.n)
+    var bk = Int(p.blocks.k)
     var kb_count = lay.k_blocks
     var w_g = p.w.unsafe_offset(g * n_total * k_total)
     var rows = min(nt, n_total - n0)
@@ -226,10 +242,10 @@ def stage_activations[
     var lane = thread_idx.x % WARP_SIZE
     var wid = thread_idx.x // WARP_SIZE
     var act = ActivationRows[in_dtype, copy_dtype](
-        p.a.unsafe_offset(g * Int(p.a_g_stride)), Int(p.a_m_stride), copy.unsafe_offset(g * copy_g_stride), copy_m_stride,
-        do_copy, Int(p.rows), Int(p.depth), Int(p.block_k),
+        p.a.ptr.unsafe_offset(g * Int(p.a.g_stride)), Int(p.a.m_stride), copy.unsafe_offset(g * copy_g_stride), copy_m_stride,
+        do_copy, Int(p.rows), Int(p.depth), Int(p.blocks.k),
     )
-    var bm = Int(p.block_m)
+    var bm = Int(p.blocks.m)
     var kb_count = lay.k_blocks
     var items = mt * kb_count
     comptime SLOT = 4 * WARP_SIZE  # values per float32x4 slot of a warp
@@ -239,7 +255,7 @@ def stage_activations[
         and act.bk % 4 == 0
         and act.k_total % 4 == 0
         and act.ms % 4 == 0
-        and Int(p.a_g_stride) % 4 == 0
+        and Int(p.a.g_stride) % 4 == 0
         and (not do_copy or (copy_m_stride % 4 == 0 and copy_g_stride % 4 == 0))
     )
     if in_registers:
@@ -410,10 +426,10 @@ def project_tile[
 
     var rows = Int(p.rows)
     var n_total = Int(p.n_out)
-    var cgs = Int(p.c_g_stride)
-    var cms = Int(p.c_m_stride)
+    var cgs = Int(p.c.g_stride)
+    var cms = Int(p.c.m_stride)
     var pairs = cgs % 2 == 0 and cms % 2 == 0 and n_total % 2 == 0
-    var c_g = p.c.unsafe_offset(g * cgs)
+    var c_g = p.c.ptr.unsafe_offset(g * cgs)
     comptime for i in range(tm):
         comptime for h in range(2):
             var m = m0 + row_base + i * 16 + gq + 8 * h

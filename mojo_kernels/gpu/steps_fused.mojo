@@ -72,11 +72,11 @@ struct QStepParams[dtype: DType](KernelParams):
     """Parameters of `q_step_kernel`: steps 1-4 (q_full) and steps 1-2 (the new cache rows)."""
 
     var proj: Fp8Projection[Self.dtype, DType.float32]  # a = q_nope (q [T, H, Dn + Dr]), c = q_full [T, H, R + Dr]
-    var freqs_cis: GPtr[Self.dtype]
+    var freqs_cis: GPtr[Self.dtype]  # [positions, Dr]
     var batch: DeviceBatch
-    var nope_dim: Int32
-    var rope_dim: Int32
-    var kv_lora_rank: Int32
+    var nope_dim: Int32  # Dn
+    var rope_dim: Int32  # Dr
+    var kv_lora_rank: Int32  # R
     var tiles: TileGrid
     var cache_rows: CacheRowsParams[Self.dtype]  # count = 0: no cache rows in this launch
 
@@ -116,12 +116,12 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
     var g = tile[0]
     var m0 = tile[1] * MT
     var n0 = tile[2] * NT
-    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k))
+    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.blocks.k))
     var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16](), lay, MT, NT)
 
     stage_weights[dtype, DType.float32, THREADS](p.proj, lay, sm, g, n0, NT)
     stage_activations[dtype, DType.float32, DType.float32, THREADS // WARP_SIZE](
-        p.proj, lay, sm, g, m0, MT, p.proj.c, 0, 0, False
+        p.proj, lay, sm, g, m0, MT, p.proj.c.ptr, 0, 0, False
     )
     if tile[2] == 0:
         # q_full[t, g, R:] = rope(q[t, g, Dn:]): THREADS / MT threads per row, one position lookup each.
@@ -131,9 +131,9 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
         for r in range(thread_idx.x // TPR, rows, THREADS // TPR):
             var t = m0 + r
             var pos = p.batch.token_position(t)
-            var q_row = p.proj.a.unsafe_offset(g * Int(p.proj.a_g_stride) + t * Int(p.proj.a_m_stride))
+            var q_row = p.proj.a.ptr.unsafe_offset(g * Int(p.proj.a.g_stride) + t * Int(p.proj.a.m_stride))
             var freqs = p.freqs_cis.unsafe_offset(pos * rope)
-            var out_row = p.proj.c.unsafe_offset(g * Int(p.proj.c_g_stride) + t * Int(p.proj.c_m_stride))
+            var out_row = p.proj.c.ptr.unsafe_offset(g * Int(p.proj.c.g_stride) + t * Int(p.proj.c.m_stride))
             for j in range(thread_idx.x % TPR, rope // 2, TPR):
                 rope_q_pair[dtype](q_row, freqs, out_row, Int(p.nope_dim), Int(p.kv_lora_rank), j)
     async_copy_wait_all()
@@ -150,13 +150,13 @@ def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](
     var g = tile[0]
     var m0 = tile[1] * MT
     var n0 = tile[2] * NT
-    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k))
+    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.blocks.k))
     var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16](), lay, MT, NT)
 
     stage_weights[DType.float32, dtype, THREADS](p.proj, lay, sm, g, n0, NT)
     # raw and the attention output share their layout [T, H, R].
     stage_activations[DType.float32, dtype, dtype, THREADS // WARP_SIZE](
-        p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a_g_stride), Int(p.proj.a_m_stride),
+        p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a.g_stride), Int(p.proj.a.m_stride),
         p.has_attention_output != 0 and tile[2] == 0,
     )
     async_copy_wait_all()
