@@ -8,9 +8,13 @@ style): plain pointers and fixed-width scalars (`Int` is not
 
 Pointers a kernel reads or writes through are global memory: a kernel's
 loose pointer arguments are known to be global, a struct's fields are not
-(the compiler emits generic loads and stores for them), so parameter structs
-hold `GlobalPtr`s (`to_global` on the host), and `DeviceBatch` hands out its
-pointers as global ones.
+(the compiler emits generic loads and stores for them unless it can split the
+struct), so the parameter structs of the merge, store, FMA projection, q rope
+and q / output step kernels hold `GlobalPtr`s (`to_global` on the host), and
+`DeviceBatch` hands out its pointers as global ones. `AttentionParams`,
+`DeviceCache` and `CacheRowsParams` keep generic pointers, as their kernels
+had them before the structs; the attention kernels cast the cache blocks
+(`to_global`) for their `cp.async` copies.
 """
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
