@@ -8,9 +8,8 @@ from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from ..common import DPtr, FPtr
 from .addressing import ELEMENTWISE_THREADS
-from .params import KernelParams
+from .params import GFPtr, GPtr, KernelParams
 
 
 comptime MERGE_THREADS = 128
@@ -22,10 +21,10 @@ comptime MERGE_UNROLL = 4  # partitions whose rows are loaded before they are su
 struct MergeParams[dtype: DType](KernelParams):
     """Parameters of `merge_kernel`: the partitions' outputs `part_out [P, rows, R]`, maxima and sums `[P, rows]`."""
 
-    var part_out: FPtr
-    var part_max: FPtr
-    var part_sum: FPtr
-    var raw: FPtr  # [rows, R]
+    var part_out: GFPtr
+    var part_max: GFPtr
+    var part_sum: GFPtr
+    var raw: GFPtr  # [rows, R]
     var total_rows: Int32
     var num_partitions: Int32
     var kv_lora_rank: Int32
@@ -35,8 +34,8 @@ struct MergeParams[dtype: DType](KernelParams):
 struct StoreParams[dtype: DType](KernelParams):
     """Parameters of `store_kernel`: `count` values of `src` to `dst` as dtype."""
 
-    var src: FPtr
-    var dst: DPtr[Self.dtype]
+    var src: GFPtr
+    var dst: GPtr[Self.dtype]
     var count: Int64
 
 

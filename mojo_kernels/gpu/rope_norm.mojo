@@ -13,9 +13,9 @@ from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
 from .addressing import ELEMENTWISE_THREADS
-from ..common import DPtr, FPtr
+from ..common import DPtr
 from ..spec import rope_pair
-from .params import DeviceBatch, DeviceCache, KernelParams
+from .params import DeviceBatch, DeviceCache, GFPtr, GPtr, KernelParams
 
 
 @fieldwise_init
@@ -42,10 +42,10 @@ struct CacheRowsParams[dtype: DType](KernelParams):
 struct RopeQParams[dtype: DType](KernelParams):
     """Parameters of `rope_q_kernel`: `q_full[t, h, R:] = rnd(rope(q[t, h, Dn:]))`."""
 
-    var q: DPtr[Self.dtype]  # [T, H, Dn + Dr]
+    var q: GPtr[Self.dtype]  # [T, H, Dn + Dr]
     var batch: DeviceBatch
-    var freqs_cis: DPtr[Self.dtype]
-    var q_full: FPtr  # [T, H, R + Dr]
+    var freqs_cis: GPtr[Self.dtype]
+    var q_full: GFPtr  # [T, H, R + Dr]
     var num_heads: Int32
     var nope_dim: Int32
     var rope_dim: Int32
@@ -115,7 +115,7 @@ def rope_norm_cache_kernel[dtype: DType](a: CacheRowsParams[dtype]):
 @always_inline
 def rope_q_pair[
     dtype: DType
-](q_row: DPtr[dtype], freqs_row: DPtr[dtype], q_full_row: FPtr, nope: Int, rank: Int, j: Int):
+](q_row: GPtr[dtype], freqs_row: GPtr[dtype], q_full_row: GFPtr, nope: Int, rank: Int, j: Int):
     """`q_full_row[R + 2j : R + 2j + 2] = rnd(rope(q_row[Dn + 2j : Dn + 2j + 2]))` (dtype values as float32)."""
     var x0 = q_row.unsafe_load(nope + 2 * j).cast[DType.float32]()
     var x1 = q_row.unsafe_load(nope + 2 * j + 1).cast[DType.float32]()
