@@ -131,6 +131,9 @@ class DecodeOptions:
 
     ``mask`` and ``score_mod`` take the enums or their names (``"causal"``);
     ``local_window_size`` is the window (sliding) or chunk (chunked) size.
+    ``shard``: the positions the cache holds (:class:`pymla.CacheShard`;
+    default the whole cache), for context-parallel decode
+    (:mod:`pymla.distributed`).
     """
 
     scale: float
@@ -138,6 +141,7 @@ class DecodeOptions:
     mask: Mask = Mask.CAUSAL
     score_mod: ScoreMod = ScoreMod.NO_POS
     local_window_size: int = 0
+    shard: object = None  # a pymla.CacheShard; None: the whole cache
 
     def __post_init__(self) -> None:
         mask = Mask.parse(self.mask)
@@ -149,6 +153,14 @@ class DecodeOptions:
             score_mod=score_mod,
             local_window_size=self.local_window_size,
         )
+        from .shard import CacheShard  # shard.py imports this module's checks
+
+        shard = CacheShard() if self.shard is None else self.shard
+        if not isinstance(shard, CacheShard):
+            raise TypeError(
+                f"shard: expected a pymla.CacheShard or None, got {type(shard).__name__}"
+            )
+        object.__setattr__(self, "shard", shard)
         for field, value in (
             ("scale", as_float("scale", self.scale)),
             ("epsilon", as_float("epsilon", self.epsilon)),
@@ -166,4 +178,5 @@ class DecodeOptions:
             "mask": int(self.mask),
             "score_mod": int(self.score_mod),
             "local_window_size": self.local_window_size,
+            **self.shard.scalars(),
         }

@@ -61,7 +61,7 @@ def test_op_is_registered_with_mutations_declared():
     mutated = {
         a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
     }
-    assert mutated == {"output", "kv_blocks", "attention_output"}
+    assert mutated == {"output", "kv_blocks", "attention_output", "lse"}
 
 
 def test_direct_torch_ops_call_matches_reference():
