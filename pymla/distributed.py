@@ -196,16 +196,25 @@ class ContextParallelPlan:
         weights: LayerWeights,
         out: torch.Tensor | None = None,
         new_rows: torch.Tensor | None = None,
+        attention_out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The op on one layer over every rank's keys: ``out [T, H, v_head_dim]`` on every rank.
 
         Step 6 runs once per rank, on the merged attention output rounded to
-        the cache's dtype (the spec's ``raw``).
+        the cache's dtype (the spec's ``raw``), which ``attention_out`` (the
+        cache's dtype) receives when given; ``lse`` (float32 ``[T, H]``) the
+        merged LSE. ``new_rows``: all new tokens' raw rows (each rank writes
+        those it holds).
         """
-        merged, _ = self.attend(q, layer, weights, new_rows=new_rows)
+        merged, merged_lse = self.attend(q, layer, weights, new_rows=new_rows)
         raw = merged.to(self.step.dtype)
         w = weights.tensors
         result = project_output(raw, w["w_uv"], w["w_uv_scale"], weights.granularity, raw.dtype)
+        if attention_out is not None:
+            attention_out.copy_(raw)
+        if lse is not None:
+            lse.copy_(merged_lse)
         if out is None:
             return result
         out.copy_(result)

@@ -1,0 +1,141 @@
+"""One rank of the multi-process tests (``test_distributed.py``); run as a script, not collected.
+
+    python distributed_worker.py RANK WORLD STORE_FILE OUT_DIR CASES_JSON
+
+Joins a gloo process group (the file store ``STORE_FILE``), runs every case
+of ``CASES_JSON`` (see ``test_distributed.CASES``) as this rank, and saves
+what the parent process checks to ``OUT_DIR/<case>-<rank>.pt``. The code
+path is the one NCCL would take on GPUs (CPU tensors here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, were this NCCL
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import pymla  # noqa: E402
+from pymla.parity import compare_cache  # noqa: E402
+from pymla.tools.scenario import make_case, reference_stages  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def case_options(spec: dict) -> dict:
+    """make_case's keywords of a case (``spec``: one entry of test_distributed.CASES)."""
+    return dict(
+        dtype=DTYPES[spec["dtype"]],
+        num_heads=spec["heads"],
+        page_size=spec["page_size"],
+        cache_lengths=tuple(spec["cache_lengths"]),
+        new_tokens=tuple(spec["new_tokens"]),
+        mask=spec["mask"],
+        score_mod=spec["score_mod"],
+        local_window_size=spec["window"],
+        num_layers=2,
+        layer_idx=1,
+    )
+
+
+def layer_weights(case) -> pymla.LayerWeights:
+    w = case.weights
+    return pymla.LayerWeights(
+        *(w[k] for k in ("w_uk", "w_uk_scale", "w_uv", "w_uv_scale")),
+        case.kv_norm_gamma,
+        case.options["scale_granularity"],
+    )
+
+
+def second_step(case, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After ``advance``: reserves the next step's tokens; ``(q, offsets, new_rows)`` from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    new = [2, 1, 3, 1][: case.cache.num_requests]
+    for b, n in enumerate(new):
+        case.cache.reserve(b, n)
+    heads, width = case.q.shape[1], case.q.shape[2]
+    q = torch.randn(sum(new), heads, width, generator=g).to(case.q.dtype)
+    rows = torch.randn(sum(new), case.cache.head_dim, generator=g).to(case.q.dtype)
+    offsets = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()]).to(torch.uint32)
+    return q, offsets, rows
+
+
+def run_dcp(spec: dict, context: pymla.ContextParallel) -> dict:
+    case = make_case(spec["seed"], shard=context.shard, **case_options(spec))
+    before = case.cache.blocks.clone()
+    _, ref_blocks = reference_stages(case)
+    weights = layer_weights(case)
+    o = {k: v for k, v in case.options.items() if k not in ("scale_granularity", "shard")}
+    step = context.plan(
+        case.cache, case.input_row_offsets, case.freqs_cis, pymla.DecodeOptions(**o)
+    )
+    tokens, heads = case.q.shape[:2]
+    att = torch.full((tokens, heads, 512), float("nan"), dtype=case.q.dtype)
+    lse = torch.full((tokens, heads), float("nan"))
+    out = step.run(case.q, case.layer_idx, weights, attention_out=att, lse=lse)
+    cache = compare_cache(before, case.cache.blocks, ref_blocks, case.new_rows_mask())
+    result = dict(
+        out=out,
+        attention=att,
+        lse=lse,
+        cache_passed=cache.passed,
+        cache_report=cache.describe(),
+        held_rows=int(case.new_rows_mask().sum()),
+        bytes_received=step.bytes_received(heads),
+    )
+    if spec.get("steps", 1) > 1:  # a second step, its rows given as new_rows
+        case.cache.advance()
+        q, offsets, rows = second_step(case, spec["seed"] + 1)
+        step = context.plan(
+            case.cache, offsets, case.freqs_cis, pymla.DecodeOptions(**o), new_rows=True
+        )
+        att = torch.full((q.shape[0], heads, 512), float("nan"), dtype=q.dtype)
+        lse = torch.full((q.shape[0], heads), float("nan"))
+        result["out2"] = step.run(
+            q, case.layer_idx, weights, new_rows=rows, attention_out=att, lse=lse
+        )
+        result["attention2"], result["lse2"] = att, lse
+        case.cache.advance()
+        result["rows"] = [
+            case.cache.rows(b, case.layer_idx) for b in range(case.cache.num_requests)
+        ]
+    return result
+
+
+def run_tp(spec: dict) -> dict:
+    case = make_case(spec["seed"], **case_options(spec))
+    tp = pymla.TensorParallelHeads(spec["heads"])
+    options = pymla.DecodeOptions(
+        **{k: v for k, v in case.options.items() if k != "scale_granularity"}
+    )
+    tp.check_options(options)
+    weights = tp.weights(layer_weights(case))
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, options)
+    local = step.run(tp.q(case.q), case.layer_idx, weights)
+    return dict(
+        out=tp.gather(local),
+        local_heads=local.shape[1],
+        bytes_received=tp.bytes_received(local.shape[0], local.shape[2], local.dtype),
+    )
+
+
+def main() -> None:
+    rank, world, store, out_dir, cases = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    for spec in json.loads(cases):
+        if spec["kind"] == "dcp":
+            result = run_dcp(spec, pymla.ContextParallel(interleave=spec["interleave"]))
+        else:
+            result = run_tp(spec)
+        torch.save(result, os.path.join(out_dir, f"{spec['name']}-{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
