@@ -435,7 +435,8 @@ def plan(
     for name, t in tensors.items():
         arg = BY_NAME[name]
         v.check_tensor(name, t, rank=arg.rank, dtypes=arg.torch_dtypes())
-    v._agree_attr("device", tensors, ValueError)
+    device = v._agree_attr("device", tensors, ValueError)
+    v.check_shard_device(options.shard, options.score_mod, device)
     v._agree_attr("dtype", {"freqs_cis": freqs_cis, "kv_blocks": kv.blocks}, TypeError)
     rope_dim = freqs_cis.shape[1]
     if rope_dim < 2 or rope_dim % 2:

@@ -201,6 +201,17 @@ def _check_scales(
 # ---------------------------------------------------------------- the op
 
 
+def check_shard_device(shard, score_mod: ScoreMod | str, device: torch.device) -> None:
+    """A shard of the cache with ALiBi runs on the CPU only (the GPU kernels take slots for positions)."""
+    if shard is None or shard.whole or device.type == "cpu":
+        return
+    if ScoreMod.parse(score_mod) == ScoreMod.ALIBI_POS:
+        raise ValueError(
+            f"score_mod: expected 'no_pos' for a shard of the cache on {device} (ALiBi on a "
+            "shard runs on the CPU only), got 'alibi_pos'"
+        )
+
+
 def check_inputs(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -378,6 +389,7 @@ def check_inputs(
             inputs[name] = (t, len(shape), (dtype,))
         else:
             written[name] = t
+    check_shard_device(shard, score_mod, dev)
     if "out" in given:  # first, as the op's own result: an overlap is named after it
         written = {"out": written.pop("out"), **written}
     if "out" not in given and "attention_out" not in given:

@@ -43,7 +43,7 @@ from max.gpu.host import DeviceContext
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..problem import DecodeProblem
-from ..spec import Granularity
+from ..spec import SCORE_MOD_ALIBI_POS, Granularity
 from .addressing import ELEMENTWISE_THREADS
 from .attention_block import AttentionParams, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
@@ -200,7 +200,8 @@ def gpu_attention_with[
     """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`), keys split into `num_partitions` parts.
 
     With more than one partition every partition's output and row statistics
-    go to workspaces, merged by log-sum-exp (`merge_kernel`).
+    go to workspaces, merged by log-sum-exp (`merge_kernel`). The LSE
+    (`has_lse`) comes from that merge: with it, at least two partitions.
     """
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
     comptime if groups > 0 and dtype != DType.bfloat16 and dtype != DType.float16:
@@ -212,7 +213,7 @@ def gpu_attention_with[
         var key_dim = p.cache.head_dim
         var rank = p.kv_lora_rank
         var rows = num_tokens * p.num_heads
-        var parts = num_partitions
+        var parts = max(num_partitions, 2) if p.has_lse else num_partitions
         var part_rows = rows * parts if parts > 1 else 1
         var part_out_buf = ctx.enqueue_create_buffer[DType.float32](part_rows * rank if parts > 1 else 1)
         var part_max_buf = ctx.enqueue_create_buffer[DType.float32](part_rows)
@@ -241,7 +242,10 @@ def gpu_attention_with[
             )
         if parts > 1:
             ctx.enqueue_function[merge_kernel[dtype]](
-                MergeParams[dtype](part_out, part_max, part_sum, raw, Int32(rows), Int32(parts), Int32(rank)),
+                MergeParams[dtype](
+                    part_out, part_max, part_sum, raw, Int32(rows), Int32(parts), Int32(rank), p.lse,
+                    Int32(1 if p.has_lse else 0),
+                ),
                 grid_dim=rows,
                 block_dim=MERGE_THREADS,
             )
@@ -253,7 +257,7 @@ def gpu_attention_with[
 
 def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, raw: FPtr) raises:
     """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`; with `has_attention_output`
-    also `attention_output = raw` as dtype.
+    also `attention_output = raw` as dtype. Without `has_output`, only that store.
 
     A tile of `plan.out_tile`: one launch of `out_step_kernel` (tensor cores,
     bf16 / f16); `FMA_PATH`: `store_kernel` and the FMA matmul.
@@ -262,7 +266,7 @@ def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype]
         return
     var proj = output_projection(p, raw)
     comptime if dtype != DType.float32:
-        if plan.out_tile >= 0:
+        if plan.out_tile >= 0 and p.has_output:
             var params = OutStepParams[dtype](proj, p.attention_output, Int32(1 if p.has_attention_output else 0), 0, 0)
             comptime for i in range(len(PROJ_TILES)):
                 if plan.out_tile == i:
@@ -275,7 +279,8 @@ def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype]
             grid_dim=ceil_div(count, ELEMENTWISE_THREADS),
             block_dim=ELEMENTWISE_THREADS,
         )
-    gpu_fp8_batched_matmul[dtype](ctx, proj, p.num_heads)
+    if p.has_output:
+        gpu_fp8_batched_matmul[dtype](ctx, proj, p.num_heads)
 
 
 def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: DeviceContext) raises:
@@ -288,6 +293,8 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
+    if p.batch.shard.count > 1 and p.score_mod == SCORE_MOD_ALIBI_POS:
+        raise Error("pymla gpu: ALiBi on a shard of the cache is not supported on the GPU yet")
     var limits = DeviceLimits.read(ctx)
     check_gpu_shapes[dtype](p, limits)
     var plan = GpuPlan.create(p, limits)

@@ -24,6 +24,7 @@ def instantiate[dtype: DType, target: StaticString](ctx: DeviceContext) raises:
     MLADecodeBranchFP8.execute[dtype, target](
         MutableInputTensor[static_spec=_get_unknown_tensor_spec[dtype, 3]()](p, IndexList[3](4, 16, 128)),
         MutableInputTensor[static_spec=_get_unknown_tensor_spec[dtype, 3]()](p, IndexList[3](4, 16, 512)),
+        MutableInputTensor[static_spec=_get_unknown_tensor_spec[DType.float32, 2]()](f, IndexList[2](4, 16)),
         InputTensor[static_spec=_get_unknown_tensor_spec[dtype, 3]()](p, IndexList[3](4, 16, 192)),
         InputTensor[static_spec=_get_unknown_tensor_spec[DType.uint32, 1]()](u, IndexList[1](3)),
         InputTensor[static_spec=_get_unknown_tensor_spec[dtype, 2]()](p, IndexList[2](100, 64)),
@@ -38,6 +39,9 @@ def instantiate[dtype: DType, target: StaticString](ctx: DeviceContext) raises:
         Int32(1),
         Int32(0),
         Int32(0),
+        Int32(0),
+        Int32(1),
+        Int32(1),
         Int32(1),
         Int32(128),
         Int32(128),
