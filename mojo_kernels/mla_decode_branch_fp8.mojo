@@ -31,7 +31,9 @@ struct MLADecodeBranchFP8:
     tokens when not wanted) receives step 5's result and `lse` (`[T, H]`
     float32, or zero tokens) its log-sum-exp; `new_rows` (`[T, kv_lora_rank + rope_dim]`, or zero rows) holds the
     new tokens' raw cache rows when they were not appended beforehand. The scalar options
-    arrive as host values; see `pymla/graph.py` for their codes. `shard_rank`,
+    arrive as host values; see `pymla/graph.py` for their codes. `first_step` 6
+    runs step 6 alone, from `attention_output` (read, not written; the cache
+    untouched): a context-parallel rank projects its merged attention output. `shard_rank`,
     `num_shards` and `shard_interleave` say which positions this cache holds
     (`paged_cache.CacheShard`; 0, 1, 1: all of them).
     """
@@ -53,6 +55,7 @@ struct MLADecodeBranchFP8:
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, static_spec=...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=2, static_spec=...],
         layer_idx: UInt32,
+        first_step: Int32,
         scale: Float32,
         epsilon: Float32,
         mask: Int32,
@@ -113,6 +116,7 @@ struct MLADecodeBranchFP8:
             lse.dim_size(0) > 0,
             new_rows.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             new_rows.dim_size(0) > 0,
+            Int(first_step) == 6,
         )
         comptime if target == "gpu":
             mla_decode_branch_fp8_gpu[dtype](problem, ctx)

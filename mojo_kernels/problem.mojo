@@ -49,6 +49,7 @@ struct DecodeProblem[dtype: DType](TrivialRegisterPassable):
     var has_lse: Bool
     var new_rows: DPtr[Self.dtype]  # [T, kv_lora_rank + rope_dim]: raw new cache rows, when given
     var has_new_rows: Bool
+    var project_only: Bool  # step 6 alone, from `attention_output` (first_step 6)
 
     def key_dim(self) -> Int:
         """Width of a cache row: the keys; values are its first `kv_lora_rank`."""

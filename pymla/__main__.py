@@ -24,8 +24,15 @@ COMMANDS = {
     "bench": ("bench", "benchmark table: op vs torch reference vs best plain torch"),
     "overhead": ("overhead", "host overhead per run() over MAX's execute on prepared buffers"),
     "step": ("overhead", "one 61-layer decode step: wall time vs the sum of its kernel times"),
+    "dcp": ("dcp", "context-parallel decode over N CPU processes: ms and bytes per layer"),
 }
-RUNNERS = {"demo": "run", "bench": "run", "overhead": "run_overhead", "step": "run_step"}
+RUNNERS = {
+    "demo": "run",
+    "bench": "run",
+    "overhead": "run_overhead",
+    "step": "run_step",
+    "dcp": "run",
+}
 
 
 def program() -> str:

@@ -197,6 +197,8 @@ ARGS: tuple[Arg, ...] = (
     Arg("cache_lengths", ("requests",), DType.uint32, _S),
     Arg("lookup_table", ("requests", "pages_per_request"), DType.uint32, _S),
     Arg("layer_idx", (), DType.uint32, _L),
+    # 1: the six steps; 6: step 6 alone, from attention_output (STEP_6_ONLY).
+    Arg("first_step", (), DType.int32, _C),
     Arg("scale", (), DType.float32, _S),
     Arg("epsilon", (), DType.float32, _S),
     Arg("mask", (), DType.int32, _S),
@@ -215,6 +217,8 @@ ARGS: tuple[Arg, ...] = (
 )
 
 BY_NAME: dict[str, Arg] = {a.name: a for a in ARGS}
+ALL_STEPS, STEP_6_ONLY = 1, 6
+"""``first_step`` values: the whole op, or step 6 alone on a given attention output."""
 INPUT_NAMES: tuple[str, ...] = tuple(a.name for a in ARGS)
 """The graph's (and the kernel's, and the torch op's) argument order."""
 
@@ -260,6 +264,7 @@ def torch_op_args(
     attention_out: torch.Tensor | None = None,
     new_rows: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    first_step: int = ALL_STEPS,
     check_values: bool = True,
 ) -> tuple:
     """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` (:data:`INPUT_NAMES` order).
@@ -281,6 +286,7 @@ def torch_op_args(
         "cache_lengths": kv.cache_lengths,
         "lookup_table": kv.lookup_table,
         "layer_idx": layer_idx,
+        "first_step": first_step,
         **options.scalars(),
         "m_scale_granularity": granularity.m,
         "n_scale_granularity": granularity.n,

@@ -15,8 +15,8 @@ contiguous run per rank). Per layer, every rank
    ``all_gather`` of the two packed in one byte buffer;
 3. merges the partials in float32 with their LSE
    (:func:`merge_attention_states`), rounds the result to the dtype (the
-   spec's ``raw``) and runs step 6 once, on the merged result, in torch
-   (:func:`pymla.reference.project_output`: the spec's fp8 matmul).
+   spec's ``raw``) and runs step 6 once, on the merged result: the op with
+   ``first_step`` 6 (:meth:`pymla.DecodePlan.project`).
 
 Every rank ends with the whole output ``[T, H, Dv]``. Bytes each rank
 receives per layer: ``(N - 1) T H (R b + 4)`` with ``b`` the dtype's size
@@ -49,7 +49,6 @@ from .args import ScoreMod
 from .cache import PagedLatentCache
 from .options import DecodeOptions, as_int
 from .plan import DecodePlan, LayerWeights, plan
-from .reference import project_output
 from .shard import CacheShard
 
 __all__ = [
@@ -209,16 +208,11 @@ class ContextParallelPlan:
         """
         merged, merged_lse = self.attend(q, layer, weights, new_rows=new_rows)
         raw = merged.to(self.step.dtype)
-        w = weights.tensors
-        result = project_output(raw, w["w_uv"], w["w_uv_scale"], weights.granularity, raw.dtype)
         if attention_out is not None:
             attention_out.copy_(raw)
         if lse is not None:
             lse.copy_(merged_lse)
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
+        return self.step.project(raw, q, layer, weights, out)
 
     def _all_gather(self, partial: torch.Tensor, lse: torch.Tensor):
         """Every rank's ``(partial, lse)``: one all_gather of both packed as bytes."""

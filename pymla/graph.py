@@ -144,6 +144,7 @@ def mla_decode_branch_fp8_graph(
     attention_out: BufferValue | None = None,
     lse: BufferValue | None = None,
     shard: Sequence[int | TensorValue] = (0, 1, 1),
+    first_step: int | TensorValue = 1,
 ) -> TensorValue | None:
     """Adds the fused op to the current graph.
 
@@ -154,7 +155,8 @@ def mla_decode_branch_fp8_graph(
     step 6; ``lse`` (a float32 buffer ``[T, H]``, or one with zero tokens) its
     log-sum-exp per row; ``out`` with zero tokens stops the op after step 5.
     ``shard``: ``(shard_rank, num_shards, shard_interleave)``, the positions
-    this cache holds (:class:`pymla.CacheShard`; int32). ``new_rows`` (``[T, kv_lora_rank + qk_rope_head_dim]``, or zero
+    this cache holds (:class:`pymla.CacheShard`; int32). ``first_step`` 6
+    (int32) runs step 6 alone on ``attention_out`` (read). ``new_rows`` (``[T, kv_lora_rank + qk_rope_head_dim]``, or zero
     rows) holds the new tokens' raw latent rows: the op normalizes, rotates
     and writes them into the cache; without it they must be in the cache already.
 
@@ -205,6 +207,7 @@ def mla_decode_branch_fp8_graph(
         "cache_lengths": cache_lengths,
         "lookup_table": lookup_table,
         "layer_idx": layer_idx,
+        "first_step": first_step,
         "scale": scale,
         "epsilon": epsilon,
         "mask": mask,
@@ -276,6 +279,7 @@ def build_graph(config: OpConfig) -> Graph:
             attention_out=args["attention_output"].buffer,
             lse=args["lse"].buffer,
             shard=[t[name] for name in ("shard_rank", "num_shards", "shard_interleave")],
+            first_step=t["first_step"],
         )
         graph.output()
     return graph

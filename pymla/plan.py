@@ -30,21 +30,23 @@ import torch
 from . import bridge, runtime, value_checks
 from . import validate as v
 from .args import (
+    ALL_STEPS,
     ARGS,
     BY_NAME,
+    STEP_6_ONLY,
     KVCacheTensors,
     Source,
     call_torch_op,
 )
-from .buffers import ARG_INDEX, layer_buffer, max_buffers, wrap_call_tensor
+from .buffers import ARG_INDEX, first_step_buffer, layer_buffer, max_buffers, wrap_call_tensor
 from .cache import PagedLatentCache
 from .options import DecodeOptions, as_bool, as_int
 from .weights import LayerWeights, dim_or_zero
 
 # Positions in ARGS (the kernel's argument order) of what run() supplies.
-_RUN_NAMES = ("output", "attention_output", "lse", "q", "new_rows", "layer_idx")
+_RUN_NAMES = ("output", "attention_output", "lse", "q", "new_rows", "layer_idx", "first_step")
 assert {a.name for a in ARGS if a.source in (Source.CALL, Source.LAYER)} == set(_RUN_NAMES)
-_I_OUT, _I_ATTENTION, _I_LSE, _I_Q, _I_ROWS, _I_LAYER = (ARG_INDEX[n] for n in _RUN_NAMES)
+_I_OUT, _I_ATTENTION, _I_LSE, _I_Q, _I_ROWS, _I_LAYER, _I_FIRST = (ARG_INDEX[n] for n in _RUN_NAMES)
 _STEP_NAMES = tuple(a.name for a in ARGS if a.source is Source.STEP)
 
 
@@ -118,6 +120,7 @@ class DecodePlan:
         template[_I_OUT] = runtime.empty_buffer(3, self.dtype, self.device)
         template[_I_ATTENTION] = runtime.empty_buffer(3, self.dtype, self.device)
         template[_I_LSE] = runtime.empty_buffer(2, torch.float32, self.device)
+        template[_I_FIRST] = first_step_buffer(ALL_STEPS)
         template[_I_ROWS] = runtime.empty_buffer(2, self.dtype, self.device)
         self._template = template
         return template
@@ -181,6 +184,68 @@ class DecodePlan:
             lse = torch.empty((tokens, heads), dtype=torch.float32, device=self.device)
         self._run(q, layer, weights, None, attention_out, new_rows, lse, project=False)
         return attention_out, lse
+
+    def project(
+        self,
+        attention: torch.Tensor,
+        q: torch.Tensor,
+        layer: int,
+        weights: LayerWeights,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Step 6 alone: ``out [T, H, v_head_dim] = rnd(fp8mm(attention, w_uv))``.
+
+        ``attention [T, H, kv_lora_rank]`` (the cache's dtype) is an
+        attention output (a context-parallel rank's merged one); ``q`` the
+        step's (its shape sizes the call; its values are not read). Reads
+        nothing of the cache and changes nothing of it (no row tracking).
+        """
+        if type(weights) is not LayerWeights or weights._compat != self._compat:
+            self._check_weights(weights)
+        tokens, heads = self.num_tokens, weights.num_heads
+        self._check_call("q", q, (tokens, heads, weights.nope_dim + self.rope_dim))
+        self._check_call("attention", attention, (tokens, heads, self.kv_lora_rank))
+        shape = (tokens, heads, weights.v_head_dim)
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            self._check_call("out", out, shape)
+            if v.spans_overlap(v.byte_span(out), v.byte_span(attention)):
+                raise ValueError(
+                    "out: expected memory of its own (the op writes it), got a tensor "
+                    "overlapping attention"
+                )
+        if not (type(layer) is int and 0 <= layer < self.num_layers):
+            layer = as_int("layer_idx", layer)
+            if not 0 <= layer < self.num_layers:
+                raise ValueError(
+                    f"layer_idx: expected 0 <= layer_idx < {self.num_layers} (kv_blocks' num_layers), got {layer}"
+                )
+        if torch.compiler.is_compiling():
+            call_torch_op(
+                out=out,
+                attention_out=attention,
+                q=q,
+                input_row_offsets=self.input_row_offsets,
+                freqs_cis=self.freqs_cis,
+                kv=self.kv,
+                layer_idx=layer,
+                options=self.options,
+                granularity=weights.granularity,
+                weights=weights.tensors,
+                first_step=STEP_6_ONLY,
+                check_values=self._op_check_values,
+            )
+            return out
+        if self.num_tokens:
+            launch = self._launch_fn
+            if launch is None:
+                launch = self._make_launcher()
+            args = self.buffers(q, layer, weights, out, attention)
+            args[_I_FIRST] = first_step_buffer(STEP_6_ONLY)
+            launch(args)
+        increment_version(out)
+        return out
 
     def _run(self, q, layer, weights, out, attention_out, new_rows, lse, *, project):
         if type(weights) is not LayerWeights or weights._compat != self._compat:

@@ -18,6 +18,7 @@ import torch
 
 from .args import (
     INPUT_NAMES,
+    STEP_6_ONLY,
     KVCacheTensors,
     Mask,
     ScoreMod,
@@ -87,6 +88,7 @@ def _check_op_args(
         new_rows=a["new_rows"],
         lse=a["lse"],
         shard=_shard(a),
+        first_step=a["first_step"],
     )
 
 
@@ -126,6 +128,9 @@ def _torch_op_impl(*values) -> None:
         num_tokens=dims.num_tokens,
         new_rows=new_rows is not None,
     )
+    if a["first_step"] == STEP_6_ONLY:
+        step.project(attention_out, a["q"], a["layer_idx"], weights, out)
+        return
     step._launch(a["q"], a["layer_idx"], weights, out, attention_out, new_rows, lse)
 
 

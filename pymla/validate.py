@@ -238,6 +238,7 @@ def check_inputs(
     new_rows: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     shard=None,
+    first_step: int = 1,
 ) -> Dims:
     """Checks every argument of the op; with ``check_values`` also the values it indexes with.
 
@@ -247,8 +248,14 @@ def check_inputs(
     means not given (no ``out``: the op stops after step 5, which then needs
     ``attention_out``). ``scale_granularity`` is parsed already
     (``ScaleGranularity.parse``); ``shard`` is a :class:`pymla.CacheShard`
-    (None: the whole cache).
+    (None: the whole cache). ``first_step`` 6 (step 6 alone) reads
+    ``attention_out`` and needs ``out``.
     """
+    first_step = as_int("first_step", first_step)
+    if first_step not in (1, 6):
+        raise ValueError(
+            f"first_step: expected 1 (the six steps) or 6 (step 6 alone), got {first_step}"
+        )
     check_options(
         scale=scale,
         epsilon=epsilon,
@@ -392,6 +399,11 @@ def check_inputs(
     check_shard_device(shard, score_mod, dev)
     if "out" in given:  # first, as the op's own result: an overlap is named after it
         written = {"out": written.pop("out"), **written}
+    if first_step == 6 and not {"out", "attention_out"} <= given:
+        raise ValueError(
+            "first_step: expected out and attention_out with 6 (step 6 alone reads "
+            f"attention_out, writes out), got {' and '.join(sorted(given)) or 'neither'}"
+        )
     if "out" not in given and "attention_out" not in given:
         raise ValueError(
             "out: expected a tensor [tot_seq_len of q, num_heads, v_head_dim of w_uv] "

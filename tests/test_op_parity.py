@@ -15,8 +15,9 @@ import itertools
 import pytest
 import torch
 
+import pymla
 from pymla import CacheShard, merge_attention_states, reference
-from pymla.parity import compare_attention, compare_cache
+from pymla.parity import compare_attention, compare_cache, compare_projection
 from pymla.tools.scenario import reference_stages
 
 from helpers import TARGETS, check_parity, lse_report, make_case, on_target, run_op_poisoned
@@ -352,3 +353,34 @@ def test_shards_of_the_cache(dtype, count, interleave, target):
     assert report.passed, f"merged: {report.describe()}"
     lse_check = lse_report(merged_lse, whole, dtype)
     assert lse_check.passed, f"merged: {lse_check.describe()}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_step_6_alone(dtype, target):
+    """``DecodePlan.project`` (first_step 6) on a given attention output: the reference's step 6
+    on it, the same as the whole op's step 6 bit for bit, and the cache untouched."""
+    case = make_case(3500, dtype=dtype, cache_lengths=(30, 7), new_tokens=(2, 1))
+    w = case.weights
+    granularity = reference.ScaleGranularity.parse(case.options["scale_granularity"])
+    with on_target(target) as device:
+        case.to(device)
+        whole, att = run_op_poisoned(case, attention=True)
+        before = case.cache.blocks.clone()
+        options = {k: v for k, v in case.options.items() if k != "scale_granularity"}
+        step = pymla.plan(
+            case.cache, case.input_row_offsets, case.freqs_cis, pymla.DecodeOptions(**options)
+        )
+        weights = pymla.LayerWeights(
+            *(w[k] for k in ("w_uk", "w_uk_scale", "w_uv", "w_uv_scale")),
+            case.kv_norm_gamma,
+            granularity,
+        )
+        out = torch.full_like(whole, float("nan"))
+        assert step.project(att, case.q, case.layer_idx, weights, out) is out
+        assert torch.equal(case.cache.blocks.view(torch.uint8), before.view(torch.uint8))
+        case.to("cpu")
+    assert torch.equal(out.cpu().view(torch.uint8), whole.cpu().view(torch.uint8))
+    expected = reference.project_output(att.cpu(), w["w_uv"], w["w_uv_scale"], granularity, dtype)
+    report = compare_projection(out.cpu(), expected)
+    assert report.passed, report.describe()

@@ -12,7 +12,7 @@ import torch
 import pymla
 from pymla.parity import compare_output
 
-from helpers import check_parity, make_case, run_reference, torch_op_args
+from helpers import check_parity, make_case, run_op_poisoned, run_reference, torch_op_args
 
 
 def test_torch_compile_fullgraph_matches_reference():
@@ -175,3 +175,30 @@ def test_check_values_false_skips_only_the_value_checks(monkeypatch):
     bad_q = case.q[:, :, :100].contiguous()
     with pytest.raises(ValueError, match="^q: "):
         pymla.mla_decode_branch_fp8(bad_q, *case.args()[1:], **case.options, check_values=False)
+
+
+def test_torch_op_step_6_alone_reads_the_attention_output():
+    """``first_step`` 6 through the torch op: step 6 on ``attention_output``, the cache untouched."""
+    case = make_case(90, num_heads=4, cache_lengths=(12, 3), new_tokens=(1, 2))
+    whole, att = run_op_poisoned(case, attention=True)
+    before = case.cache.blocks.clone()
+    o = dict(case.options)
+    granularity = pymla.ScaleGranularity.parse(o.pop("scale_granularity"))
+    out = torch.full_like(whole, float("nan"))
+    torch.ops.pymla.mla_decode_branch_fp8(
+        *pymla.args.torch_op_args(
+            out=out,
+            attention_out=att,
+            q=case.q,
+            input_row_offsets=case.input_row_offsets,
+            freqs_cis=case.freqs_cis,
+            kv=case.cache_tensors(),
+            layer_idx=case.layer_idx,
+            options=pymla.DecodeOptions(**o),
+            granularity=granularity,
+            weights={"kv_norm_gamma": case.kv_norm_gamma, **case.weights},
+            first_step=pymla.args.STEP_6_ONLY,
+        )
+    )
+    assert torch.equal(out.view(torch.uint8), whole.view(torch.uint8))
+    assert torch.equal(case.cache.blocks.view(torch.uint8), before.view(torch.uint8))

@@ -125,6 +125,12 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     """The six steps on the CPU, each a parallel stage over host memory."""
     if p.num_tokens == 0:
         return
+    if p.project_only:  # step 6 alone, on the attention output given
+        project_output[dtype](
+            p.attention_output, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank,
+            p.v_head_dim, p.granularity,
+        )
+        return
     # The attention path first: a refused PYMLA_CPU_PATH raises before any cache row changes.
     var bf16_units = use_bf16_units[dtype]()
     var key_dim = p.key_dim()

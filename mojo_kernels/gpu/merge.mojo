@@ -85,6 +85,22 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
         p.raw.unsafe_offset(row * rank + c).unsafe_store[alignment=16](0, acc.cast[dtype]().cast[DType.float32]())
 
 
+@fieldwise_init
+struct WidenParams[dtype: DType](KernelParams):
+    """Parameters of `widen_kernel`: `count` dtype values of `src` to float32 `dst`."""
+
+    var src: DPtr[Self.dtype]
+    var dst: FPtr
+    var count: Int64
+
+
+def widen_kernel[dtype: DType](p: WidenParams[dtype]):
+    """`dst[i] = src[i]` as float32 (an attention output given to step 6 alone)."""
+    var i = block_idx.x * ELEMENTWISE_THREADS + thread_idx.x
+    if i < Int(p.count):
+        p.dst.unsafe_store(i, p.src.unsafe_load(i).cast[DType.float32]())
+
+
 def store_kernel[dtype: DType](p: StoreParams[dtype]):
     """`dst[i] = src[i]` as dtype (the attention output, whose values are already dtype values)."""
     var i = block_idx.x * ELEMENTWISE_THREADS + thread_idx.x

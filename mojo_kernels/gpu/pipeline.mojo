@@ -49,7 +49,7 @@ from .attention_block import AttentionParams, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
-from .merge import MERGE_THREADS, MergeParams, StoreParams, merge_kernel, store_kernel
+from .merge import MERGE_THREADS, MergeParams, StoreParams, WidenParams, merge_kernel, store_kernel, widen_kernel
 from .params import DeviceBatch, DeviceCache
 from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes
 from .projection import (
@@ -299,6 +299,20 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     check_gpu_shapes[dtype](p, limits)
     var plan = GpuPlan.create(p, limits)
     var rows = p.num_tokens * p.num_heads
+    if p.project_only:  # step 6 alone, on the attention output given (widened to float32)
+        var given_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
+        var given = given_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var count = rows * p.kv_lora_rank
+        ctx.enqueue_function[widen_kernel[dtype]](
+            WidenParams[dtype](p.attention_output, given, Int64(count)),
+            grid_dim=ceil_div(count, ELEMENTWISE_THREADS),
+            block_dim=ELEMENTWISE_THREADS,
+        )
+        var projection = p
+        projection.has_attention_output = False  # read, not written
+        gpu_project_output[dtype](ctx, projection, plan, given)
+        _ = given_buf^  # freed in stream order
+        return
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.key_dim())
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
     var q_full = q_full_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()

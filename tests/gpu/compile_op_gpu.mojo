@@ -34,6 +34,7 @@ def instantiate[dtype: DType, target: StaticString](ctx: DeviceContext) raises:
         InputTensor[static_spec=_get_unknown_tensor_spec[DType.uint32, 1]()](u, IndexList[1](2)),
         InputTensor[static_spec=_get_unknown_tensor_spec[DType.uint32, 2]()](u, IndexList[2](2, 5)),
         UInt32(1),
+        Int32(1),
         Float32(0.1),
         Float32(1e-6),
         Int32(1),

@@ -356,6 +356,7 @@ struct DeviceCase[dtype: DType](Movable):
             untracked(self.output), False,  # no attention_output
             untracked(self.w_uk_scale), False,  # no lse
             untracked(self.q), False,  # no new_rows
+            False,  # all six steps
         )
 
     def plan(self, ctx: DeviceContext, c: Case) raises -> GpuPlan:
