@@ -77,6 +77,14 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def json_file(text: str) -> Path:
+    """An option type: a file to write in a folder that exists (checked before measuring)."""
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file in an existing folder, got {text!r}")
+    return path
+
+
 def torch_device(text: str) -> str:
     """An option type: cpu, or cuda / cuda:N when this torch sees that GPU."""
     import torch

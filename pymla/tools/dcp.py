@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .. import CacheShard, ContextParallel, DecodeOptions, LayerWeights, merge_attention_states
 from .. import plan as make_plan
-from ..__main__ import CommandParser, int_at_least
+from ..__main__ import CommandParser, int_at_least, json_file
 from ..cpu_paths import cpu_model
 from .bench import DTYPES, save_json
 from .scenario import make_case
@@ -137,7 +137,7 @@ def run(argv: list[str], prog: str) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=list(DTYPES), help="dtype")
     parser.add_argument("--repeat", type=count, default=10, help="timed layers (median)")
     parser.add_argument("--warmup", type=int_at_least(0), default=2, help="untimed layers")
-    parser.add_argument("--json", type=Path, default=Path("dcp-cpu.json"), help="JSON output")
+    parser.add_argument("--json", type=json_file, default=Path("dcp-cpu.json"), help="JSON output")
     args = parser.parse_args(argv)
     config = {
         "seed": 1,

@@ -398,6 +398,14 @@ struct DeviceCase[dtype: DType](Movable):
         p.has_attention_output = True
         gpu_project_output[Self.dtype](ctx, p, plan, untracked(raw))
 
+    def project_only(self, ctx: DeviceContext, c: Case, att: DeviceBuffer[Self.dtype]) raises:
+        """The op with first_step 6: step 6 alone into `self.output`, from the attention output `att`."""
+        var p = self.problem(c)
+        p.attention_output = untracked(att)
+        p.has_attention_output = True
+        p.project_only = True
+        mla_decode_branch_fp8_gpu[Self.dtype](p, ctx)
+
     def run_op(self, ctx: DeviceContext, c: Case) raises:
         mla_decode_branch_fp8_gpu[Self.dtype](self.problem(c), ctx)
 

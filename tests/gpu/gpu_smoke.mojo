@@ -252,6 +252,10 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     ok = check_parity[dtype]("output stage", gpu_out_stage, ref_out_stage) and ok
     # The attention output the op stores on request: raw as dtype, exactly.
     ok = check_close("attention output store", download[dtype](ctx, att_out, rows * c.rank), gpu_raw, 0) and ok
+    # Step 6 alone (first_step 6) from that attention output: the op's own step 6, exactly.
+    ctx.enqueue_memset(d.output, Scalar[dtype](0))
+    d.project_only(ctx, c, att_out)
+    ok = check_close("step 6 alone (first_step 6)", download[dtype](ctx, d.output, rows * c.v_dim), gpu_out_stage, 0) and ok
 
     # The whole op on fresh inputs against the CPU pipeline.
     var d2 = DeviceCase[dtype](ctx, c)
