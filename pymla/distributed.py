@@ -194,8 +194,8 @@ class ContextParallelPlan:
         layer: int,
         weights: LayerWeights,
         out: torch.Tensor | None = None,
-        new_rows: torch.Tensor | None = None,
         attention_out: torch.Tensor | None = None,
+        new_rows: torch.Tensor | None = None,
         lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The op on one layer over every rank's keys: ``out [T, H, v_head_dim]`` on every rank.

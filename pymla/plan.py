@@ -215,49 +215,26 @@ class DecodePlan:
                     "out: expected memory of its own (the op writes it), got a tensor "
                     "overlapping attention"
                 )
+        layer = self._layer(layer)
+        self._launch(q, layer, weights, out, attention, None, None, first_step=STEP_6_ONLY)
+        return out
+
+    def _layer(self, layer: object) -> int:
+        """``layer`` checked against the cache's layers."""
         if not (type(layer) is int and 0 <= layer < self.num_layers):
             layer = as_int("layer_idx", layer)
             if not 0 <= layer < self.num_layers:
                 raise ValueError(
                     f"layer_idx: expected 0 <= layer_idx < {self.num_layers} (kv_blocks' num_layers), got {layer}"
                 )
-        if torch.compiler.is_compiling():
-            call_torch_op(
-                out=out,
-                attention_out=attention,
-                q=q,
-                input_row_offsets=self.input_row_offsets,
-                freqs_cis=self.freqs_cis,
-                kv=self.kv,
-                layer_idx=layer,
-                options=self.options,
-                granularity=weights.granularity,
-                weights=weights.tensors,
-                first_step=STEP_6_ONLY,
-                check_values=self._op_check_values,
-            )
-            return out
-        if self.num_tokens:
-            launch = self._launch_fn
-            if launch is None:
-                launch = self._make_launcher()
-            args = self.buffers(q, layer, weights, out, attention)
-            args[_I_FIRST] = first_step_buffer(STEP_6_ONLY)
-            launch(args)
-        increment_version(out)
-        return out
+        return layer
 
     def _run(self, q, layer, weights, out, attention_out, new_rows, lse, *, project):
         if type(weights) is not LayerWeights or weights._compat != self._compat:
             self._check_weights(weights)
         tokens, heads = self.num_tokens, weights.num_heads
         self._check_call("q", q, (tokens, heads, weights.nope_dim + self.rope_dim))
-        if not (type(layer) is int and 0 <= layer < self.num_layers):
-            layer = as_int("layer_idx", layer)
-            if not 0 <= layer < self.num_layers:
-                raise ValueError(
-                    f"layer_idx: expected 0 <= layer_idx < {self.num_layers} (kv_blocks' num_layers), got {layer}"
-                )
+        layer = self._layer(layer)
         shape = (tokens, heads, weights.v_head_dim)
         if not project:
             out_span = None
@@ -343,11 +320,15 @@ class DecodePlan:
             if got != expected:
                 raise ValueError(f"weights: expected {what} {expected} (the cache's), got {got}")
 
-    def _launch(self, q, layer, weights, out, attention_out, new_rows, lse=None) -> None:
+    def _launch(
+        self, q, layer, weights, out, attention_out, new_rows, lse=None, first_step=ALL_STEPS
+    ) -> None:
         """The op on checked arguments: the torch op when traced by torch.compile, else MAX directly.
 
-        The one path of every call: :meth:`run` and the one-shot
-        :func:`pymla.mla_decode_branch_fp8` (and the torch op's own body) end here.
+        The one path of every call: :meth:`run`, :meth:`attend`, :meth:`project`
+        and the one-shot :func:`pymla.mla_decode_branch_fp8` (and the torch
+        op's own body) end here. ``first_step`` 6: step 6 alone on
+        ``attention_out`` (the cache neither read nor tracked).
         """
         if torch.compiler.is_compiling():  # no stale-row tracking: see run()
             call_torch_op(
@@ -356,6 +337,7 @@ class DecodePlan:
                 q=q,
                 new_rows=new_rows,
                 lse=lse,
+                first_step=first_step,
                 input_row_offsets=self.input_row_offsets,
                 freqs_cis=self.freqs_cis,
                 kv=self.kv,
@@ -366,7 +348,8 @@ class DecodePlan:
                 check_values=self._op_check_values,
             )
             return
-        cache = self._tracked
+        project_only = first_step == STEP_6_ONLY
+        cache = None if project_only else self._tracked
         if cache is not None and new_rows is None:
             tested = self._rows_tested[layer]
             if not self._new_requests <= tested:
@@ -376,12 +359,14 @@ class DecodePlan:
             launch = self._launch_fn
             if launch is None:
                 launch = self._make_launcher()
-            launch(self.buffers(q, layer, weights, out, attention_out, new_rows, lse))
+            launch(self.buffers(q, layer, weights, out, attention_out, new_rows, lse, first_step))
         if cache is not None:  # launched: the layer's new rows are rotated now
             self._rows_unrotated[layer].difference_update(self._new_requests)
         # The tensors the op writes: their version counters move as the torch op's would.
         if out is not None:
             increment_version(out)
+        if project_only:  # attention_out was read
+            return
         increment_version(self.kv.blocks)
         if attention_out is not None:
             increment_version(attention_out)
@@ -394,7 +379,17 @@ class DecodePlan:
         self._launch_fn = runtime.launcher(self.model, self.device)
         return self._launch_fn
 
-    def buffers(self, q, layer, weights, out, attention_out=None, new_rows=None, lse=None) -> list:
+    def buffers(
+        self,
+        q,
+        layer,
+        weights,
+        out,
+        attention_out=None,
+        new_rows=None,
+        lse=None,
+        first_step=ALL_STEPS,
+    ) -> list:
         """The kernel's arguments as MAX buffers, in :data:`pymla.args.ARGS` order (no checks)."""
         template = self._template
         if template is None:
@@ -417,6 +412,8 @@ class DecodePlan:
         for i, buffer in indexed:
             args[i] = buffer
         args[_I_LAYER] = layer_buffer(layer)
+        if first_step != ALL_STEPS:
+            args[_I_FIRST] = first_step_buffer(first_step)
         return args
 
 

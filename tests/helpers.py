@@ -193,14 +193,17 @@ def check_parity(case: Case, target: str = "cpu", *, via_new_rows: bool = False)
         )
 
 
-def torch_op_args(case: Case) -> tuple:
-    """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` for a case (fresh ``out``)."""
+def torch_op_args(case: Case, **changes) -> tuple:
+    """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` for a case (fresh ``out``).
+
+    ``changes``: other keywords of :func:`pymla.args.torch_op_args` (``out``, ``first_step``, ...).
+    """
     w = case.weights
     out = torch.empty(case.q.shape[0], case.q.shape[1], w["w_uv"].shape[1], dtype=case.q.dtype)
     o = dict(case.options)
     granularity = ScaleGranularity.parse(o.pop("scale_granularity"))
     return pymla.args.torch_op_args(
-        out=out,
+        **{"out": out, **changes},
         q=case.q,
         input_row_offsets=case.input_row_offsets,
         freqs_cis=case.freqs_cis,

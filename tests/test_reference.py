@@ -157,6 +157,21 @@ def _sdpa_attention(case, kv: KVCacheTensors, q_full, scale, mask, score_mod, wi
     return torch.cat(outs)
 
 
+def _attention_case(seed, dtype, mask, score_mod, window):
+    """Three requests (9, 30 and 0 cached tokens; 1, 3 and 2 new), 4 heads, pages of 8."""
+    return make_case(
+        seed,
+        dtype=dtype,
+        num_heads=4,
+        page_size=8,
+        cache_lengths=(9, 30, 0),
+        new_tokens=(1, 3, 2),
+        mask=mask,
+        score_mod=score_mod,
+        local_window_size=window,
+    )
+
+
 @pytest.mark.parametrize(
     ("mask", "score_mod", "window"),
     [
@@ -168,17 +183,7 @@ def _sdpa_attention(case, kv: KVCacheTensors, q_full, scale, mask, score_mod, wi
 )
 def test_reference_attention_matches_sdpa(mask, score_mod, window, monkeypatch):
     """The whole reference with its fp8 projections made exact, against SDPA on unpaged keys."""
-    case = make_case(
-        5,
-        dtype=torch.float32,
-        num_heads=4,
-        page_size=8,
-        cache_lengths=(9, 30, 0),
-        new_tokens=(1, 3, 2),
-        mask=mask,
-        score_mod=score_mod,
-        local_window_size=window,
-    )
+    case = _attention_case(5, torch.float32, mask, score_mod, window)
     # Replace both fp8 matmuls by exact float matmuls on dequantized weights, so
     # the remaining difference is the attention alone.
     from pymla import reference
@@ -309,17 +314,7 @@ def test_reference_new_rows_equal_appended_rows():
 )
 def test_reference_lse_is_the_natural_logsumexp_of_the_scaled_scores(mask, score_mod, window):
     """The reference's LSE against float64 ``logsumexp`` of ``scale q K^T + bias`` (mask applied)."""
-    case = make_case(
-        6,
-        dtype=torch.bfloat16,
-        num_heads=4,
-        page_size=8,
-        cache_lengths=(9, 30, 0),
-        new_tokens=(1, 3, 2),
-        mask=mask,
-        score_mod=score_mod,
-        local_window_size=window,
-    )
+    case = _attention_case(6, torch.bfloat16, mask, score_mod, window)
     stages, blocks = reference_stages(case)
     kv = KVCacheTensors(blocks, case.cache.cache_lengths, case.cache.lookup_table)
     scale = case.options["scale"]

@@ -182,23 +182,9 @@ def test_torch_op_step_6_alone_reads_the_attention_output():
     case = make_case(90, num_heads=4, cache_lengths=(12, 3), new_tokens=(1, 2))
     whole, att = run_op_poisoned(case, attention=True)
     before = case.cache.blocks.clone()
-    o = dict(case.options)
-    granularity = pymla.ScaleGranularity.parse(o.pop("scale_granularity"))
     out = torch.full_like(whole, float("nan"))
     torch.ops.pymla.mla_decode_branch_fp8(
-        *pymla.args.torch_op_args(
-            out=out,
-            attention_out=att,
-            q=case.q,
-            input_row_offsets=case.input_row_offsets,
-            freqs_cis=case.freqs_cis,
-            kv=case.cache_tensors(),
-            layer_idx=case.layer_idx,
-            options=pymla.DecodeOptions(**o),
-            granularity=granularity,
-            weights={"kv_norm_gamma": case.kv_norm_gamma, **case.weights},
-            first_step=pymla.args.STEP_6_ONLY,
-        )
+        *torch_op_args(case, out=out, attention_out=att, first_step=pymla.args.STEP_6_ONLY)
     )
     assert torch.equal(out.view(torch.uint8), whole.view(torch.uint8))
     assert torch.equal(case.cache.blocks.view(torch.uint8), before.view(torch.uint8))
