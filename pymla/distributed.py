@@ -11,17 +11,25 @@ contiguous run per rank). Per layer, every rank
    the rank that holds its position, at its local slot; RoPE, masks and
    ALiBi use global positions;
 2. exchanges its partial attention output (``[T, H, R]``, the cache's
-   dtype) and its LSE (``[T, H]`` float32) with the other ranks: one
-   ``all_gather`` of the two packed in one byte buffer;
+   dtype) and its LSE (``[T, H]`` float32) with the other ranks, the two
+   packed in one byte buffer;
 3. merges the partials in float32 with their LSE
    (:func:`merge_attention_states`), rounds the result to the dtype (the
-   spec's ``raw``) and runs step 6 once, on the merged result: the op with
+   spec's ``raw``) and runs step 6 once on the merged result: the op with
    ``first_step`` 6 (:meth:`pymla.DecodePlan.project`).
 
-Every rank ends with the whole output ``[T, H, Dv]``. Bytes each rank
-receives per layer: ``(N - 1) T H (R b + 4)`` with ``b`` the dtype's size
-(:meth:`ContextParallelPlan.bytes_received`); DeepSeek-V3 (H = 128,
-R = 512, bf16): 131,584 bytes per token per layer per other rank.
+Two exchanges (``ContextParallel(exchange=...)``), every rank ending with
+the whole output ``[T, H, Dv]``; bytes each rank receives per layer, ``b``
+the dtype's size (:meth:`ContextParallelPlan.bytes_received`):
+
+* ``"all_gather"``: every rank gathers every partial, merges all heads and
+  projects all heads: ``(N - 1) T H (R b + 4)``; DeepSeek-V3 (H = 128,
+  R = 512, bf16): 131,584 bytes per token per other rank.
+* ``"all_to_all"`` (TensorRT-LLM Helix's pattern): one ``all_to_all`` sends
+  each rank the partials of its ``H / N`` heads; it merges and projects
+  those (step 6 split over the ranks), and an ``all_gather`` of the outputs
+  follows: ``(N - 1) T (H / N) (R b + 4 + Dv b)``; DeepSeek-V3 over 2 ranks,
+  82,176 bytes per token. Needs ``H`` a multiple of ``N``.
 
 The partials cross in the cache's dtype: for bfloat16 and float16 each is
 rounded once before the merge (one rounding more than the one-process op;
@@ -39,8 +47,10 @@ depend on the global head index, which the op does not take: refused.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -103,6 +113,25 @@ def merge_attention_states(
     return merged, merged_lse
 
 
+def _head_slice(rank: int, world_size: int, num_heads: int) -> slice:
+    """Rank ``rank``'s heads of ``num_heads`` (a multiple of ``world_size``)."""
+    per_rank = num_heads // world_size
+    return slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def _head_weights(weights: LayerWeights, heads: slice) -> LayerWeights:
+    """``heads`` of one layer's weights: w_uk, w_uv and their scales (heads first)."""
+    t = weights.tensors
+    return LayerWeights(
+        t["w_uk"][heads].contiguous(),
+        t["w_uk_scale"][heads].contiguous(),
+        t["w_uv"][heads].contiguous(),
+        t["w_uv_scale"][heads].contiguous(),
+        t["kv_norm_gamma"],
+        weights.granularity,
+    )
+
+
 def _group_size(group) -> tuple[int, int]:
     if not dist.is_initialized():
         raise ValueError("group: expected an initialized torch.distributed process group, got none")
@@ -115,12 +144,20 @@ class ContextParallel:
     Args:
         group: the ``torch.distributed`` process group (None: the default group).
         interleave: positions per run dealt to a rank (:class:`pymla.CacheShard`).
+        exchange: ``"all_gather"`` or ``"all_to_all"`` (module docstring).
     """
 
-    def __init__(self, group=None, *, interleave: int = 1) -> None:
+    EXCHANGES = ("all_gather", "all_to_all")
+
+    def __init__(self, group=None, *, interleave: int = 1, exchange: str = "all_gather") -> None:
+        if exchange not in self.EXCHANGES:
+            raise ValueError(f"exchange: expected one of {self.EXCHANGES}, got {exchange!r}")
         self.group = group
+        self.exchange = exchange
         self.rank, self.world_size = _group_size(group)
         self.shard = CacheShard(self.rank, self.world_size, as_int("interleave", interleave))
+        # all_to_all: this rank's heads of each layer's weights, sliced once per LayerWeights.
+        self._head_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def make_cache(self, **kwargs) -> PagedLatentCache:
         """A :class:`pymla.PagedLatentCache` of this rank's shard (``kwargs``: its arguments)."""
@@ -144,14 +181,7 @@ class ContextParallel:
         is this rank's shard (:meth:`make_cache`), or its three tensors.
         """
         if options.shard.whole and not self.shard.whole:
-            options = DecodeOptions(
-                scale=options.scale,
-                epsilon=options.epsilon,
-                mask=options.mask,
-                score_mod=options.score_mod,
-                local_window_size=options.local_window_size,
-                shard=self.shard,
-            )
+            options = dataclasses.replace(options, shard=self.shard)
         if options.shard != self.shard:
             raise ValueError(
                 f"options: expected this rank's shard {self.shard}, got {options.shard}"
@@ -171,18 +201,25 @@ class ContextParallelPlan:
         self.context = context
         self.step = step
 
-    def bytes_received(self, num_heads: int) -> int:
-        """Bytes each rank receives per layer: ``(N - 1) T H (R b + 4)``."""
+    def bytes_received(self, num_heads: int, v_head_dim: int = 128) -> int:
+        """Bytes each rank receives per layer (module docstring): ``(N - 1) T H (R b + 4)``
+        with ``"all_gather"``, ``(N - 1) T (H / N) (R b + 4 + Dv b)`` with ``"all_to_all"``."""
         s = self.step
-        per_rank = s.num_tokens * num_heads * (s.kv_lora_rank * s.dtype.itemsize + 4)
-        return (self.context.world_size - 1) * per_rank
+        n = self.context.world_size
+        b = s.dtype.itemsize
+        if self.context.exchange == "all_to_all":
+            per_rank = s.num_tokens * (num_heads // n) * (s.kv_lora_rank * b + 4 + v_head_dim * b)
+        else:
+            per_rank = s.num_tokens * num_heads * (s.kv_lora_rank * b + 4)
+        return (n - 1) * per_rank
 
     def attend(
         self, q: torch.Tensor, layer: int, weights: LayerWeights, new_rows=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Steps 1 to 5 over every rank's keys: the merged ``(attention [T, H, R] float32, lse)``.
 
-        ``new_rows``: all new tokens' raw rows (each rank writes those it holds).
+        ``new_rows``: all new tokens' raw rows (each rank writes those it
+        holds). Gathers every partial whatever the group's exchange.
         """
         partial, lse = self.step.attend(q, layer, weights, new_rows=new_rows)
         outputs, lses = self._all_gather(partial, lse)
@@ -200,12 +237,21 @@ class ContextParallelPlan:
     ) -> torch.Tensor:
         """The op on one layer over every rank's keys: ``out [T, H, v_head_dim]`` on every rank.
 
-        Step 6 runs once per rank, on the merged attention output rounded to
-        the cache's dtype (the spec's ``raw``), which ``attention_out`` (the
-        cache's dtype) receives when given; ``lse`` (float32 ``[T, H]``) the
-        merged LSE. ``new_rows``: all new tokens' raw rows (each rank writes
-        those it holds).
+        Step 6 runs once, on the merged attention output rounded to the
+        cache's dtype (the spec's ``raw``): on every rank for all heads with
+        ``"all_gather"``, then ``attention_out`` (the cache's dtype) and
+        ``lse`` (float32 ``[T, H]``) may receive the merged attention output
+        and LSE; with ``"all_to_all"`` each rank projects its heads (no
+        ``attention_out`` or ``lse`` there). ``new_rows``: all new tokens'
+        raw rows (each rank writes those it holds).
         """
+        if self.context.exchange == "all_to_all":
+            if attention_out is not None or lse is not None:
+                raise ValueError(
+                    "attention_out, lse: expected None with exchange 'all_to_all' (each rank "
+                    "merges only its heads), got a tensor"
+                )
+            return self._run_heads(q, layer, weights, out, new_rows)
         merged, merged_lse = self.attend(q, layer, weights, new_rows=new_rows)
         raw = merged.to(self.step.dtype)
         if attention_out is not None:
@@ -213,6 +259,57 @@ class ContextParallelPlan:
         if lse is not None:
             lse.copy_(merged_lse)
         return self.step.project(raw, q, layer, weights, out)
+
+    def _run_heads(self, q, layer, weights, out, new_rows) -> torch.Tensor:
+        """``run`` with ``"all_to_all"``: merge and project this rank's heads, gather the outputs."""
+        context = self.context
+        n, heads = context.world_size, weights.num_heads
+        if heads % n:
+            raise ValueError(
+                f"weights: expected num_heads a multiple of the group's size {n} for exchange "
+                f"'all_to_all', got {heads}"
+            )
+        mine = _head_slice(context.rank, n, heads)
+        partial, lse = self.step.attend(q, layer, weights, new_rows=new_rows)
+        outputs, lses = self._all_to_all(partial, lse)
+        merged, _ = merge_attention_states(outputs, lses)
+        head_weights = context._head_weights.get(weights)
+        if head_weights is None:
+            head_weights = context._head_weights[weights] = _head_weights(weights, mine)
+        projected = self.step.project(
+            merged.to(partial.dtype), q[:, mine].contiguous(), layer, head_weights
+        )
+        pieces = [torch.empty_like(projected) for _ in range(n)]
+        dist.all_gather(pieces, projected, group=context.group)
+        result = torch.cat(pieces, dim=1)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def _all_to_all(self, partial: torch.Tensor, lse: torch.Tensor):
+        """The partials and LSEs of this rank's heads from every rank: one packed ``all_to_all``."""
+        n = self.context.world_size
+        t, h, r = partial.shape
+        per = h // n
+        # Destination d gets heads [d per, (d + 1) per): its partial rows, then its LSEs, as bytes.
+        out_bytes = t * per * r * partial.element_size()
+        packets = [
+            torch.cat(
+                [
+                    partial[:, d * per : (d + 1) * per].contiguous().view(-1).view(torch.uint8),
+                    lse[:, d * per : (d + 1) * per].contiguous().view(-1).view(torch.uint8),
+                ]
+            )
+            for d in range(n)
+        ]
+        sent = torch.cat(packets)
+        received = torch.empty_like(sent)
+        dist.all_to_all_single(received, sent, group=self.context.group)
+        pieces = received.view(n, -1)
+        outputs = [p[:out_bytes].view(partial.dtype).view(t, per, r) for p in pieces]
+        lses = [p[out_bytes:].view(torch.float32).view(t, per) for p in pieces]
+        return outputs, lses
 
     def _all_gather(self, partial: torch.Tensor, lse: torch.Tensor):
         """Every rank's ``(partial, lse)``: one all_gather of both packed as bytes."""
@@ -248,8 +345,7 @@ class TensorParallelHeads:
                 f"got {num_heads}"
             )
         self.num_heads = num_heads
-        per_rank = num_heads // self.world_size
-        self.heads = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
+        self.heads = _head_slice(self.rank, self.world_size, num_heads)
 
     def check_options(self, options: DecodeOptions) -> None:
         """ALiBi is refused: its slopes depend on the global head index, which the op does not take."""
@@ -261,16 +357,7 @@ class TensorParallelHeads:
 
     def weights(self, weights: LayerWeights) -> LayerWeights:
         """This rank's slice of one layer's weights: w_uk, w_uv and their scales (heads first)."""
-        t = weights.tensors
-        h = self.heads
-        return LayerWeights(
-            t["w_uk"][h].contiguous(),
-            t["w_uk_scale"][h].contiguous(),
-            t["w_uv"][h].contiguous(),
-            t["w_uv_scale"][h].contiguous(),
-            t["kv_norm_gamma"],
-            weights.granularity,
-        )
+        return _head_weights(weights, self.heads)
 
     def q(self, q: torch.Tensor) -> torch.Tensor:
         """This rank's heads of ``q [T, H, D]``."""

@@ -74,12 +74,30 @@ def run_dcp(spec: dict, context: pymla.ContextParallel) -> dict:
         case.cache, case.input_row_offsets, case.freqs_cis, pymla.DecodeOptions(**o)
     )
     tokens, heads = case.q.shape[:2]
-    att = torch.full((tokens, heads, 512), float("nan"), dtype=case.q.dtype)
-    lse = torch.full((tokens, heads), float("nan"))
-    out = step.run(case.q, case.layer_idx, weights, attention_out=att, lse=lse)
+    gathered = None
+    if context.exchange == "all_to_all":  # each rank merges only its heads: no attention_out
+        att = lse = None
+        # The same layer with "all_gather" first, then the rows as they were: the two exchanges
+        # merge and project each head alike, so their outputs must agree bit for bit.
+        other = pymla.ContextParallel(interleave=spec["interleave"], exchange="all_gather")
+        again = dict(rerun_layers=True)
+        plans = [
+            c.plan(case.cache, case.input_row_offsets, case.freqs_cis, pymla.DecodeOptions(**o),
+                   **again)
+            for c in (other, context)
+        ]  # fmt: skip
+        gathered = plans[0].run(case.q, case.layer_idx, weights)
+        case.cache.blocks.copy_(before)
+        step = plans[1]
+        out = step.run(case.q, case.layer_idx, weights)
+    else:
+        att = torch.full((tokens, heads, 512), float("nan"), dtype=case.q.dtype)
+        lse = torch.full((tokens, heads), float("nan"))
+        out = step.run(case.q, case.layer_idx, weights, attention_out=att, lse=lse)
     cache = compare_cache(before, case.cache.blocks, ref_blocks, case.new_rows_mask())
     result = dict(
         out=out,
+        gathered=gathered,
         attention=att,
         lse=lse,
         cache_passed=cache.passed,
@@ -129,7 +147,10 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     for spec in json.loads(cases):
         if spec["kind"] == "dcp":
-            result = run_dcp(spec, pymla.ContextParallel(interleave=spec["interleave"]))
+            context = pymla.ContextParallel(
+                interleave=spec["interleave"], exchange=spec.get("exchange", "all_gather")
+            )
+            result = run_dcp(spec, context)
         else:
             result = run_tp(spec)
         torch.save(result, os.path.join(out_dir, f"{spec['name']}-{rank}.pt"))

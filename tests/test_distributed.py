@@ -35,8 +35,20 @@ from distributed_worker import case_options, second_step  # noqa: E402
 HERE = pathlib.Path(__file__).parent
 
 
-def _dcp(name, seed, dtype, mask, score_mod="no_pos", window=0, interleave=1, steps=1, heads=8):
+def _dcp(
+    name,
+    seed,
+    dtype,
+    mask,
+    score_mod="no_pos",
+    window=0,
+    interleave=1,
+    steps=1,
+    heads=8,
+    exchange="all_gather",
+):
     return dict(
+        exchange=exchange,
         kind="dcp",
         name=name,
         seed=seed,
@@ -59,11 +71,23 @@ CASES = {
         _dcp("null-alibi", 4001, "bfloat16", "null", "alibi_pos", interleave=16),
         _dcp("sliding", 4002, "bfloat16", "sliding_window_causal", "alibi_pos", 5, interleave=1),
         _dcp("chunked", 4003, "float32", "chunked_causal", window=8, interleave=64),
+        _dcp("all-to-all", 4005, "bfloat16", "causal", exchange="all_to_all"),
         dict(_dcp("tp", 4004, "bfloat16", "causal", heads=128), kind="tp"),
     ],
     3: [
         _dcp("causal", 4010, "bfloat16", "causal", interleave=2, steps=2),
         _dcp("sliding", 4011, "float32", "sliding_window_causal", "alibi_pos", 4),
+        _dcp(
+            "all-to-all",
+            4013,
+            "bfloat16",
+            "sliding_window_causal",
+            "alibi_pos",
+            3,
+            16,
+            heads=6,
+            exchange="all_to_all",
+        ),  # fmt: skip
         dict(_dcp("tp", 4012, "bfloat16", "chunked_causal", window=8, heads=96), kind="tp"),
     ],
 }
@@ -139,6 +163,19 @@ def test_ranks_equal_the_one_process_op(spawned, world, name):
     assert report.passed, f"DCP vs the one-process op: {report.describe()}"
     report = compare_output(mine, stages.out, pieces)
     assert report.passed, f"DCP vs the reference: {report.describe()}"
+    held = sum(r["held_rows"] for r in results)
+    assert held == case.input_row_offsets[-1], "each new row is written by exactly one rank"
+    for rank, r in enumerate(results):
+        assert r["cache_passed"], f"rank {rank}'s cache: {r['cache_report']}"
+    t, h, rank_dim = att.shape
+    b = dtype.itemsize
+    if spec["exchange"] == "all_to_all":  # partials of H / N heads in, outputs of H / N heads in
+        expected = (world - 1) * t * (h // world) * (rank_dim * b + 4 + out.shape[2] * b)
+        assert results[0]["bytes_received"] == expected
+        gathered = results[0]["gathered"].view(torch.uint8)
+        assert torch.equal(mine.view(torch.uint8), gathered), "all_to_all != all_gather"
+        return
+    assert results[0]["bytes_received"] == (world - 1) * t * h * (rank_dim * b + 4)
     merged = results[0]["attention"]
     att_report = compare_attention(
         merged, stages.attention, stages.attention_magnitude, dtype, stages.score_magnitude
@@ -146,14 +183,6 @@ def test_ranks_equal_the_one_process_op(spawned, world, name):
     assert att_report.passed, f"merged attention: {att_report.describe()}"
     lse_check = lse_report(results[0]["lse"], stages, dtype)
     assert lse_check.passed, f"merged LSE: {lse_check.describe()}"
-    held = 0
-    for rank, r in enumerate(results):
-        assert r["cache_passed"], f"rank {rank}'s cache: {r['cache_report']}"
-        held += r["held_rows"]
-    assert held == case.input_row_offsets[-1], "each new row is written by exactly one rank"
-    t, h, rank_dim = att.shape
-    bytes_per_rank = t * h * (rank_dim * dtype.itemsize + 4)
-    assert results[0]["bytes_received"] == (world - 1) * bytes_per_rank
 
 
 @pytest.mark.parametrize("world", list(CASES))

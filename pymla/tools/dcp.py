@@ -5,7 +5,8 @@ shard of every request's cache (``--interleave``) and runs one layer again
 and again (``rerun_layers``), timing per layer: the local op (steps 1-5 on
 its keys, :meth:`pymla.DecodePlan.attend`), the exchange (one ``all_gather``
 of the packed partials and LSE), the merge and step 6, and the whole
-:meth:`pymla.ContextParallelPlan.run`. The first process also times the
+:meth:`pymla.ContextParallelPlan.run`, with each exchange (``all_gather``;
+``all_to_all`` when the heads split over the ranks). The first process also times the
 one-process op on the whole cache, alone, for comparison. Prints a table
 and the CPU model, and saves JSON (``--json``). The ranks share this
 machine's cores (each process's kernel sizes its thread pool to all of
@@ -72,7 +73,13 @@ def _rank(rank: int, world: int, store: str, config: dict, out: str) -> None:
         case.cache, case.input_row_offsets, case.freqs_cis, options, rerun_layers=True
     )
     q, layer = case.q, case.layer_idx
-    phases = {"local op": [], "exchange": [], "merge + step 6": [], "run": []}
+    # The other exchange, over the same shard (H must split over the ranks for all_to_all).
+    a2a = None
+    if config["heads"] % world == 0:
+        a2a = ContextParallel(interleave=config["interleave"], exchange="all_to_all").plan(
+            case.cache, case.input_row_offsets, case.freqs_cis, options, rerun_layers=True
+        )
+    phases = {"local op": [], "exchange": [], "merge + step 6": [], "run": [], "run a2a": []}
     for i in range(config["warmup"] + config["repeat"]):
         dist.barrier()
         t0 = time.perf_counter()
@@ -87,11 +94,20 @@ def _rank(rank: int, world: int, store: str, config: dict, out: str) -> None:
         t4 = time.perf_counter()
         step.run(q, layer, weights)
         t5 = time.perf_counter()
+        dist.barrier()
+        t6 = time.perf_counter()
+        if a2a is not None:
+            a2a.run(q, layer, weights)
+        t7 = time.perf_counter()
         if i >= config["warmup"]:
-            for name, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t5 - t4), strict=True):
+            times = (t1 - t0, t2 - t1, t3 - t2, t5 - t4, t7 - t6)
+            for name, seconds in zip(phases, times, strict=True):
                 phases[name].append(seconds)
     result = {name: _median_ms(s) for name, s in phases.items()}
+    if a2a is None:
+        result["run a2a"] = None
     result["bytes received"] = step.bytes_received(config["heads"])
+    result["bytes received a2a"] = a2a.bytes_received(config["heads"]) if a2a else None
     result["cache rows held"] = sum(
         case.cache.shard.local_count(config["context"] + config["new_tokens"])
         for _ in range(config["batch"])
@@ -162,23 +178,29 @@ def run(argv: list[str], prog: str) -> int:
         )
         ranks = [json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(args.ranks)]
     tokens = args.batch * args.new_tokens
-    phases = ["local op", "exchange", "merge + step 6", "run"]
+    phases = ["local op", "exchange", "merge + step 6", "run", "run a2a"]
     print(
         f"\n{args.heads} heads, {args.batch} requests x {args.context} cached + "
-        f"{args.new_tokens} new tokens, {args.dtype}, interleave {args.interleave}"
+        f"{args.new_tokens} new tokens, {args.dtype}, interleave {args.interleave}; ms per layer "
+        "(the first three: the all_gather run's phases; run a2a: the all_to_all exchange)"
     )
-    print(f"{'rank':>4} " + " ".join(f"{p + ' ms':>16}" for p in phases) + f" {'bytes in':>12}")
+    header = " ".join(f"{p:>15}" for p in phases)
+    print(f"{'rank':>4} {header} {'bytes in':>10} {'bytes in a2a':>12}")
     for r, res in enumerate(ranks):
-        print(
-            f"{r:>4} "
-            + " ".join(f"{res[p]:>16.2f}" for p in phases)
-            + f" {res['bytes received']:>12,}"
-        )
+        cells = " ".join("n/a".rjust(15) if res[p] is None else f"{res[p]:>15.2f}" for p in phases)
+        a2a_bytes = res["bytes received a2a"]
+        a2a_text = "n/a" if a2a_bytes is None else f"{a2a_bytes:,}"
+        print(f"{r:>4} {cells} {res['bytes received']:>10,} {a2a_text:>12}")
     print(f"one-process op on the whole cache: {ranks[0]['one-process op']:.2f} ms per layer")
-    per_token = ranks[0]["bytes received"] / tokens
     print(
-        f"bytes each rank receives per layer: {ranks[0]['bytes received']:,} "
-        f"({per_token:,.0f} per token = (N - 1) H (R b + 4))"
+        f"bytes each rank receives per token per layer: all_gather "
+        f"{ranks[0]['bytes received'] / tokens:,.0f} = (N - 1) H (R b + 4)"
+        + (
+            ""
+            if ranks[0]["bytes received a2a"] is None
+            else f"; all_to_all {ranks[0]['bytes received a2a'] / tokens:,.0f} "
+            "= (N - 1) (H / N) (R b + 4 + Dv b)"
+        )
     )
     save_json(
         args.json,
