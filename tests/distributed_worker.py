@@ -1,11 +1,12 @@
 """One rank of the multi-process tests (``test_distributed.py``); run as a script, not collected.
 
-    python distributed_worker.py RANK WORLD STORE_FILE OUT_DIR CASES_JSON
+    python distributed_worker.py RANK WORLD STORE_FILE OUT_DIR CASES_JSON [BACKEND]
 
-Joins a gloo process group (the file store ``STORE_FILE``), runs every case
-of ``CASES_JSON`` (see ``test_distributed.CASES``) as this rank, and saves
-what the parent process checks to ``OUT_DIR/<case>-<rank>.pt``. The code
-path is the one NCCL would take on GPUs (CPU tensors here).
+Joins a process group (the file store ``STORE_FILE``; ``BACKEND`` gloo, the
+default, with CPU tensors, or nccl with GPU ``RANK``'s), runs every case of
+``CASES_JSON`` (see ``test_distributed.CASES``) as this rank, and saves what
+the parent process checks to ``OUT_DIR/<case>-<rank>.pt`` (CPU tensors).
+Inputs are drawn and the reference's cache computed on the CPU, then moved.
 """
 
 from __future__ import annotations
@@ -64,10 +65,11 @@ def second_step(case, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q, offsets, rows
 
 
-def run_dcp(spec: dict, context: pymla.ContextParallel) -> dict:
+def run_dcp(spec: dict, context: pymla.ContextParallel, device: torch.device) -> dict:
     case = make_case(spec["seed"], shard=context.shard, **case_options(spec))
-    before = case.cache.blocks.clone()
     _, ref_blocks = reference_stages(case)
+    case.to(device)
+    before = case.cache.blocks.clone()
     weights = layer_weights(case)
     o = {k: v for k, v in case.options.items() if k not in ("scale_granularity", "shard")}
     step = context.plan(
@@ -91,10 +93,10 @@ def run_dcp(spec: dict, context: pymla.ContextParallel) -> dict:
         step = plans[1]
         out = step.run(case.q, case.layer_idx, weights)
     else:
-        att = torch.full((tokens, heads, 512), float("nan"), dtype=case.q.dtype)
-        lse = torch.full((tokens, heads), float("nan"))
+        att = torch.full((tokens, heads, 512), float("nan"), dtype=case.q.dtype, device=device)
+        lse = torch.full((tokens, heads), float("nan"), device=device)
         out = step.run(case.q, case.layer_idx, weights, attention_out=att, lse=lse)
-    cache = compare_cache(before, case.cache.blocks, ref_blocks, case.new_rows_mask())
+    cache = compare_cache(before.cpu(), case.cache.blocks.cpu(), ref_blocks, case.new_rows_mask())
     result = dict(
         out=out,
         gathered=gathered,
@@ -107,12 +109,12 @@ def run_dcp(spec: dict, context: pymla.ContextParallel) -> dict:
     )
     if spec.get("steps", 1) > 1:  # a second step, its rows given as new_rows
         case.cache.advance()
-        q, offsets, rows = second_step(case, spec["seed"] + 1)
+        q, offsets, rows = (t.to(device) for t in second_step(case, spec["seed"] + 1))
         step = context.plan(
             case.cache, offsets, case.freqs_cis, pymla.DecodeOptions(**o), new_rows=True
         )
-        att = torch.full((q.shape[0], heads, 512), float("nan"), dtype=q.dtype)
-        lse = torch.full((q.shape[0], heads), float("nan"))
+        att = torch.full((q.shape[0], heads, 512), float("nan"), dtype=q.dtype, device=device)
+        lse = torch.full((q.shape[0], heads), float("nan"), device=device)
         result["out2"] = step.run(
             q, case.layer_idx, weights, new_rows=rows, attention_out=att, lse=lse
         )
@@ -121,11 +123,19 @@ def run_dcp(spec: dict, context: pymla.ContextParallel) -> dict:
         result["rows"] = [
             case.cache.rows(b, case.layer_idx) for b in range(case.cache.num_requests)
         ]
-    return result
+    return {k: _to_cpu(v) for k, v in result.items()}
 
 
-def run_tp(spec: dict) -> dict:
-    case = make_case(spec["seed"], **case_options(spec))
+def _to_cpu(value):
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+def run_tp(spec: dict, device: torch.device) -> dict:
+    case = make_case(spec["seed"], **case_options(spec)).to(device)
     tp = pymla.TensorParallelHeads(spec["heads"])
     options = pymla.DecodeOptions(
         **{k: v for k, v in case.options.items() if k != "scale_granularity"}
@@ -135,7 +145,7 @@ def run_tp(spec: dict) -> dict:
     step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, options)
     local = step.run(tp.q(case.q), case.layer_idx, weights)
     return dict(
-        out=tp.gather(local),
+        out=tp.gather(local).cpu(),
         local_heads=local.shape[1],
         bytes_received=tp.bytes_received(local.shape[0], local.shape[2], local.dtype),
     )
@@ -143,16 +153,20 @@ def run_tp(spec: dict) -> dict:
 
 def main() -> None:
     rank, world, store, out_dir, cases = sys.argv[1:6]
+    backend = sys.argv[6] if len(sys.argv) > 6 else "gloo"
     rank, world = int(rank), int(world)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     for spec in json.loads(cases):
         if spec["kind"] == "dcp":
             context = pymla.ContextParallel(
                 interleave=spec["interleave"], exchange=spec.get("exchange", "all_gather")
             )
-            result = run_dcp(spec, context)
+            result = run_dcp(spec, context, device)
         else:
-            result = run_tp(spec)
+            result = run_tp(spec, device)
         torch.save(result, os.path.join(out_dir, f"{spec['name']}-{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
