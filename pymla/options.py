@@ -15,10 +15,14 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .args import WINDOWED_MASKS, Mask, ScoreMod
+
+if TYPE_CHECKING:  # pymla.shard imports this module's checks
+    from .shard import CacheShard
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -141,7 +145,7 @@ class DecodeOptions:
     mask: Mask = Mask.CAUSAL
     score_mod: ScoreMod = ScoreMod.NO_POS
     local_window_size: int = 0
-    shard: object = None  # a pymla.CacheShard; None: the whole cache
+    shard: CacheShard | None = None  # None: the whole cache
 
     def __post_init__(self) -> None:
         mask = Mask.parse(self.mask)

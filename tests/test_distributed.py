@@ -190,6 +190,8 @@ def test_ranks_equal_the_one_process_op(spawned, backend, world, name):
         assert results[0]["local_heads"] == spec["heads"] // world
         report = compare_output(mine, out, other_op=True)
         assert report.passed, f"tensor parallel vs one process: {report.describe()}"
+        if backend == "gloo":  # heads apart are the same sums in the same order here (<= 128 heads)
+            assert torch.equal(mine.view(torch.uint8), out.view(torch.uint8))
         return
     pieces = world
     report = compare_output(mine, out, pieces, other_op=True)

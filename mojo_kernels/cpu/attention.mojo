@@ -19,7 +19,11 @@ rows in place (`cpu_bf16.mojo`), `BF16_KEY_TILE` keys per tile, the next
 tile's rows prefetched while one is scored. Both sum the same products in
 float32.
 
-Partitions are merged with their log-sum-exp at the end.
+Partitions are merged with their log-sum-exp at the end, which also gives
+each row's LSE (the op's optional `lse`). With a shard of the cache
+(`RaggedBatch.shard`, context-parallel decode) keys are the shard's slots:
+the partitions split its slots, the mask's position ranges map to slot
+ranges, and ALiBi takes each slot's sequence position.
 """
 
 from std.math import exp, log, min
