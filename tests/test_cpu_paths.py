@@ -6,7 +6,9 @@ kernel has; here: the compile target's choice where LLVM misnames the host
 kernel against the target's features, a refused PYMLA_CPU_PATH that leaves
 everything as it was, and sizes that leave tails in every register block of
 the bf16 path (kv_lora_rank not a multiple of 32, key_dim not a multiple of
-32, head and token counts that leave partial row blocks).
+32, head and token counts that leave partial row blocks), and the AMX path's
+tile layouts on any CPU (tests/cpu/amx_check.mojo, with the tile
+instructions emulated; on the unit too where the CPU has AMX).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +35,7 @@ from pymla.cpu_paths import (
     missing_codegen_features,
     resolve_cpu_path,
 )
+from pymla.graph import mojo_binary
 
 from helpers import TARGETS, check_parity, make_case
 
@@ -115,7 +119,7 @@ def test_a_target_without_the_unit_has_only_f32():
     )
 
 
-@pytest.mark.parametrize("value", ["bogus", "AVX512BF16", "avx512bf16"])
+@pytest.mark.parametrize("value", ["bogus", "AVX512BF16", "avx512bf16", "amx"])
 def test_refused_path_leaves_everything_as_it_was(value, monkeypatch):
     """Refused in Python before any kernel runs: cache bytes and outputs untouched."""
     if value in kernel_cpu_paths():
@@ -158,3 +162,24 @@ def test_sizes_with_tails(dtype, target):
         ),
         target,
     )
+
+
+def test_amx_tile_layouts(tmp_path):
+    """tests/cpu/amx_check.mojo, built for the op's target: the AMX path on emulated tiles
+    (and on the unit where the kernel and the CPU have AMX) against the f32 path."""
+    root = Path(__file__).resolve().parents[1]
+    binary = tmp_path / "amx_check"
+    build = subprocess.run(
+        [mojo_binary(), "build", "--target-cpu", compile_target_name(), "-I", str(root),
+         str(root / "tests" / "cpu" / "amx_check.mojo"), "-o", str(binary)],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ),  # not the C environment: max.nn putenv()s PYTHONEXECUTABLE
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-3000:]
+    result = subprocess.run([str(binary), "quick"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "amx_check: 0 failed", lines[-5:]
+    assert sum(line.startswith("PASS amx-emulated") for line in lines) >= 30
+    if "amx" in kernel_cpu_paths() and "amx_tile" in cpu_flags():
+        assert sum(line.startswith("PASS amx ") for line in lines) >= 30

@@ -11,13 +11,15 @@ once per head group. Per tile:
   the row sums take the float32 probabilities, P V gets them rounded to dtype;
 - `O = O * correction + P V`.
 
-Two paths compute the products (`attend_tiles_f32`, `attend_tiles_bf16`):
-the tile widened to float32 once, with the register-blocked `dot_block` of
-common.mojo and `ROW_BLOCK x COL_BLOCK` FMA blocks (every dtype, every CPU);
-or, for bfloat16 caches on CPUs with AVX512-BF16, `vdpbf16ps` on the cache
-rows in place (`cpu_bf16.mojo`), `BF16_KEY_TILE` keys per tile, the next
-tile's rows prefetched while one is scored. Both sum the same products in
-float32.
+Three paths compute the products (`attend_tiles_f32`, `attend_tiles_bf16`,
+`attend_tiles_amx`; PATH_*): the tile widened to float32 once, with the
+register-blocked `dot_block` of `cpu/simd.mojo` and `ROW_BLOCK x COL_BLOCK`
+FMA blocks (every dtype, every CPU); or, for bfloat16 caches on CPUs with
+AVX512-BF16, `vdpbf16ps` on the cache rows in place (`cpu/bf16.mojo`),
+`BF16_KEY_TILE` keys per tile, the next tile's rows prefetched while one is
+scored; or, on CPUs with AMX, `tdpbf16ps` on 16-key tiles loaded in place
+from the cache (`cpu/amx.mojo`), `AMX_KEY_TILE` keys per tile, rows padded
+to 16. All sum the same products in float32.
 
 Partitions are merged with their log-sum-exp at the end, which also gives
 each row's LSE (the op's optional `lse`). With a shard of the cache
@@ -32,6 +34,20 @@ from std.utils.numerics import neg_inf
 from ..common import DPtr, FPtr, ceil_div
 from ..paged_cache import CacheShard, PagedLatentRows, RaggedBatch, partition_keys
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
+from .amx import (
+    AMX_KEY_TILE,
+    TILE_DEPTH,
+    TILE_ROWS,
+    AmxScratch,
+    AmxTiles,
+    KeyRows,
+    TileUnit,
+    accumulate_values_amx,
+    gather_keys,
+    pack_queries,
+    tile_scores_amx,
+    untracked_bf16,
+)
 from .bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16, unpermute_value_columns
 from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, dot_block, run_tasks, scratch
 
@@ -39,9 +55,16 @@ comptime KEY_TILE = F32_WIDTH  # keys per tile of the float32 path: one score ve
 comptime BF16_KEY_TILE = 2 * F32_WIDTH
 """Keys per tile of the bf16 path: the P V accumulators are loaded and stored once per tile, and
 each row's softmax bookkeeping (max, sum, correction) is paid once per tile."""
-comptime MAX_KEY_TILE = max(KEY_TILE, BF16_KEY_TILE)
+comptime MAX_KEY_TILE = max(KEY_TILE, BF16_KEY_TILE, AMX_KEY_TILE)
 comptime ROW_BLOCK = DOT_ROWS  # rows per register block (scores and P V)
 comptime COL_BLOCK = 4  # value vectors per register block of P V
+
+comptime PATH_F32 = 0
+"""Keys widened to float32, float32 FMAs (every dtype, every CPU)."""
+comptime PATH_AVX512BF16 = 1
+"""bf16 products on the AVX512-BF16 unit (`cpu/bf16.mojo`), bfloat16 caches."""
+comptime PATH_AMX = 2
+"""bf16 products on AMX tiles (`cpu/amx.mojo`), bfloat16 caches."""
 
 @fieldwise_init
 struct AttentionShape(TrivialRegisterPassable):
@@ -147,9 +170,10 @@ struct TaskRows(Movable):
     var num_rows: Int
     var padded: Int
 
-    def __init__(out self, num_rows: Int, key_dim: Int, rank: Int):
+    def __init__(out self, num_rows: Int, key_dim: Int, rank: Int, row_multiple: Int):
+        """Rows padded to a multiple of `row_multiple` (the path's row block); padding rows stay zero."""
         self.num_rows = num_rows
-        self.padded = ceil_div(max(num_rows, 1), ROW_BLOCK) * ROW_BLOCK
+        self.padded = ceil_div(max(num_rows, 1), row_multiple) * row_multiple
         self.q_buf = List[Float32](length=self.padded * key_dim, fill=0)
         self.out_buf = List[Float32](length=self.padded * rank, fill=0)
         self.scores_buf = List[Float32](length=self.padded * MAX_KEY_TILE, fill=0)
@@ -286,8 +310,83 @@ def attend_tiles_bf16[
     _ = probs_buf^
 
 
+def key_half(
+    cache: PagedLatentRows[DType.bfloat16], b: Int, j0: Int, k_lo: Int, k_hi: Int, staging: BF16Ptr, key_dim: Int, padded_dim: Int
+) -> KeyRows:
+    """Keys `j0 .. j0 + 15` of request `b` for a tile load: in place when they lie in one page and the
+    key dim is whole depth steps, else gathered into `staging` (zeros for keys outside `[k_lo, k_hi)`).
+
+    Keys of an in-place half outside `[k_lo, k_hi)` are rows of the same page: their scores are masked.
+    """
+    var first = max(j0, k_lo)
+    if first >= min(j0 + TILE_ROWS, k_hi):
+        return KeyRows(staging, padded_dim)  # no key of the task: every score masked, every value zero
+    if key_dim == padded_dim and j0 // cache.page_size == (j0 + TILE_ROWS - 1) // cache.page_size:
+        return KeyRows(cache.row(b, j0), key_dim)
+    var rows = Array[BF16Ptr, TILE_ROWS](fill=cache.row(b, first))
+    var valid = Array[Bool, TILE_ROWS](fill=False)
+    for j in range(TILE_ROWS):
+        if j0 + j >= k_lo and j0 + j < k_hi:
+            rows[j] = cache.row(b, j0 + j)
+            valid[j] = True
+    return gather_keys(rows, valid, staging, key_dim, padded_dim)
+
+
+def attend_tiles_amx[
+    dtype: DType, tiles: TileUnit
+](
+    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    key_dim: Int, rank: Int,
+):
+    """The task's keys on AMX tiles (`cpu/amx.mojo`), 32-key tiles aligned to multiples of 32 slots.
+
+    `rows.padded` is a multiple of 16.
+    """
+    comptime assert dtype == DType.bfloat16, "the AMX path serves bfloat16 caches"
+    comptime tile = AMX_KEY_TILE
+    if k_lo >= k_hi:
+        return
+    var bf16_cache = rebind[PagedLatentRows[DType.bfloat16]](cache)
+    var buffers = AmxScratch(rows.padded, key_dim, rank)
+    var steps = buffers.steps
+    var padded_dim = steps * TILE_DEPTH
+    var q_packed = untracked_bf16(buffers.q_packed)
+    var staging = untracked_bf16(buffers.staging)
+    var out = scratch(buffers.out)
+    pack_queries(scratch(rows.q_buf), q_packed, rows.padded, key_dim, steps)
+    var unit = tiles()
+    unit.start()
+    var j0 = k_lo - k_lo % tile
+    while j0 < k_hi:
+        var keys = Array[KeyRows, 2](fill=KeyRows(staging, padded_dim))
+        comptime for h in range(2):
+            keys[h] = key_half(
+                bf16_cache, b, j0 + h * TILE_ROWS, k_lo, k_hi, staging.unsafe_offset(h * TILE_ROWS * padded_dim),
+                key_dim, padded_dim,
+            )
+        var valid = Array[Bool, tile](fill=False)
+        comptime for j in range(tile):
+            valid[j] = j0 + j >= k_lo and j0 + j < k_hi
+        var next_keys = tile_rows[DType.bfloat16, tile](bf16_cache, b, min(j0 + tile, k_hi - 1), k_hi)
+        tile_scores_amx(
+            unit, keys, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
+        )
+        softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
+        accumulate_values_amx(
+            unit, scratch(rows.scores_buf), untracked_bf16(buffers.probs), keys, valid,
+            untracked_bf16(buffers.v_packed), out, buffers.out_stride, rows.correction(), rows.padded, rank,
+        )
+        j0 += tile
+    unit.stop()
+    var out_rows = scratch(rows.out_buf)
+    for r in range(rows.num_rows):
+        for c in range(rank):
+            out_rows.unsafe_store(r * rank + c, out.unsafe_load(r * buffers.out_stride + c))
+    _ = buffers^
+
+
 def attend_partitions[
-    dtype: DType
+    dtype: DType, tiles: TileUnit = AmxTiles
 ](
     q_full: DPtr[dtype],
     cache: PagedLatentRows[dtype],
@@ -297,17 +396,19 @@ def attend_partitions[
     mask: MaskSpec,
     score_mod: Int,
     partials: PartialResults,
-    use_bf16_units: Bool,
+    path: Int,
 ) raises:
     """Runs every (request, head group, key partition) task into `partials`.
 
-    `use_bf16_units` takes the AVX512-BF16 products (`cpu_bf16.mojo`) for a
-    bfloat16 cache on a CPU that has them; otherwise keys are widened to float32.
+    `path` (PATH_*, chosen by `cpu_pipeline.attention_path`) takes the
+    AVX512-BF16 products (`cpu/bf16.mojo`) or the AMX tiles (`cpu/amx.mojo`,
+    through `tiles`: the unit, or the emulation of `tests/cpu/amx_check.mojo`)
+    for a bfloat16 cache; otherwise keys are widened to float32.
     """
     var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
     var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var cache, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var use_bf16_units}:
+    def task(i: Int) {var q_full, var cache, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
         var b = i // tasks_per_request
         var hg = (i % tasks_per_request) // shape.num_partitions
         var part = i % shape.num_partitions
@@ -323,7 +424,7 @@ def attend_partitions[
         var rank = shape.kv_lora_rank
 
         # Gather the task's rows: their queries, key slots (within this partition) and slopes.
-        var rows = TaskRows((t1 - t0) * (h1 - h0), key_dim, rank)
+        var rows = TaskRows((t1 - t0) * (h1 - h0), key_dim, rank, TILE_ROWS if path == PATH_AMX else ROW_BLOCK)
         var q_rows = scratch(rows.q_buf)
         var slopes = rows.slope()
         var k_lo = k1
@@ -351,12 +452,16 @@ def attend_partitions[
                     slopes.unsafe_store(r, alibi_slope(h, shape.num_heads))
                 r += 1
 
+        var done = False
+        comptime if dtype == DType.bfloat16:
+            if path == PATH_AMX:
+                attend_tiles_amx[dtype, tiles](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
+                done = True
         comptime if dtype == DType.bfloat16 and HAS_AVX512_BF16:
-            if use_bf16_units:
+            if path == PATH_AVX512BF16:
                 attend_tiles_bf16[dtype](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
-            else:
-                attend_tiles_f32[dtype](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
-        else:
+                done = True
+        if not done:
             attend_tiles_f32[dtype](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
 
         # Hand the rows' state to the merge.

@@ -19,11 +19,9 @@ in place through one pointer per key of the tile.
   keys to 16 columns; `8 x 32`-column register blocks. The accumulators keep
   each 32-column chunk in a fixed permuted order, restored once per task.
 
-Which path runs is chosen per call (`cpu_pipeline.use_bf16_units`,
-`PYMLA_CPU_PATH`). AMX (`tdpbf16ps`) is not implemented: the machine this was
-developed on (AMD EPYC, Zen 4 class: AVX512-BF16, no AMX) could not test it,
-and untested code is not shipped. CPUs with AMX also have AVX512-BF16, so
-`auto` takes this path there.
+Which path runs is chosen per call (`cpu_pipeline.attention_path`,
+`PYMLA_CPU_PATH`); on CPUs with AMX, `auto` takes the AMX tiles
+(`cpu/amx.mojo`) instead.
 """
 
 from std.memory import bitcast

@@ -16,7 +16,16 @@ from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..paged_cache import RaggedBatch
 from ..problem import DecodeProblem
 from ..spec import Granularity
-from .attention import AttentionShape, PartialResults, attend_partitions, merge_partitions
+from .amx import HAS_AMX, amx_permitted
+from .attention import (
+    PATH_AMX,
+    PATH_AVX512BF16,
+    PATH_F32,
+    AttentionShape,
+    PartialResults,
+    attend_partitions,
+    merge_partitions,
+)
 from .bf16 import HAS_AVX512_BF16
 from .fp8_matmul import StridedMatrices, fp8_batched_matmul
 from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
@@ -89,22 +98,36 @@ def plan_attention(batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_
 
 
 
-def use_bf16_units[dtype: DType]() raises -> Bool:
-    """Whether step 5 runs on the AVX512-BF16 unit: `PYMLA_CPU_PATH` (`auto`, `f32`, `avx512bf16`).
+def attention_path[dtype: DType]() raises -> Int:
+    """The products of step 5 (a PATH_* code) from `PYMLA_CPU_PATH`: `auto`, `f32`, `avx512bf16`, `amx`.
 
-    `auto` (or unset) takes the unit for bfloat16 caches where the CPU has it
-    (MAX compiles the op on the machine that runs it); `f32` widens keys to
-    float32 (same results up to summation order); `avx512bf16` insists and
-    fails on a CPU without the unit. float16 and float32 caches always take
-    the float32 path.
+    `auto` (or unset) takes, for bfloat16 caches, AMX where the CPU the op is
+    compiled for has it and Linux grants the tile registers, else the
+    AVX512-BF16 unit where it has that; `f32` widens keys to float32 (same
+    results up to summation order); `avx512bf16` and `amx` insist and fail
+    where the kernel (or Linux, for AMX) lacks them. float16 and float32
+    caches always take the float32 path. Called before any cache row changes.
     """
     var path = getenv("PYMLA_CPU_PATH", "auto")
     if path == "avx512bf16":
         if not HAS_AVX512_BF16:
             raise Error("PYMLA_CPU_PATH=avx512bf16: this CPU has no AVX512-BF16 unit")
+    elif path == "amx":
+        if not HAS_AMX:
+            raise Error("PYMLA_CPU_PATH=amx: the kernel was compiled for a CPU without AMX (amx-tile, amx-bf16)")
     elif path != "auto" and path != "f32" and path != "":
-        raise Error("PYMLA_CPU_PATH: expected auto, f32 or avx512bf16, got ", path)
-    return dtype == DType.bfloat16 and HAS_AVX512_BF16 and path != "f32"
+        raise Error("PYMLA_CPU_PATH: expected auto, f32, avx512bf16 or amx, got ", path)
+    if dtype != DType.bfloat16 or path == "f32":
+        return PATH_F32
+    if path == "amx" or (path != "avx512bf16" and HAS_AMX):
+        if amx_permitted():
+            return PATH_AMX
+        if path == "amx":
+            raise Error(
+                "PYMLA_CPU_PATH=amx: Linux refused this process the AMX tile registers "
+                "(arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA))"
+            )
+    return PATH_AVX512BF16 if HAS_AVX512_BF16 else PATH_F32
 
 
 def copy_new_rows_into_cache[dtype: DType](p: DecodeProblem[dtype]):
@@ -132,7 +155,7 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
         )
         return
     # The attention path first: a refused PYMLA_CPU_PATH raises before any cache row changes.
-    var bf16_units = use_bf16_units[dtype]()
+    var path = attention_path[dtype]()
     var key_dim = p.key_dim()
 
     # Steps 1 and 2 on the cache: the new rows (from `new_rows` when given), rotated and
@@ -162,7 +185,7 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     var part_sum_buf = List[Float32](length=rows, fill=0)
     var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
     attend_partitions[dtype](
-        q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, bf16_units
+        q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, path
     )
     # The attention output, in dtype: into `attention_output` when the caller wants it.
     var raw_buf = List[Scalar[dtype]](

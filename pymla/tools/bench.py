@@ -272,7 +272,7 @@ def run(argv: list[str], prog: str) -> int:
         nargs="+",
         default=["auto"],
         choices=REQUESTS,
-        help="CPU paths of step 5 (PYMLA_CPU_PATH); auto is the fastest the kernel has for "
+        help="CPU paths of step 5 (PYMLA_CPU_PATH); auto is the kernel's default for "
         "the dtype; paths the kernel lacks are skipped",
     )
     parser.add_argument(

@@ -1,0 +1,511 @@
+# Step 5 on AMX tiles (mojo_kernels/cpu/amx.mojo) against the float32 path, on random paged caches.
+#
+# Build (any x86-64 machine; the AMX instructions are compiled in for this target):
+#     mojo build --target-cpu sapphirerapids -I . tests/cpu/amx_check.mojo -o /tmp/amx_check
+# Run:
+#     /tmp/amx_check            # correctness: every case on the emulated tiles, and on the AMX unit
+#                               # where the CPU has it; then timings where the CPU has AMX
+#     /tmp/amx_check quick      # correctness only
+#
+# Each case (random bf16 caches, NaN in every slot past a request's tokens; page sizes 1/16/64/128 and one of 24, heads 1/16/128, ragged requests incl. ones with
+# no new token and ones with an empty cache, causal / sliding-window / no mask, 1 or several key
+# partitions, and sizes with tails: kv_lora_rank 100, key dim 114) runs `attend_partitions` +
+# `merge_partitions` on the f32 path (tested against the torch reference by tests/test_op_parity.py),
+# on the AVX512-BF16 path where compiled in, on the AMX path with `EmulatedTiles` (the
+# instructions' semantics in plain loops: the layouts are checked on any CPU) and with `AmxTiles`
+# (the unit) where the CPU has it. Every path must match f32 within TOLERANCE (products of the
+# same bf16 values summed in another order; the probabilities and the output rounded to bf16).
+# Timings: batch 8, 16k context, page 64, 16 and 128 heads, every path the CPU has, one line each
+# with the thread count: step 5 alone, then the whole CPU op (mla_decode_branch_fp8_cpu with
+# DeepSeek-V3 dims, blockwise fp8 weights; PYMLA_CPU_PATH set per path) and its steps 3 and 6
+# alone. The AMX line also times the path with `tdpbf16ps` left out and with no tile instruction
+# at all (wrong results, where the time goes). Exit status 1 if any check fails.
+
+from std.os import setenv
+from std.sys import argv, num_physical_cores
+from std.sys.info import CompilationTarget
+from std.time import perf_counter_ns
+
+from mojo_kernels.common import DPtr, FPtr, U32Ptr, ceil_div
+from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, BytePtr, TileUnit, amx_permitted
+from mojo_kernels.cpu.attention import (
+    PATH_AMX,
+    PATH_AVX512BF16,
+    PATH_F32,
+    AttentionShape,
+    PartialResults,
+    attend_partitions,
+    merge_partitions,
+)
+from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
+from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention, project_output, project_q_nope
+from mojo_kernels.paged_cache import CacheShard, PagedLatentRows, RaggedBatch
+from mojo_kernels.problem import DecodeProblem
+from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
+
+comptime TOLERANCE: Float32 = 0.02
+"""Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
+
+comptime BF16 = DType.bfloat16
+
+
+struct EmulatedTiles(TileUnit):
+    """The AMX instructions of `TileUnit` in plain loops over eight 1 KiB registers (16 rows x 64 bytes).
+
+    `tdpbf16ps` as the Intel SDM writes it: per row `m`, column `n` and pair
+    `p`, the float32 accumulator adds `a[m, 2p] b[p, 2n]`, then `a[m, 2p+1] b[p, 2n+1]`.
+    """
+
+    var regs: List[UInt8]
+    var started: Bool
+
+    def __init__(out self):
+        self.regs = List[UInt8](length=8 * 1024, fill=0)
+        self.started = False
+
+    def reg(mut self, t: Int) -> BytePtr:
+        if not self.started:
+            print("EmulatedTiles: tile instruction before ldtilecfg")
+        return self.regs.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_offset(t * 1024)
+
+    def start(mut self):
+        self.started = True
+
+    def load[t: Int](mut self, src: BytePtr, stride: Int):
+        var r = self.reg(t)
+        for m in range(16):
+            for i in range(64):
+                r.unsafe_store(m * 64 + i, src.unsafe_load(m * stride + i))
+
+    def store[t: Int](mut self, dst: BytePtr, stride: Int):
+        var r = self.reg(t)
+        for m in range(16):
+            for i in range(64):
+                dst.unsafe_store(m * stride + i, r.unsafe_load(m * 64 + i))
+
+    def zero[t: Int](mut self):
+        var r = self.reg(t)
+        for i in range(1024):
+            r.unsafe_store(i, 0)
+
+    def dot[c: Int, a: Int, b: Int](mut self):
+        var cf = self.reg(c).unsafe_bitcast[Float32]()
+        var ab = self.reg(a).unsafe_bitcast[BFloat16]()
+        var bb = self.reg(b).unsafe_bitcast[BFloat16]()
+        for m in range(16):
+            for n in range(16):
+                var acc = cf.unsafe_load(m * 16 + n)
+                for p in range(16):
+                    acc += ab.unsafe_load(m * 32 + 2 * p).cast[DType.float32]() * bb.unsafe_load(
+                        p * 32 + 2 * n
+                    ).cast[DType.float32]()
+                    acc += ab.unsafe_load(m * 32 + 2 * p + 1).cast[DType.float32]() * bb.unsafe_load(
+                        p * 32 + 2 * n + 1
+                    ).cast[DType.float32]()
+                cf.unsafe_store(m * 16 + n, acc)
+
+    def stop(mut self):
+        self.started = False
+
+
+struct AmxWithoutDots(TileUnit):
+    """The AMX unit with `tdpbf16ps` left out (loads, stores, zeros only): timings only."""
+
+    var unit: AmxTiles
+
+    def __init__(out self):
+        self.unit = AmxTiles()
+
+    def start(mut self):
+        self.unit.start()
+
+    def load[t: Int](mut self, src: BytePtr, stride: Int):
+        self.unit.load[t](src, stride)
+
+    def store[t: Int](mut self, dst: BytePtr, stride: Int):
+        self.unit.store[t](dst, stride)
+
+    def zero[t: Int](mut self):
+        self.unit.zero[t]()
+
+    def dot[c: Int, a: Int, b: Int](mut self):
+        pass
+
+    def stop(mut self):
+        self.unit.stop()
+
+
+struct NoTiles(TileUnit):
+    """No tile instruction at all: what the AMX path costs besides the unit. Timings only."""
+
+    def __init__(out self):
+        pass
+
+    def start(mut self):
+        pass
+
+    def load[t: Int](mut self, src: BytePtr, stride: Int):
+        pass
+
+    def store[t: Int](mut self, dst: BytePtr, stride: Int):
+        pass
+
+    def zero[t: Int](mut self):
+        pass
+
+    def dot[c: Int, a: Int, b: Int](mut self):
+        pass
+
+    def stop(mut self):
+        pass
+
+
+struct Rng(Movable):
+    var state: UInt64
+
+    def __init__(out self, seed: Int):
+        self.state = UInt64(seed) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019
+
+    def next(mut self) -> UInt64:
+        self.state = self.state * 6364136223846793005 + 1442695040888963407
+        return self.state >> 33
+
+    def uniform(mut self) -> Float32:
+        """Uniform in [-1, 1)."""
+        return Float32(Int(self.next() % 65536)) / 32768.0 - 1.0
+
+    def below(mut self, n: Int) -> Int:
+        return Int(self.next() % UInt64(n))
+
+
+struct Case(Movable):
+    """A random paged bf16 cache (pages shuffled, every slot filled) and q_full rows for a ragged batch."""
+
+    var blocks: List[BFloat16]
+    var lookup: List[UInt32]
+    var offsets: List[UInt32]
+    var cache_lengths: List[UInt32]
+    var q_full: List[BFloat16]
+    var num_tokens: Int
+    var num_heads: Int
+    var page_size: Int
+    var pages_per_request: Int
+    var key_dim: Int
+    var rank: Int
+    var mask: MaskSpec
+    var name: String
+
+    def __init__(
+        out self,
+        seed: Int,
+        num_heads: Int,
+        page_size: Int,
+        cache_lengths: List[Int],
+        new_tokens: List[Int],
+        mask: MaskSpec,
+        key_dim: Int = 576,
+        rank: Int = 512,
+        random_values: Bool = True,
+    ):
+        var rng = Rng(seed)
+        var n = len(cache_lengths)
+        self.num_heads = num_heads
+        self.page_size = page_size
+        self.key_dim = key_dim
+        self.rank = rank
+        self.mask = mask
+        self.offsets = List[UInt32](length=n + 1, fill=0)
+        self.cache_lengths = List[UInt32](length=n, fill=0)
+        var longest = 1
+        for b in range(n):
+            self.cache_lengths[b] = UInt32(cache_lengths[b])
+            self.offsets[b + 1] = self.offsets[b] + UInt32(new_tokens[b])
+            longest = max(longest, cache_lengths[b] + new_tokens[b])
+        self.num_tokens = Int(self.offsets[n])
+        self.pages_per_request = ceil_div(longest, page_size)
+        var num_pages = n * self.pages_per_request + 1
+        var order = List[UInt32](length=num_pages, fill=0)
+        for i in range(num_pages):
+            order[i] = UInt32(i)
+        for i in range(num_pages - 1, 0, -1):  # shuffled pages
+            var j = rng.below(i + 1)
+            var t = order[i]
+            order[i] = order[j]
+            order[j] = t
+        self.lookup = List[UInt32](length=n * self.pages_per_request, fill=0)
+        for i in range(n * self.pages_per_request):
+            self.lookup[i] = order[i]
+        var size = num_pages * page_size * key_dim
+        self.blocks = List[BFloat16](length=size, fill=0)
+        self.q_full = List[BFloat16](length=max(self.num_tokens, 1) * num_heads * key_dim, fill=0)
+        if random_values:
+            for i in range(size):
+                self.blocks[i] = rng.uniform().cast[BF16]()
+            for i in range(len(self.q_full)):
+                self.q_full[i] = (rng.uniform() * 2).cast[BF16]()
+        else:  # timing cases: a cheap pattern
+            for i in range(size):
+                self.blocks[i] = Float32((i * 37) % 101 - 50).cast[BF16]() * BFloat16(0.02)
+            for i in range(len(self.q_full)):
+                self.q_full[i] = Float32((i * 13) % 29 - 14).cast[BF16]() * BFloat16(0.05)
+        # Slots past each request's tokens hold NaN (a real cache may hold any bits there).
+        for b in range(n):
+            for pos in range(cache_lengths[b] + new_tokens[b], self.pages_per_request * page_size):
+                var row = Int(self.lookup[b * self.pages_per_request + pos // page_size]) * page_size + pos % page_size
+                for d in range(key_dim):
+                    self.blocks[row * key_dim + d] = BFloat16.MAX * 0 / 0
+        var lengths = String()
+        for b in range(n):
+            lengths += String(cache_lengths[b], "+", new_tokens[b], " ")
+        self.name = String("H=", num_heads, " page=", page_size, " D=", key_dim, " R=", rank, " mask=", mask.kind, "/", mask.window, " req=", lengths)
+
+    def batch(mut self) -> RaggedBatch:
+        return RaggedBatch(
+            self.offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            len(self.cache_lengths),
+            CacheShard.whole(),
+        )
+
+    def cache(mut self) -> PagedLatentRows[BF16]:
+        return PagedLatentRows[BF16].create(
+            self.blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.lookup.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.pages_per_request, 1, self.page_size, self.key_dim, 0,
+        )
+
+    def shape(mut self, partitions: Int) -> AttentionShape:
+        """`partitions` 0: the op's own plan (every core); else that many key partitions."""
+        var plan = plan_attention(self.batch(), self.num_tokens, self.num_heads, self.rank, self.key_dim)
+        if partitions > 0:
+            plan.num_partitions = partitions
+        return plan
+
+    def attend[tiles: TileUnit](mut self, path: Int, partitions: Int) raises -> List[BFloat16]:
+        """`attend_partitions` + `merge_partitions` on `path`: the attention output `[T, H, rank]`."""
+        var shape = self.shape(partitions)
+        var rows = shape.num_partitions * self.num_tokens * self.num_heads
+        var out = List[Float32](length=max(rows * self.rank, 1), fill=Float32.MAX)
+        var row_max = List[Float32](length=max(rows, 1), fill=0)
+        var row_sum = List[Float32](length=max(rows, 1), fill=0)
+        var partials = PartialResults(
+            out.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            row_max.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            row_sum.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        )
+        var raw = List[BFloat16](length=max(self.num_tokens * self.num_heads * self.rank, 1), fill=0)
+        var q = self.q_full.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        attend_partitions[BF16, tiles](
+            q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path
+        )
+        merge_partitions[BF16](
+            partials, shape, raw.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), row_sum.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False
+        )
+        _ = out^
+        _ = row_max^
+        _ = row_sum^
+        return raw^
+
+
+def max_error(a: List[BFloat16], b: List[BFloat16]) -> Float32:
+    var worst = Float32(0)
+    for i in range(len(a)):
+        var d = abs(a[i].cast[DType.float32]() - b[i].cast[DType.float32]())
+        if not (d <= worst):  # NaN counts as the worst
+            worst = d if d == d else Float32.MAX
+    return worst
+
+
+def check(name: String, path_name: String, expected: List[BFloat16], got: List[BFloat16], mut failures: Int):
+    var err = max_error(expected, got)
+    var ok = err <= TOLERANCE
+    if not ok:
+        failures += 1
+    print("PASS" if ok else "FAIL", path_name, "max|err|", err, name)
+
+
+def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
+    var name = c.name + String("parts=", partitions if partitions > 0 else -1)
+    var expected = c.attend[AmxTiles](PATH_F32, partitions)
+    comptime if HAS_AVX512_BF16:
+        check(name, "avx512bf16", expected, c.attend[AmxTiles](PATH_AVX512BF16, partitions), failures)
+    check(name, "amx-emulated", expected, c.attend[EmulatedTiles](PATH_AMX, partitions), failures)
+    if amx_runs():
+        check(name, "amx", expected, c.attend[AmxTiles](PATH_AMX, partitions), failures)
+
+
+def cpu_has_amx() -> Bool:
+    """CPUID leaf 7: EDX bit 24 (AMX-TILE) and bit 22 (AMX-BF16), read from /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo", "r") as f:
+            var text = f.read()
+            return " amx_tile" in text and " amx_bf16" in text
+    except:
+        return False
+
+
+def amx_runs() -> Bool:
+    return HAS_AMX and cpu_has_amx()
+
+
+def mask(kind: Int, window: Int = 0) -> MaskSpec:
+    return MaskSpec(kind, window)
+
+
+def time_path[tiles: TileUnit](mut c: Case, path: Int, iters: Int) raises -> Float64:
+    _ = c.attend[tiles](path, 0)  # warm-up
+    var best = Float64(1e30)
+    for _ in range(iters):
+        var t0 = perf_counter_ns()
+        _ = c.attend[tiles](path, 0)
+        best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
+    return best
+
+
+struct OpInputs(Movable):
+    """The rest of the op's inputs for a `Case` (DeepSeek-V3 dims: nope 128, rope 64, v_head 128)."""
+
+    var q: List[BFloat16]
+    var freqs: List[BFloat16]
+    var gamma: List[BFloat16]
+    var w_uk: List[UInt8]
+    var w_uv: List[UInt8]
+    var w_uk_scale: List[Float32]
+    var w_uv_scale: List[Float32]
+    var output: List[BFloat16]
+    var raw: List[BFloat16]
+
+    def __init__(out self, c: Case, max_len: Int):
+        var h = c.num_heads
+        var t = c.num_tokens
+        var rng = Rng(7)
+        self.q = List[BFloat16](length=t * h * 192, fill=0)
+        for i in range(len(self.q)):
+            self.q[i] = rng.uniform().cast[BF16]()
+        self.freqs = List[BFloat16](length=max_len * 64, fill=0)
+        for i in range(len(self.freqs)):
+            self.freqs[i] = rng.uniform().cast[BF16]()
+        self.gamma = List[BFloat16](length=c.rank, fill=BFloat16(1))
+        self.w_uk = List[UInt8](length=h * c.rank * 128, fill=0)
+        self.w_uv = List[UInt8](length=h * 128 * c.rank, fill=0)
+        for i in range(len(self.w_uk)):
+            self.w_uk[i] = UInt8(rng.next() % 256) & 0xF7  # never 0x7F / 0xFF (NaN)
+            self.w_uv[i] = UInt8(rng.next() % 256) & 0xF7
+        self.w_uk_scale = List[Float32](length=h * (c.rank // 128), fill=0.01)
+        self.w_uv_scale = List[Float32](length=h * (c.rank // 128), fill=0.01)
+        self.output = List[BFloat16](length=t * h * 128, fill=0)
+        self.raw = List[BFloat16](length=t * h * c.rank, fill=0)
+
+    def problem(mut self, mut c: Case) -> DecodeProblem[BF16]:
+        return DecodeProblem[BF16](
+            untracked(self.output), True, untracked(self.q), c.batch(), untracked(self.freqs), untracked(self.gamma),
+            c.cache(), c.num_tokens, c.num_heads, 128, 64, c.rank, 128, Float32(0.0416), Float32(1e-6), c.mask, 0,
+            Granularity(1, 128, 128),
+            self.w_uk.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.w_uv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.w_uv_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            untracked(self.raw), False,  # no attention_output
+            self.w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False,  # no lse
+            untracked(self.raw), False,  # no new_rows
+            False,  # all six steps
+        )
+
+
+def untracked(mut buffer: List[BFloat16]) -> DPtr[BF16]:
+    return buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+
+def time_op(mut c: Case, mut inputs: OpInputs, path: String, iters: Int) raises -> Float64:
+    """Best of `iters` calls of the whole CPU op with `PYMLA_CPU_PATH=path` (the new rows rotated again each time)."""
+    _ = setenv("PYMLA_CPU_PATH", path)
+    var p = inputs.problem(c)
+    mla_decode_branch_fp8_cpu[BF16](p)
+    var best = Float64(1e30)
+    for _ in range(iters):
+        var t0 = perf_counter_ns()
+        mla_decode_branch_fp8_cpu[BF16](p)
+        best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
+    return best
+
+
+def time_projections(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> Tuple[Float64, Float64]:
+    """Best of `iters` calls of step 3 (into a scratch q_full) and of step 6 alone."""
+    var p = inputs.problem(c)
+    var q_full = List[BFloat16](length=c.num_tokens * c.num_heads * c.key_dim, fill=0)
+    var best3 = Float64(1e30)
+    var best6 = Float64(1e30)
+    for _ in range(iters + 1):
+        var t0 = perf_counter_ns()
+        project_q_nope[BF16](
+            p.q, p.w_uk, p.w_uk_scale, untracked(q_full), p.num_tokens, p.num_heads, 128, 64, c.rank, p.granularity
+        )
+        var t1 = perf_counter_ns()
+        project_output[BF16](
+            untracked(inputs.raw), p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, c.rank, 128,
+            p.granularity,
+        )
+        var t2 = perf_counter_ns()
+        best3 = min(best3, Float64(t1 - t0) / 1e6)
+        best6 = min(best6, Float64(t2 - t1) / 1e6)
+    _ = q_full^
+    return (best3, best6)
+
+
+def main() raises:
+    var quick = len(argv()) > 1 and argv()[1] == "quick"
+    print("amx_check: compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
+          " cores =", num_physical_cores())
+    if amx_runs() and not amx_permitted():
+        raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
+    var failures = 0
+    var seed = 1
+    # Page sizes x heads, ragged: a request with no new token, one with an empty cache, one crossing pages.
+    for page in [1, 16, 64, 128, 24]:
+        for heads in [1, 16, 128]:
+            var c = Case(seed, heads, page, [130, 0, 77, 5], [1, 3, 0, 2], mask(MASK_CAUSAL))
+            check_case(c, 0, failures)
+            check_case(c, 3, failures)
+            seed += 1
+    # Masks that cut tiles in the middle; a long request spread over partitions with 2 row blocks + 1.
+    var sliding = Case(seed, 16, 16, [200, 33], [4, 1], mask(MASK_SLIDING_WINDOW_CAUSAL, 21))
+    check_case(sliding, 0, failures)
+    check_case(sliding, 4, failures)
+    var no_mask = Case(seed + 1, 48, 64, [300, 1], [1, 2], mask(MASK_NULL))
+    check_case(no_mask, 5, failures)
+    # Tails: kv_lora_rank 100 (6 x 16 + 4), key dim 114 (3 x 32 + 18): gathered keys, scalar columns.
+    var tails = Case(seed + 2, 5, 16, [37, 0, 70], [3, 1, 2], mask(MASK_CAUSAL), key_dim=114, rank=100)
+    check_case(tails, 0, failures)
+    check_case(tails, 2, failures)
+    print("amx_check:", failures, "failed")
+    if not quick:
+        var threads = num_physical_cores()
+        for heads in [16, 128]:
+            var lengths = List[Int](length=8, fill=16383)
+            var tokens = List[Int](length=8, fill=1)
+            var c = Case(99, heads, 64, lengths, tokens, mask(MASK_CAUSAL), random_values=False)
+            var line = String("timing: batch 8, 16k, page 64, heads ", heads, ", threads ", threads, ":")
+            line += String(" f32 ", time_path[AmxTiles](c, PATH_F32, 3), " ms")
+            comptime if HAS_AVX512_BF16:
+                line += String(", avx512bf16 ", time_path[AmxTiles](c, PATH_AVX512BF16, 5), " ms")
+            if amx_runs():
+                line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms")
+                var err = max_error(c.attend[AmxTiles](PATH_F32, 0), c.attend[AmxTiles](PATH_AMX, 0))
+                line += String(" (amx vs f32 max|err| ", err, "; without tdpbf16ps ")
+                line += String(time_path[AmxWithoutDots](c, PATH_AMX, 5), " ms, without tile instructions ")
+                line += String(time_path[NoTiles](c, PATH_AMX, 5), " ms)")
+                if not (err <= TOLERANCE):
+                    failures += 1
+            print(line)
+            var inputs = OpInputs(c, 16384 + 1)
+            var op_line = String("timing: whole CPU op, same shape:")
+            op_line += String(" f32 ", time_op(c, inputs, "f32", 3), " ms")
+            comptime if HAS_AVX512_BF16:
+                op_line += String(", avx512bf16 ", time_op(c, inputs, "avx512bf16", 5), " ms")
+            if amx_runs():
+                op_line += String(", amx ", time_op(c, inputs, "amx", 5), " ms")
+            var proj = time_projections(c, inputs, 5)
+            op_line += String("; step 3 ", proj[0], " ms, step 6 ", proj[1], " ms")
+            print(op_line)
+    if failures:
+        raise Error(String(failures, " checks failed"))
