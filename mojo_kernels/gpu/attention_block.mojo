@@ -55,6 +55,9 @@ struct AttentionParams[dtype: DType](KernelParams):
 struct AttentionBlock(TrivialRegisterPassable):
     """One block's request `request`, rows `[row0, row_end)` (`t H + h`) and keys `[k0, k1)`.
 
+    Keys are the cache's slots: with a shard of the cache (`DeviceBatch.shard`),
+    slot `j` holds position `shard.position(j)`; the key ranges of `row_meta` are slots.
+
     Its methods take the launch's `AttentionParams`: kernel parameters stay in
     parameter space, where the compiler reloads them instead of holding them
     in registers (holding them made the wgmma kernel spill 10x more).
@@ -66,7 +69,7 @@ struct AttentionBlock(TrivialRegisterPassable):
     var row_end: Int
     var total_rows: Int  # T H
     var cache_length: Int
-    var visible: Int  # the request's keys: cached and new
+    var visible: Int  # the request's positions: cached and new
     var part: Int
     var k0: Int
     var k1: Int
@@ -83,8 +86,8 @@ struct AttentionBlock(TrivialRegisterPassable):
         var o1 = Int(p.batch.offsets.unsafe_load(b + 1))
         var row0 = o0 * heads + (slot - slot_start(p.batch.offsets, b, heads, rows_per_block)) * rows_per_block
         var cache_length = Int(p.batch.cache_lengths.unsafe_load(b))
-        var visible = cache_length + o1 - o0
-        var keys = partition_keys(block_idx.y, Int(p.num_partitions), visible)
+        var visible = cache_length + o1 - o0  # positions (the mask's)
+        var keys = partition_keys(block_idx.y, Int(p.num_partitions), p.batch.shard().local_count(visible))
         return Self(
             b, o0, row0, o1 * heads, Int(p.batch.offsets.unsafe_load(nreq)) * heads, cache_length,
             visible, block_idx.y, keys[0], keys[1],
@@ -97,13 +100,18 @@ struct AttentionBlock(TrivialRegisterPassable):
 
     @always_inline
     def row_meta[dtype: DType, //](self, p: AttentionParams[dtype], r: Int) -> Tuple[Int, Int, Int, Float32]:
-        """Key range `[lo, hi)`, position and ALiBi slope of block row `r`; zeros past the request's rows."""
+        """Key slots `[lo, hi)`, position and ALiBi slope of block row `r`; zeros past the request's rows.
+
+        ALiBi takes the key's slot for its position: the whole cache only (a shard with ALiBi is refused).
+        """
         if self.row0 + r >= self.row_end:
             return (0, 0, 0, Float32(0))
-        return row_attention_meta(
+        var meta = row_attention_meta(
             self.row0 + r, Int(p.num_heads), self.cache_length, self.first_token, self.visible,
             MaskSpec(Int(p.mask_kind), Int(p.window)), Int(p.score_mod),
         )
+        var shard = p.batch.shard()
+        return (shard.local_count(meta[0]), shard.local_count(meta[1]), meta[2], meta[3])
 
     @always_inline
     def widen_keys(self, span: Tuple[Int, Int], lo: Int, hi: Int) -> Tuple[Int, Int]:

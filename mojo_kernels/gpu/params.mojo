@@ -22,7 +22,7 @@ from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 from max.gpu.memory import AddressSpace
 
 from ..common import DPtr, U32Ptr
-from ..paged_cache import PagedLatentRows, RaggedBatch, cache_row_offset
+from ..paged_cache import CacheShard, PagedLatentRows, RaggedBatch, cache_row_offset
 from .addressing import find_request
 
 
@@ -54,15 +54,29 @@ trait KernelParams(DevicePassable, TrivialRegisterPassable):
 
 @fieldwise_init
 struct DeviceBatch(TrivialRegisterPassable):
-    """`RaggedBatch` on the device: request `b` owns query rows `[offsets[b], offsets[b + 1])`."""
+    """`RaggedBatch` on the device: request `b` owns query rows `[offsets[b], offsets[b + 1])`.
+
+    Positions are global; the cache holds the positions of its shard (`shard()`, `CacheShard`).
+    """
 
     var offsets: U32Ptr
     var cache_lengths: U32Ptr
     var num_requests: Int32
+    var shard_rank: Int32
+    var num_shards: Int32
+    var shard_interleave: Int32
 
     @staticmethod
     def of(batch: RaggedBatch) -> Self:
-        return Self(batch.offsets, batch.cache_lengths, Int32(batch.num_requests))
+        return Self(
+            batch.offsets, batch.cache_lengths, Int32(batch.num_requests), Int32(batch.shard.rank),
+            Int32(batch.shard.count), Int32(batch.shard.interleave),
+        )
+
+    @always_inline
+    def shard(self) -> CacheShard:
+        """Which positions the cache holds, at which slots."""
+        return CacheShard(Int(self.shard_rank), Int(self.num_shards), Int(self.shard_interleave))
 
     @always_inline
     def request(self, t: Int) -> Int:

@@ -43,13 +43,13 @@ from max.gpu.host import DeviceContext
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..problem import DecodeProblem
-from ..spec import Granularity
+from ..spec import SCORE_MOD_ALIBI_POS, Granularity
 from .addressing import ELEMENTWISE_THREADS
 from .attention_block import AttentionParams, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
-from .merge import MERGE_THREADS, MergeParams, StoreParams, merge_kernel, store_kernel
+from .merge import MERGE_THREADS, MergeParams, StoreParams, WidenParams, merge_kernel, store_kernel, widen_kernel
 from .params import DeviceBatch, DeviceCache, to_global
 from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes
 from .projection import (
@@ -193,7 +193,8 @@ def gpu_attention_with[
     """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`), keys split into `num_partitions` parts.
 
     With more than one partition every partition's output and row statistics
-    go to workspaces, merged by log-sum-exp (`merge_kernel`).
+    go to workspaces, merged by log-sum-exp (`merge_kernel`). The LSE
+    (`has_lse`) comes from that merge: with it, at least two partitions.
     """
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
     comptime if groups > 0 and dtype != DType.bfloat16 and dtype != DType.float16:
@@ -205,7 +206,7 @@ def gpu_attention_with[
         var key_dim = p.cache.head_dim
         var rank = p.kv_lora_rank
         var rows = num_tokens * p.num_heads
-        var parts = num_partitions
+        var parts = max(num_partitions, 2) if p.has_lse else num_partitions
         var part_rows = rows * parts if parts > 1 else 1
         var part_out_buf = ctx.enqueue_create_buffer[DType.float32](part_rows * rank if parts > 1 else 1)
         var part_max_buf = ctx.enqueue_create_buffer[DType.float32](part_rows)
@@ -236,7 +237,7 @@ def gpu_attention_with[
             ctx.enqueue_function[merge_kernel[dtype]](
                 MergeParams[dtype](
                     to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw),
-                    Int32(rows), Int32(parts), Int32(rank),
+                    Int32(rows), Int32(parts), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
                 ),
                 grid_dim=rows,
                 block_dim=MERGE_THREADS,
@@ -249,7 +250,7 @@ def gpu_attention_with[
 
 def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, raw: FPtr) raises:
     """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`; with `has_attention_output`
-    also `attention_output = raw` as dtype.
+    also `attention_output = raw` as dtype. Without `has_output`, only that store.
 
     A tile of `plan.out_tile`: one launch of `out_step_kernel` (tensor cores,
     bf16 / f16); `FMA_PATH`: `store_kernel` and the FMA matmul.
@@ -258,7 +259,7 @@ def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype]
         return
     var proj = output_projection(p, raw)
     comptime if dtype != DType.float32:
-        if plan.out_tile >= 0:
+        if plan.out_tile >= 0 and p.has_output:
             var has_attention_output = Int32(1 if p.has_attention_output else 0)
             var params = OutStepParams[dtype](proj, to_global(p.attention_output), has_attention_output, TileGrid.unset())
             comptime for i in range(len(PROJ_TILES)):
@@ -272,7 +273,8 @@ def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype]
             grid_dim=ceil_div(count, ELEMENTWISE_THREADS),
             block_dim=ELEMENTWISE_THREADS,
         )
-    gpu_fp8_batched_matmul[dtype](ctx, proj, p.num_heads)
+    if p.has_output:
+        gpu_fp8_batched_matmul[dtype](ctx, proj, p.num_heads)
 
 
 def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: DeviceContext) raises:
@@ -285,10 +287,26 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
+    if p.batch.shard.count > 1 and p.score_mod == SCORE_MOD_ALIBI_POS:
+        raise Error("pymla gpu: ALiBi on a shard of the cache is not supported on the GPU yet")
     var limits = DeviceLimits.read(ctx)
     check_gpu_shapes[dtype](p, limits)
     var plan = GpuPlan.create(p, limits)
     var rows = p.num_tokens * p.num_heads
+    if p.project_only:  # step 6 alone, on the attention output given (widened to float32)
+        var given_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
+        var given = given_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var count = rows * p.kv_lora_rank
+        ctx.enqueue_function[widen_kernel[dtype]](
+            WidenParams[dtype](to_global(p.attention_output), to_global(given), Int64(count)),
+            grid_dim=ceil_div(count, ELEMENTWISE_THREADS),
+            block_dim=ELEMENTWISE_THREADS,
+        )
+        var projection = p
+        projection.has_attention_output = False  # read, not written
+        gpu_project_output[dtype](ctx, projection, plan, given)
+        _ = given_buf^  # freed in stream order
+        return
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.key_dim())
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
     var q_full = q_full_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()

@@ -61,7 +61,8 @@ struct RopeQParams[dtype: DType](KernelParams):
 def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t: Int):
     """RMSNorm of `row[:R]`, RoPE of `row[R:]` for new token `t`, by a block of `threads` threads.
 
-    Every thread of the block calls it (it has a barrier).
+    Every thread of the block calls it (it has a barrier). With a shard of the
+    cache, only a token the shard holds, at its slot (the whole block returns otherwise).
     """
     var sums = stack_allocation[threads // WARP_SIZE, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
@@ -69,7 +70,10 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t
     var rope = Int(a.rope_dim)
     var b = a.batch.request(t)
     var pos = a.batch.position(b, t)
-    var row = a.cache.blocks.unsafe_offset(a.cache.row_offset(b, pos))
+    var shard = a.batch.shard()
+    if not shard.owns(pos):
+        return
+    var row = a.cache.blocks.unsafe_offset(a.cache.row_offset(b, shard.local_count(pos)))
 
     var src = a.new_rows.unsafe_offset(t * Int(a.cache.key_dim)) if a.has_new_rows != 0 else row
     var sum_sq = Float32(0)

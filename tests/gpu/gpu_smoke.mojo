@@ -35,7 +35,7 @@ from mojo_kernels.gpu.plan import (
 from mojo_kernels.spec import Granularity
 
 from gpu_case import Case, DeviceCase, download, round_to, variant_index
-from gpu_reference import cpu_attention, cpu_cache_rows, cpu_output, cpu_q_full
+from gpu_reference import cpu_attention, cpu_attention_lse, cpu_cache_rows, cpu_output, cpu_q_full
 
 
 # ---------------------------------------------------------------------------
@@ -197,7 +197,17 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     var gpu_q_full = download[DType.float32](ctx, q_full_buf, rows * c.key_dim)
     ok = check_close("q_full", gpu_q_full, ref_q_full, ulp_of[dtype]()) and ok
 
-    var raw_from_gpu = cpu_attention[dtype](c, gpu_q_full, gpu_blocks)
+    var lse_from_gpu = List[Float32]()
+    var raw_from_gpu = cpu_attention_lse[dtype](c, gpu_q_full, gpu_blocks, lse_from_gpu)
+    # The LSE (float32 [T H], from the partition merge: at least two partitions) with the raw it
+    # comes with; float32 scores in another order: pymla/parity.py's F32_SLACK of the scores.
+    var lse_buf = ctx.enqueue_create_buffer[DType.float32](max(rows, 1))
+    for parts in [1, 3]:
+        var parted = plan
+        parted.num_partitions = parts
+        d.attention_lse(ctx, c, parted, q_full_buf, raw_buf, lse_buf)
+        ok = check_close(String("raw with lse (", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+        ok = check_close(String("lse (", parts, " partitions)"), download[DType.float32](ctx, lse_buf, rows), lse_from_gpu, Float32(2.0) ** -13) and ok
     var gpu_raw = List[Float32]()
     # 0 = the partitions the op would plan itself (last, so gpu_raw is the op's).
     for parts in [1, 3, 0]:
@@ -255,6 +265,10 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     ok = check_parity[dtype]("output stage", gpu_out_stage, ref_out_stage) and ok
     # The attention output the op stores on request: raw as dtype, exactly.
     ok = check_close("attention output store", download[dtype](ctx, att_out, rows * c.rank), gpu_raw, 0) and ok
+    # Step 6 alone (first_step 6) from that attention output: the op's own step 6, exactly.
+    ctx.enqueue_memset(d.output, Scalar[dtype](0))
+    d.project_only(ctx, c, att_out)
+    ok = check_close("step 6 alone (first_step 6)", download[dtype](ctx, d.output, rows * c.v_dim), gpu_out_stage, 0) and ok
 
     # The whole op on fresh inputs against the CPU pipeline.
     var d2 = DeviceCase[dtype](ctx, c)
@@ -275,6 +289,7 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     _ = q_full_buf^
     _ = raw_buf^
     _ = att_out^
+    _ = lse_buf^
     return ok
 
 
