@@ -16,7 +16,7 @@ from max.gpu.host import DeviceContext
 
 from .cpu.pipeline import mla_decode_branch_fp8_cpu
 from .gpu.pipeline import mla_decode_branch_fp8_gpu
-from .paged_cache import PagedLatentRows, RaggedBatch
+from .paged_cache import CacheShard, PagedLatentRows, RaggedBatch
 from .problem import DecodeProblem
 from .spec import Granularity, MaskSpec
 
@@ -25,12 +25,17 @@ from .spec import Granularity, MaskSpec
 struct MLADecodeBranchFP8:
     """MAX custom op: all six steps in one call, on the CPU or an NVIDIA GPU.
 
-    Writes every element of `output [T, H, v_head_dim]` and, in place, the new
-    tokens' rows of `kv_blocks`; reads everything else. `attention_output`
-    (`[T, H, kv_lora_rank]`, or zero tokens when not wanted) receives step 5's
-    result; `new_rows` (`[T, kv_lora_rank + rope_dim]`, or zero rows) holds the
+    Writes every element of `output [T, H, v_head_dim]` (zero tokens: stop
+    after step 5) and, in place, the new tokens' rows of `kv_blocks`; reads
+    everything else. `attention_output` (`[T, H, kv_lora_rank]`, or zero
+    tokens when not wanted) receives step 5's result and `lse` (`[T, H]`
+    float32, or zero tokens) its log-sum-exp; `new_rows` (`[T, kv_lora_rank + rope_dim]`, or zero rows) holds the
     new tokens' raw cache rows when they were not appended beforehand. The scalar options
-    arrive as host values; see `pymla/graph.py` for their codes.
+    arrive as host values; see `pymla/graph.py` for their codes. `first_step` 6
+    runs step 6 alone, from `attention_output` (read, not written; the cache
+    untouched): a context-parallel rank projects its merged attention output. `shard_rank`,
+    `num_shards` and `shard_interleave` say which positions this cache holds
+    (`paged_cache.CacheShard`; 0, 1, 1: all of them).
     """
 
     @staticmethod
@@ -40,6 +45,7 @@ struct MLADecodeBranchFP8:
     ](
         output: MutableInputTensor[dtype=dtype, rank=3, static_spec=...],
         attention_output: MutableInputTensor[dtype=dtype, rank=3, static_spec=...],
+        lse: MutableInputTensor[dtype=DType.float32, rank=2, static_spec=...],
         q: InputTensor[dtype=dtype, rank=3, static_spec=...],
         input_row_offsets: InputTensor[dtype=DType.uint32, rank=1, static_spec=...],
         freqs_cis: InputTensor[dtype=dtype, rank=2, static_spec=...],
@@ -49,11 +55,15 @@ struct MLADecodeBranchFP8:
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, static_spec=...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=2, static_spec=...],
         layer_idx: UInt32,
+        first_step: Int32,
         scale: Float32,
         epsilon: Float32,
         mask: Int32,
         score_mod: Int32,
         local_window_size: Int32,
+        shard_rank: Int32,
+        num_shards: Int32,
+        shard_interleave: Int32,
         m_scale_granularity: Int32,
         n_scale_granularity: Int32,
         k_scale_granularity: Int32,
@@ -66,11 +76,13 @@ struct MLADecodeBranchFP8:
         var nope_dim = w_uk.dim_size(2)
         var problem = DecodeProblem[dtype](
             output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            output.dim_size(0) > 0,
             q.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             RaggedBatch(
                 input_row_offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
                 cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
                 input_row_offsets.dim_size(0) - 1,
+                CacheShard(Int(shard_rank), Int(num_shards), Int(shard_interleave)),
             ),
             freqs_cis.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             kv_norm_gamma.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
@@ -100,8 +112,11 @@ struct MLADecodeBranchFP8:
             w_uv_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             attention_output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             attention_output.dim_size(0) > 0,
+            lse.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            lse.dim_size(0) > 0,
             new_rows.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             new_rows.dim_size(0) > 0,
+            Int(first_step) == 6,
         )
         comptime if target == "gpu":
             mla_decode_branch_fp8_gpu[dtype](problem, ctx)

@@ -4,16 +4,59 @@ from .common import DPtr, U32Ptr
 
 
 @fieldwise_init
+struct CacheShard(TrivialRegisterPassable):
+    """Which positions of every request this rank's cache holds (context-parallel decode).
+
+    A request's positions are dealt to `count` ranks in runs of `interleave`:
+    position `p` belongs to rank `(p // interleave) % count` and sits in that
+    rank's cache at local slot `local_count(p)` (the rank's positions below
+    `p`). `interleave = 1` deals single tokens; an `interleave` of at least
+    the longest sequence over `count` gives each rank one contiguous run.
+    `count = 1` is the whole cache: every position, at its own slot. The one
+    definition for the CPU and the GPU (`pymla/shard.py` mirrors it).
+    """
+
+    var rank: Int
+    var count: Int
+    var interleave: Int
+
+    @staticmethod
+    def whole() -> Self:
+        return Self(0, 1, 1)
+
+    def owns(self, pos: Int) -> Bool:
+        return (pos // self.interleave) % self.count == self.rank
+
+    def local_count(self, n: Int) -> Int:
+        """How many of positions `0 .. n - 1` this rank holds: the local slot of position `n`."""
+        if self.count == 1:
+            return n
+        var cycle = self.count * self.interleave
+        var full = n // cycle
+        var rest = n - full * cycle - self.rank * self.interleave
+        return full * self.interleave + min(max(rest, 0), self.interleave)
+
+    def position(self, slot: Int) -> Int:
+        """The sequence position of local slot `slot`."""
+        if self.count == 1:
+            return slot
+        return (slot // self.interleave) * self.count * self.interleave + self.rank * self.interleave + slot % self.interleave
+
+
+@fieldwise_init
 struct RaggedBatch(TrivialRegisterPassable):
     """Where each request's query tokens are and where they sit in its sequence.
 
     Request `b` owns query rows `[offsets[b], offsets[b + 1])`; its `i`-th new
-    token sits at position `cache_lengths[b] + i`.
+    token sits at position `cache_lengths[b] + i`. Positions are global: with
+    a `shard` of the cache, key slot `j` of this rank holds position
+    `shard.position(j)` and a request has `local_keys(b)` keys here.
     """
 
     var offsets: U32Ptr
     var cache_lengths: U32Ptr
     var num_requests: Int
+    var shard: CacheShard
 
     def start(self, b: Int) -> Int:
         return Int(self.offsets.unsafe_load(b))
@@ -34,6 +77,14 @@ struct RaggedBatch(TrivialRegisterPassable):
     def position(self, b: Int, t: Int) -> Int:
         """Sequence position of query row `t` of request `b`."""
         return self.cache_length(b) + t - self.start(b)
+
+    def local_keys(self, b: Int) -> Int:
+        """Key slots of request `b` in this rank's cache: its visible positions this shard holds."""
+        return self.shard.local_count(self.visible(b))
+
+    def local_key_range(self, lo: Int, hi: Int) -> Tuple[Int, Int]:
+        """The local slots `[j0, j1)` of this shard's positions in `[lo, hi)`."""
+        return (self.shard.local_count(lo), self.shard.local_count(hi))
 
 
 @always_inline

@@ -12,14 +12,17 @@ struct DecodeProblem[dtype: DType](TrivialRegisterPassable):
     Pointers are host memory for the CPU target and device memory for the
     GPU target (only the sizes and options are always host values).
 
-    Two optional tensors (a flag says whether each was given):
-    `attention_output` receives the attention output before step 6 (in
-    dtype); `new_rows` holds each new token's raw latent row, which the op
+    Optional tensors (a flag says whether each was given): `output`
+    receives step 6 (without it the op stops after step 5: a context-parallel
+    rank merges its partial result first); `attention_output` receives the
+    attention output before step 6 (in dtype); `lse` its natural log-sum-exp
+    per row (float32); `new_rows` holds each new token's raw latent row, which the op
     normalizes, rotates and writes into its cache row (without it the rows
     were appended to the cache beforehand and are updated in place).
     """
 
-    var output: DPtr[Self.dtype]  # [T, H, v_head_dim]
+    var output: DPtr[Self.dtype]  # [T, H, v_head_dim], when wanted
+    var has_output: Bool
     var q: DPtr[Self.dtype]  # [T, H, nope_dim + rope_dim]
     var batch: RaggedBatch  # input_row_offsets, cache_lengths
     var freqs_cis: DPtr[Self.dtype]  # [max_seq_len, rope_dim]
@@ -42,8 +45,11 @@ struct DecodeProblem[dtype: DType](TrivialRegisterPassable):
     var w_uv_scale: FPtr
     var attention_output: DPtr[Self.dtype]  # [T, H, kv_lora_rank]: step 5's result, when wanted
     var has_attention_output: Bool
+    var lse: FPtr  # [T, H]: log-sum-exp of step 5's scores, when wanted
+    var has_lse: Bool
     var new_rows: DPtr[Self.dtype]  # [T, kv_lora_rank + rope_dim]: raw new cache rows, when given
     var has_new_rows: Bool
+    var project_only: Bool  # step 6 alone, from `attention_output` (first_step 6)
 
     def key_dim(self) -> Int:
         """Width of a cache row: the keys; values are its first `kv_lora_rank`."""

@@ -27,6 +27,12 @@ from importlib import metadata as _metadata
 from . import torch_op  # noqa: F401 (registers torch.ops.pymla.mla_decode_branch_fp8)
 from .args import KVCacheTensors, Mask, ScoreMod
 from .cache import PagedLatentCache
+from .distributed import (
+    ContextParallel,
+    ContextParallelPlan,
+    TensorParallelHeads,
+    merge_attention_states,
+)
 from .op import mla_decode_branch_fp8
 from .options import DecodeOptions
 from .plan import DecodePlan, LayerWeights, plan
@@ -40,10 +46,15 @@ from .quant import (
 )
 from .reference import mla_decode_branch_fp8_reference, rope_freqs_cis
 from .runtime import op_stream
+from .shard import CacheShard
 from .value_checks import StaleCacheRowsError
 
 __all__ = [
     "BLOCKWISE",
+    "CacheShard",
+    "ContextParallel",
+    "ContextParallelPlan",
+    "TensorParallelHeads",
     "DecodeOptions",
     "DecodePlan",
     "LayerWeights",
@@ -57,6 +68,7 @@ __all__ = [
     "PagedLatentCache",
     "ScaleGranularity",
     "make_mla_weights",
+    "merge_attention_states",
     "mla_decode_branch_fp8",
     "mla_decode_branch_fp8_reference",
     "op_stream",

@@ -24,8 +24,15 @@ COMMANDS = {
     "bench": ("bench", "benchmark table: op vs torch reference vs best plain torch"),
     "overhead": ("overhead", "host overhead per run() over MAX's execute on prepared buffers"),
     "step": ("overhead", "one 61-layer decode step: wall time vs the sum of its kernel times"),
+    "dcp": ("dcp", "context-parallel decode over N CPU processes: ms and bytes per layer"),
 }
-RUNNERS = {"demo": "run", "bench": "run", "overhead": "run_overhead", "step": "run_step"}
+RUNNERS = {
+    "demo": "run",
+    "bench": "run",
+    "overhead": "run_overhead",
+    "step": "run_step",
+    "dcp": "run",
+}
 
 
 def program() -> str:
@@ -68,6 +75,14 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def json_file(text: str) -> Path:
+    """An option type: a file to write in a folder that exists (checked before measuring)."""
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a file in an existing folder, got {text!r}")
+    return path
 
 
 def torch_device(text: str) -> str:

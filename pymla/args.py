@@ -164,7 +164,15 @@ _TORCH_DTYPES = {
 _A, _C, _S, _L, _W = ACTIVATION, Source.CALL, Source.STEP, Source.LAYER, Source.WEIGHTS
 
 ARGS: tuple[Arg, ...] = (
-    Arg("output", ("tokens", "heads", "v_head_dim"), _A, _C, mutable=True),
+    # output: dims of its own: empty, the op stops after step 5 (context-parallel ranks).
+    Arg(
+        "output",
+        ("output_tokens", "output_heads", "output_dim"),
+        _A,
+        _C,
+        mutable=True,
+        optional=True,
+    ),
     Arg(
         "attention_output",
         ("attention_tokens", "attention_heads", "attention_dim"),
@@ -173,6 +181,7 @@ ARGS: tuple[Arg, ...] = (
         mutable=True,
         optional=True,
     ),
+    Arg("lse", ("lse_tokens", "lse_heads"), DType.float32, _C, mutable=True, optional=True),
     Arg("q", ("tokens", "heads", "q_head_dim"), _A, _C),
     Arg("input_row_offsets", ("offsets",), DType.uint32, _S),
     Arg("freqs_cis", ("max_seq_len", "rope_dim"), _A, _S),
@@ -188,11 +197,16 @@ ARGS: tuple[Arg, ...] = (
     Arg("cache_lengths", ("requests",), DType.uint32, _S),
     Arg("lookup_table", ("requests", "pages_per_request"), DType.uint32, _S),
     Arg("layer_idx", (), DType.uint32, _L),
+    # 1: the six steps; 6: step 6 alone, from attention_output (STEP_6_ONLY).
+    Arg("first_step", (), DType.int32, _C),
     Arg("scale", (), DType.float32, _S),
     Arg("epsilon", (), DType.float32, _S),
     Arg("mask", (), DType.int32, _S),
     Arg("score_mod", (), DType.int32, _S),
     Arg("local_window_size", (), DType.int32, _S),
+    Arg("shard_rank", (), DType.int32, _S),
+    Arg("num_shards", (), DType.int32, _S),
+    Arg("shard_interleave", (), DType.int32, _S),
     Arg("m_scale_granularity", (), DType.int32, _W),
     Arg("n_scale_granularity", (), DType.int32, _W),
     Arg("k_scale_granularity", (), DType.int32, _W),
@@ -203,6 +217,8 @@ ARGS: tuple[Arg, ...] = (
 )
 
 BY_NAME: dict[str, Arg] = {a.name: a for a in ARGS}
+ALL_STEPS, STEP_6_ONLY = 1, 6
+"""``first_step`` values: the whole op, or step 6 alone on a given attention output."""
 INPUT_NAMES: tuple[str, ...] = tuple(a.name for a in ARGS)
 """The graph's (and the kernel's, and the torch op's) argument order."""
 
@@ -247,17 +263,21 @@ def torch_op_args(
     weights: dict[str, torch.Tensor],
     attention_out: torch.Tensor | None = None,
     new_rows: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    first_step: int = ALL_STEPS,
     check_values: bool = True,
 ) -> tuple:
     """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` (:data:`INPUT_NAMES` order).
 
     ``options``: a :class:`pymla.DecodeOptions`; ``granularity``: a
     :class:`pymla.ScaleGranularity`; ``weights``: a :class:`pymla.LayerWeights`'
-    ``tensors`` (fp8 weights as float8_e4m3fn).
+    ``tensors`` (fp8 weights as float8_e4m3fn). ``out`` None: the op stops
+    after step 5 (an empty ``output``); the cache shard is ``options.shard``.
     """
     values = {
-        "output": out,
+        "output": _absent(q) if out is None else out,
         "attention_output": _absent(q) if attention_out is None else attention_out,
+        "lse": _absent_f32(q) if lse is None else lse,
         "q": q,
         "input_row_offsets": input_row_offsets,
         "freqs_cis": freqs_cis,
@@ -266,6 +286,7 @@ def torch_op_args(
         "cache_lengths": kv.cache_lengths,
         "lookup_table": kv.lookup_table,
         "layer_idx": layer_idx,
+        "first_step": first_step,
         **options.scalars(),
         "m_scale_granularity": granularity.m,
         "n_scale_granularity": granularity.n,
@@ -287,3 +308,9 @@ def call_torch_op(**values) -> None:
 def _absent(q: torch.Tensor) -> torch.Tensor:
     """The placeholder of an optional tensor argument that was not given (no elements)."""
     return q.new_empty(0) if isinstance(q, torch.Tensor) else torch.empty(0)
+
+
+def _absent_f32(q: torch.Tensor) -> torch.Tensor:
+    """The placeholder of an optional float32 tensor (``lse``) that was not given."""
+    device = q.device if isinstance(q, torch.Tensor) else "cpu"
+    return torch.empty(0, dtype=torch.float32, device=device)

@@ -56,3 +56,14 @@ def wrap_call_tensor(t: torch.Tensor, device: tuple[int, int]):
 def layer_buffer(layer: int):
     """The ``layer_idx`` scalar buffer of one run."""
     return runtime.scalar_buffer(layer, torch.uint32)
+
+
+_first_steps: dict[int, object] = {}
+
+
+def first_step_buffer(first_step: int):
+    """The ``first_step`` scalar buffer (one per value, made once)."""
+    found = _first_steps.get(first_step)
+    if found is None:
+        found = _first_steps[first_step] = runtime.scalar_buffer(first_step, torch.int32)
+    return found

@@ -8,6 +8,14 @@ values, 576 for DeepSeek-V3) per token, per layer. Request ``b``'s token at
 position ``p`` of layer ``l`` lives in
 ``blocks[lookup_table[b, p // page_size], 0, l, p % page_size, 0, :]``.
 
+A cache made with a ``shard`` (:class:`pymla.CacheShard`, context-parallel
+decode) holds only that shard's positions: position ``p`` of a request, when
+the shard owns it, lives at local slot ``s = shard.local_count(p)``, in
+page ``s // page_size`` of the request's pages. Every method still speaks
+in sequence positions (rows for all positions go in; those of other shards
+are dropped), so ranks given the same rows and generators hold disjoint
+pieces of one cache.
+
 ``cache_lengths[b]`` counts the tokens of request ``b`` that earlier steps
 completed. A decode step first writes its new tokens' rows at positions
 ``cache_lengths[b] ..`` (:meth:`PagedLatentCache.append`, once per layer),
@@ -43,6 +51,7 @@ import torch
 
 from .args import ACTIVATION_DTYPES
 from .options import as_bool, as_device, as_int
+from .shard import CacheShard
 from .validate import as_tensor
 from .value_checks import UNUSED_PAGE
 
@@ -86,6 +95,8 @@ class PagedLatentCache:
         shuffle_pages: hand out pages in a random order (as a long-running
             server would have them), from ``generator``.
         generator: a CPU torch.Generator for ``shuffle_pages``, or None.
+        shard: the positions this cache holds (a :class:`pymla.CacheShard`;
+            None: all of them).
 
     Raises:
         TypeError, ValueError: ``"<arg>: expected <what>, got <actual>"``.
@@ -103,7 +114,15 @@ class PagedLatentCache:
         device: torch.device | str = "cpu",
         shuffle_pages: bool = False,
         generator: torch.Generator | None = None,
+        shard: CacheShard | None = None,
     ) -> None:
+        if shard is None:
+            shard = CacheShard()
+        if not isinstance(shard, CacheShard):
+            raise TypeError(
+                f"shard: expected a pymla.CacheShard or None, got {type(shard).__name__}"
+            )
+        self.shard = shard
         num_blocks = _at_least("num_blocks", num_blocks, 1)
         self.page_size = _at_least("page_size", page_size, 1)
         self.num_layers = _at_least("num_layers", num_layers, 1)
@@ -188,11 +207,13 @@ class PagedLatentCache:
 
     def _pages_to_take(self, request: int, total_tokens: int) -> int:
         """Pages ``request`` must take to hold ``total_tokens``; refuses if the pool has too few."""
-        needed = -(-total_tokens // self.page_size) - len(self._pages[request])
+        held = self.shard.local_count(total_tokens)
+        needed = -(-held // self.page_size) - len(self._pages[request])
         if needed > len(self._free_pages):
+            whose = "" if self.shard.whole else f" ({held} of them in this shard)"
             raise ValueError(
                 f"request {request}: needs {needed} more page{'s' if needed != 1 else ''} of "
-                f"{self.page_size} tokens for {total_tokens} tokens, {len(self._free_pages)} "
+                f"{self.page_size} tokens for {total_tokens} tokens{whose}, {len(self._free_pages)} "
                 f"free (num_blocks={self.blocks.shape[0]})"
             )
         return max(needed, 0)
@@ -299,7 +320,7 @@ class PagedLatentCache:
         start = _at_least("start", start, 0)
         rows = self._rows(rows)
         capacity = len(self._pages[request]) * self.page_size
-        if start + rows.shape[0] > capacity:
+        if self.shard.local_count(start + rows.shape[0]) > capacity:
             raise ValueError(
                 f"start: expected start + {rows.shape[0]} rows <= {capacity} (the "
                 f"{len(self._pages[request])} pages of {self.page_size} tokens request {request} "
@@ -308,22 +329,35 @@ class PagedLatentCache:
         self._write(request, layer, start, rows)
 
     def _write(self, request: int, layer: int, start: int, rows: torch.Tensor) -> None:
-        """``write`` on checked arguments (rows already in the cache's dtype and device)."""
-        page_ids, slots = self._slots(request, start, start + rows.shape[0])
+        """``write`` on checked arguments (rows already in the cache's dtype and device).
+
+        ``rows`` are those of positions ``start ..``; the shard's own land in the cache.
+        """
+        page_ids, slots, owned = self._slots(request, start, start + rows.shape[0])
+        if not self.shard.whole:
+            rows = rows[owned.to(rows.device)]
         self.blocks[page_ids, 0, layer, slots, 0, :] = rows
 
-    def _slots(self, request: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, row in block) of the request's positions ``start .. stop - 1``, on the device."""
+    def _slots(
+        self, request: int, start: int, stop: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block, row in block) of the shard's positions in ``start .. stop - 1``, on the device.
+
+        Also which of the positions ``start .. stop - 1`` the shard holds (a bool mask).
+        """
         pos = torch.arange(start, stop)
-        page_ids = torch.tensor(self._pages[request], dtype=torch.long)[pos // self.page_size]
-        return page_ids.to(self.device), (pos % self.page_size).to(self.device)
+        owned = self.shard.owns(pos)
+        slot = self.shard.local_count(pos[owned])
+        page_ids = torch.tensor(self._pages[request], dtype=torch.long)[slot // self.page_size]
+        return page_ids.to(self.device), (slot % self.page_size).to(self.device), owned
 
     def rows(
         self, request: int, layer: int, start: int = 0, stop: int | None = None
     ) -> torch.Tensor:
         """A copy of the request's rows at positions ``start .. stop - 1`` (default: all written).
 
-        ``0 <= start <= stop <= length(request) + pending(request)``.
+        ``0 <= start <= stop <= length(request) + pending(request)``. A
+        shard's cache returns the rows of the positions it holds, in order.
         """
         request, layer = self._request(request), self._layer(layer)
         written = self._lengths[request] + self._pending[request]
@@ -335,7 +369,7 @@ class PagedLatentCache:
                     f"{name}: expected {low} <= {name} <= {written} (request {request}'s cached + "
                     f"pending tokens), got {value}"
                 )
-        page_ids, slots = self._slots(request, start, stop)
+        page_ids, slots, _ = self._slots(request, start, stop)
         return self.blocks[page_ids, 0, layer, slots, 0, :]
 
     def advance(self) -> None:

@@ -142,6 +142,9 @@ def mla_decode_branch_fp8_graph(
     out: BufferValue | None = None,
     new_rows: TensorValue | None = None,
     attention_out: BufferValue | None = None,
+    lse: BufferValue | None = None,
+    shard: Sequence[int | TensorValue] = (0, 1, 1),
+    first_step: int | TensorValue = 1,
 ) -> TensorValue | None:
     """Adds the fused op to the current graph.
 
@@ -149,7 +152,11 @@ def mla_decode_branch_fp8_graph(
     (a buffer of that shape and q's dtype) is given, writes it there and
     returns None. ``attention_out`` (a buffer ``[T, H, kv_lora_rank]`` of q's
     dtype, or one with zero tokens) receives the attention output before
-    step 6. ``new_rows`` (``[T, kv_lora_rank + qk_rope_head_dim]``, or zero
+    step 6; ``lse`` (a float32 buffer ``[T, H]``, or one with zero tokens) its
+    log-sum-exp per row; ``out`` with zero tokens stops the op after step 5.
+    ``shard``: ``(shard_rank, num_shards, shard_interleave)``, the positions
+    this cache holds (:class:`pymla.CacheShard`; int32). ``first_step`` 6
+    (int32) runs step 6 alone on ``attention_out`` (read). ``new_rows`` (``[T, kv_lora_rank + qk_rope_head_dim]``, or zero
     rows) holds the new tokens' raw latent rows: the op normalizes, rotates
     and writes them into the cache; without it they must be in the cache already.
 
@@ -180,6 +187,8 @@ def mla_decode_branch_fp8_graph(
         new_rows = ops.buffer_load(ops.buffer_create(BufferType(q.dtype, [0, 1], q.device)))
     if attention_out is None:
         attention_out = ops.buffer_create(BufferType(q.dtype, [0, 1, 1], q.device))
+    if lse is None:
+        lse = ops.buffer_create(BufferType(DType.float32, [0, 1], q.device))
     result = out
     if result is None:
         result = ops.buffer_create(
@@ -188,6 +197,7 @@ def mla_decode_branch_fp8_graph(
     given = {
         "output": result,
         "attention_output": attention_out,
+        "lse": lse,
         "q": q,
         "input_row_offsets": input_row_offsets,
         "freqs_cis": freqs_cis,
@@ -197,11 +207,13 @@ def mla_decode_branch_fp8_graph(
         "cache_lengths": cache_lengths,
         "lookup_table": lookup_table,
         "layer_idx": layer_idx,
+        "first_step": first_step,
         "scale": scale,
         "epsilon": epsilon,
         "mask": mask,
         "score_mod": score_mod,
         "local_window_size": local_window_size,
+        **dict(zip(("shard_rank", "num_shards", "shard_interleave"), shard, strict=True)),
         **{
             f"{axis}_scale_granularity": g for axis, g in zip("mnk", scale_granularity, strict=True)
         },
@@ -265,6 +277,9 @@ def build_graph(config: OpConfig) -> Graph:
             out=args["output"].buffer,
             new_rows=t["new_rows"],
             attention_out=args["attention_output"].buffer,
+            lse=args["lse"].buffer,
+            shard=[t[name] for name in ("shard_rank", "num_shards", "shard_interleave")],
+            first_step=t["first_step"],
         )
         graph.output()
     return graph

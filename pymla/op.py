@@ -22,6 +22,7 @@ from .cache import PagedLatentCache
 from .options import as_bool, as_int
 from .plan import DecodeOptions, DecodePlan, LayerWeights, cache_tensors
 from .quant import ScaleGranularity
+from .shard import CacheShard
 
 
 def mla_decode_branch_fp8(
@@ -47,6 +48,8 @@ def mla_decode_branch_fp8(
     attention_out: torch.Tensor | None = None,
     new_rows: torch.Tensor | None = None,
     rerun_layers: bool = False,
+    lse: torch.Tensor | None = None,
+    shard: CacheShard | None = None,
 ) -> torch.Tensor:
     """The fused MLA decode branch with fp8 weights; the math is in :mod:`pymla.reference`.
 
@@ -93,6 +96,15 @@ def mla_decode_branch_fp8(
         rerun_layers: for benchmarks and tests that call one layer again and
             again in a step, as :func:`pymla.plan`'s: skips the "already
             rotated" check; each call rotates the layer's new rows once more.
+        lse: optional float32 ``[T, H]`` tensor that receives the natural
+            log-sum-exp of each row's scaled scores in step 5 (mask and score
+            mod applied; see :mod:`pymla.reference`). A row that sees no key
+            (only possible on a shard of the cache) gets ``-inf`` and a zero
+            attention output.
+        shard: the positions the cache holds (:class:`pymla.CacheShard`;
+            default the whole cache): context-parallel decode
+            (:mod:`pymla.distributed`). Positions and ``cache_lengths`` stay
+            global; the cache holds the shard's rows at local slots.
 
     Returns:
         ``[T, H, v_head_dim]`` in q's dtype, on q's device (``out`` when given).
@@ -123,7 +135,12 @@ def mla_decode_branch_fp8(
     for name, weight in (("w_uk", w_uk), ("w_uv", w_uv)):
         if weight.dtype != torch.float8_e4m3fn:
             raise TypeError(f"{name}: expected dtype {torch.float8_e4m3fn}, got {weight.dtype}")
-    for name, value in (("out", out), ("attention_out", attention_out), ("new_rows", new_rows)):
+    for name, value in (
+        ("out", out),
+        ("attention_out", attention_out),
+        ("new_rows", new_rows),
+        ("lse", lse),
+    ):
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(value).__name__}")
     layer_idx = as_int("layer_idx", layer_idx)
@@ -135,7 +152,13 @@ def mla_decode_branch_fp8(
         mask=mask,
         score_mod=score_mod,
         local_window_size=local_window_size,
+        shard=shard,
     )
+    if isinstance(cache, PagedLatentCache) and cache.shard != options.shard:
+        raise ValueError(
+            f"shard: expected the cache's shard {cache.shard} (a PagedLatentCache holds the "
+            f"positions of one shard), got {options.shard}"
+        )
     if out is None:
         # A malformed q or w_uv gets a placeholder: the checks then name the problem.
         shaped = q.dim() == 3 and w_uv.dim() == 3
@@ -166,6 +189,8 @@ def mla_decode_branch_fp8(
             check_values=bool(check_values),
             attention_out=attention_out,
             new_rows=new_rows,
+            lse=lse,
+            shard=options.shard,
         ).num_tokens
         if check_values and isinstance(cache, PagedLatentCache):
             offsets = value_checks._as_numpy(input_row_offsets)  # checked by check_inputs
@@ -191,5 +216,5 @@ def mla_decode_branch_fp8(
         _op_check_values=bool(check_values),
         **tracking,
     )
-    step._launch(q, layer_idx, weights, out, attention_out, new_rows)
+    step._launch(q, layer_idx, weights, out, attention_out, new_rows, lse)
     return out

@@ -15,10 +15,14 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from .args import WINDOWED_MASKS, Mask, ScoreMod
+
+if TYPE_CHECKING:  # pymla.shard imports this module's checks
+    from .shard import CacheShard
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -131,6 +135,9 @@ class DecodeOptions:
 
     ``mask`` and ``score_mod`` take the enums or their names (``"causal"``);
     ``local_window_size`` is the window (sliding) or chunk (chunked) size.
+    ``shard``: the positions the cache holds (:class:`pymla.CacheShard`;
+    default the whole cache), for context-parallel decode
+    (:mod:`pymla.distributed`).
     """
 
     scale: float
@@ -138,6 +145,7 @@ class DecodeOptions:
     mask: Mask = Mask.CAUSAL
     score_mod: ScoreMod = ScoreMod.NO_POS
     local_window_size: int = 0
+    shard: CacheShard | None = None  # None: the whole cache
 
     def __post_init__(self) -> None:
         mask = Mask.parse(self.mask)
@@ -149,6 +157,14 @@ class DecodeOptions:
             score_mod=score_mod,
             local_window_size=self.local_window_size,
         )
+        from .shard import CacheShard  # shard.py imports this module's checks
+
+        shard = CacheShard() if self.shard is None else self.shard
+        if not isinstance(shard, CacheShard):
+            raise TypeError(
+                f"shard: expected a pymla.CacheShard or None, got {type(shard).__name__}"
+            )
+        object.__setattr__(self, "shard", shard)
         for field, value in (
             ("scale", as_float("scale", self.scale)),
             ("epsilon", as_float("epsilon", self.epsilon)),
@@ -166,4 +182,5 @@ class DecodeOptions:
             "mask": int(self.mask),
             "score_mod": int(self.score_mod),
             "local_window_size": self.local_window_size,
+            **self.shard.scalars(),
         }

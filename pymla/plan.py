@@ -30,21 +30,23 @@ import torch
 from . import bridge, runtime, value_checks
 from . import validate as v
 from .args import (
+    ALL_STEPS,
     ARGS,
     BY_NAME,
+    STEP_6_ONLY,
     KVCacheTensors,
     Source,
     call_torch_op,
 )
-from .buffers import ARG_INDEX, layer_buffer, max_buffers, wrap_call_tensor
+from .buffers import ARG_INDEX, first_step_buffer, layer_buffer, max_buffers, wrap_call_tensor
 from .cache import PagedLatentCache
 from .options import DecodeOptions, as_bool, as_int
 from .weights import LayerWeights, dim_or_zero
 
 # Positions in ARGS (the kernel's argument order) of what run() supplies.
-_RUN_NAMES = ("output", "attention_output", "q", "new_rows", "layer_idx")
+_RUN_NAMES = ("output", "attention_output", "lse", "q", "new_rows", "layer_idx", "first_step")
 assert {a.name for a in ARGS if a.source in (Source.CALL, Source.LAYER)} == set(_RUN_NAMES)
-_I_OUT, _I_ATTENTION, _I_Q, _I_ROWS, _I_LAYER = (ARG_INDEX[n] for n in _RUN_NAMES)
+_I_OUT, _I_ATTENTION, _I_LSE, _I_Q, _I_ROWS, _I_LAYER, _I_FIRST = (ARG_INDEX[n] for n in _RUN_NAMES)
 _STEP_NAMES = tuple(a.name for a in ARGS if a.source is Source.STEP)
 
 
@@ -115,7 +117,10 @@ class DecodePlan:
         )
         assert set(step) == set(_STEP_NAMES)
         template = [step.get(a.name) for a in ARGS]
+        template[_I_OUT] = runtime.empty_buffer(3, self.dtype, self.device)
         template[_I_ATTENTION] = runtime.empty_buffer(3, self.dtype, self.device)
+        template[_I_LSE] = runtime.empty_buffer(2, torch.float32, self.device)
+        template[_I_FIRST] = first_step_buffer(ALL_STEPS)
         template[_I_ROWS] = runtime.empty_buffer(2, self.dtype, self.device)
         self._template = template
         return template
@@ -130,10 +135,15 @@ class DecodePlan:
         out: torch.Tensor | None = None,
         attention_out: torch.Tensor | None = None,
         new_rows: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The op on one layer: ``out [T, H, v_head_dim]`` (``out`` when given).
 
-        Checks shapes, dtypes and devices only; the step's values were checked
+        ``attention_out [T, H, kv_lora_rank]`` (the cache's dtype) receives
+        step 5's result, ``lse [T, H]`` (float32) the natural log-sum-exp of
+        each row's scaled scores (mask and score mod applied); a row that
+        sees no key (possible only on a shard of the cache) gets ``-inf`` and
+        a zero attention output. Checks shapes, dtypes and devices only; the step's values were checked
         by :func:`plan`. A plan of a :class:`~pymla.PagedLatentCache` made with
         ``check_values`` also refuses (:class:`pymla.StaleCacheRowsError`,
         before anything runs) a layer whose new rows are not raw in the cache:
@@ -147,18 +157,88 @@ class DecodePlan:
         ``torch.compile`` (Python runs only while tracing, so the compiled
         graph's replays are never checked).
         """
+        return self._run(q, layer, weights, out, attention_out, new_rows, lse, project=True)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        layer: int,
+        weights: LayerWeights,
+        attention_out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
+        new_rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Steps 1 to 5 on one layer: ``(attention_out [T, H, kv_lora_rank], lse [T, H])``.
+
+        The op without step 6, for a rank of context-parallel decode
+        (:mod:`pymla.distributed`), which merges the ranks' partial results
+        with their LSE (:func:`pymla.merge_attention_states`) and projects the
+        merged one. Checks and tracking as :meth:`run`'s.
+        """
+        tokens, heads = self.num_tokens, getattr(weights, "num_heads", 0)
+        if attention_out is None:
+            attention_out = torch.empty(
+                (tokens, heads, self.kv_lora_rank), dtype=self.dtype, device=self.device
+            )
+        if lse is None:
+            lse = torch.empty((tokens, heads), dtype=torch.float32, device=self.device)
+        self._run(q, layer, weights, None, attention_out, new_rows, lse, project=False)
+        return attention_out, lse
+
+    def project(
+        self,
+        attention: torch.Tensor,
+        q: torch.Tensor,
+        layer: int,
+        weights: LayerWeights,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Step 6 alone: ``out [T, H, v_head_dim] = rnd(fp8mm(attention, w_uv))``.
+
+        ``attention [T, H, kv_lora_rank]`` (the cache's dtype) is an
+        attention output (a context-parallel rank's merged one); ``q`` the
+        step's (its shape sizes the call; its values are not read). Reads
+        nothing of the cache and changes nothing of it (no row tracking).
+        """
         if type(weights) is not LayerWeights or weights._compat != self._compat:
             self._check_weights(weights)
         tokens, heads = self.num_tokens, weights.num_heads
         self._check_call("q", q, (tokens, heads, weights.nope_dim + self.rope_dim))
+        self._check_call("attention", attention, (tokens, heads, self.kv_lora_rank))
+        shape = (tokens, heads, weights.v_head_dim)
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            self._check_call("out", out, shape)
+            if v.spans_overlap(v.byte_span(out), v.byte_span(attention)):
+                raise ValueError(
+                    "out: expected memory of its own (the op writes it), got a tensor "
+                    "overlapping attention"
+                )
+        layer = self._layer(layer)
+        self._launch(q, layer, weights, out, attention, None, None, first_step=STEP_6_ONLY)
+        return out
+
+    def _layer(self, layer: object) -> int:
+        """``layer`` checked against the cache's layers."""
         if not (type(layer) is int and 0 <= layer < self.num_layers):
             layer = as_int("layer_idx", layer)
             if not 0 <= layer < self.num_layers:
                 raise ValueError(
                     f"layer_idx: expected 0 <= layer_idx < {self.num_layers} (kv_blocks' num_layers), got {layer}"
                 )
+        return layer
+
+    def _run(self, q, layer, weights, out, attention_out, new_rows, lse, *, project):
+        if type(weights) is not LayerWeights or weights._compat != self._compat:
+            self._check_weights(weights)
+        tokens, heads = self.num_tokens, weights.num_heads
+        self._check_call("q", q, (tokens, heads, weights.nope_dim + self.rope_dim))
+        layer = self._layer(layer)
         shape = (tokens, heads, weights.v_head_dim)
-        if out is None:
+        if not project:
+            out_span = None
+        elif out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
             out_span = None  # fresh memory: overlaps nothing
         else:
@@ -166,18 +246,20 @@ class DecodePlan:
             out_span = v.byte_span(out)
         if attention_out is not None:
             self._check_call("attention_out", attention_out, (tokens, heads, self.kv_lora_rank))
+        if lse is not None:
+            self._check_call("lse", lse, (tokens, heads), torch.float32)
         if new_rows is not None:
             self._check_call("new_rows", new_rows, (tokens, self.kv_lora_rank + self.rope_dim))
         elif self.needs_new_rows:
             raise ValueError(
                 "new_rows: expected a tensor (the plan was made with new_rows=True), got None"
             )
-        if out_span is not None or attention_out is not None:
-            self._check_written(q, out_span, attention_out, new_rows)
-        self._launch(q, layer, weights, out, attention_out, new_rows)
+        if out_span is not None or attention_out is not None or lse is not None:
+            self._check_written(q, out_span, attention_out, new_rows, lse)
+        self._launch(q, layer, weights, out, attention_out, new_rows, lse)
         return out
 
-    def _check_written(self, q, out_span, attention_out, new_rows) -> None:
+    def _check_written(self, q, out_span, attention_out, new_rows, lse=None) -> None:
         """The tensors the op writes share no memory with what it reads or writes otherwise."""
         if self._kv_span is None:
             self._kv_span = v.byte_span(self.kv.blocks)
@@ -187,6 +269,8 @@ class DecodePlan:
         written = [("out", out_span)]
         if attention_out is not None:
             written.append(("attention_out", v.byte_span(attention_out)))
+        if lse is not None:
+            written.append(("lse", v.byte_span(lse)))
         for name, span in written:
             if span is None:
                 continue
@@ -195,15 +279,21 @@ class DecodePlan:
                     raise ValueError(
                         f"{name}: expected memory of its own (the op writes it), got a tensor overlapping {other}"
                     )
-        if len(written) == 2 and out_span is not None and v.spans_overlap(out_span, written[1][1]):
-            raise ValueError(
-                "out: expected memory of its own (the op writes it), got a tensor overlapping attention_out"
-            )
+        for i, (name, span) in enumerate(written):
+            for other, other_span in written[i + 1 :]:
+                if span is not None and v.spans_overlap(span, other_span):
+                    raise ValueError(
+                        f"{name}: expected memory of its own (the op writes it), got a tensor "
+                        f"overlapping {other}"
+                    )
 
-    def _check_call(self, name: str, t: object, shape: tuple[int, ...]) -> None:
+    def _check_call(
+        self, name: str, t: object, shape: tuple[int, ...], dtype: torch.dtype | None = None
+    ) -> None:
+        dtype = self.dtype if dtype is None else dtype
         if not (
             type(t) is torch.Tensor
-            and t.dtype == self.dtype
+            and t.dtype == dtype
             and t.device == self.device
             and t.shape == shape
             and t.is_contiguous()
@@ -213,9 +303,9 @@ class DecodePlan:
                 name,
                 t,
                 rank=len(shape),
-                dtypes=(self.dtype,),
+                dtypes=(dtype,),
                 device=self.device,
-                dtype_note=" (the cache's dtype)",
+                dtype_note=" (the cache's dtype)" if dtype == self.dtype else "",
             )
             v.check_shape(name, t, shape, "from the plan and the weights")
 
@@ -230,11 +320,15 @@ class DecodePlan:
             if got != expected:
                 raise ValueError(f"weights: expected {what} {expected} (the cache's), got {got}")
 
-    def _launch(self, q, layer, weights, out, attention_out, new_rows) -> None:
+    def _launch(
+        self, q, layer, weights, out, attention_out, new_rows, lse=None, first_step=ALL_STEPS
+    ) -> None:
         """The op on checked arguments: the torch op when traced by torch.compile, else MAX directly.
 
-        The one path of every call: :meth:`run` and the one-shot
-        :func:`pymla.mla_decode_branch_fp8` (and the torch op's own body) end here.
+        The one path of every call: :meth:`run`, :meth:`attend`, :meth:`project`
+        and the one-shot :func:`pymla.mla_decode_branch_fp8` (and the torch
+        op's own body) end here. ``first_step`` 6: step 6 alone on
+        ``attention_out`` (the cache neither read nor tracked).
         """
         if torch.compiler.is_compiling():  # no stale-row tracking: see run()
             call_torch_op(
@@ -242,6 +336,8 @@ class DecodePlan:
                 attention_out=attention_out,
                 q=q,
                 new_rows=new_rows,
+                lse=lse,
+                first_step=first_step,
                 input_row_offsets=self.input_row_offsets,
                 freqs_cis=self.freqs_cis,
                 kv=self.kv,
@@ -252,7 +348,8 @@ class DecodePlan:
                 check_values=self._op_check_values,
             )
             return
-        cache = self._tracked
+        project_only = first_step == STEP_6_ONLY
+        cache = None if project_only else self._tracked
         if cache is not None and new_rows is None:
             tested = self._rows_tested[layer]
             if not self._new_requests <= tested:
@@ -262,14 +359,19 @@ class DecodePlan:
             launch = self._launch_fn
             if launch is None:
                 launch = self._make_launcher()
-            launch(self.buffers(q, layer, weights, out, attention_out, new_rows))
+            launch(self.buffers(q, layer, weights, out, attention_out, new_rows, lse, first_step))
         if cache is not None:  # launched: the layer's new rows are rotated now
             self._rows_unrotated[layer].difference_update(self._new_requests)
         # The tensors the op writes: their version counters move as the torch op's would.
-        increment_version(out)
+        if out is not None:
+            increment_version(out)
+        if project_only:  # attention_out was read
+            return
         increment_version(self.kv.blocks)
         if attention_out is not None:
             increment_version(attention_out)
+        if lse is not None:
+            increment_version(lse)
 
     def _make_launcher(self):
         if self.model is None:
@@ -277,7 +379,17 @@ class DecodePlan:
         self._launch_fn = runtime.launcher(self.model, self.device)
         return self._launch_fn
 
-    def buffers(self, q, layer, weights, out, attention_out=None, new_rows=None) -> list:
+    def buffers(
+        self,
+        q,
+        layer,
+        weights,
+        out,
+        attention_out=None,
+        new_rows=None,
+        lse=None,
+        first_step=ALL_STEPS,
+    ) -> list:
         """The kernel's arguments as MAX buffers, in :data:`pymla.args.ARGS` order (no checks)."""
         template = self._template
         if template is None:
@@ -288,15 +400,20 @@ class DecodePlan:
         args = template.copy()
         device = self._dl_device
         wrap = wrap_call_tensor
-        args[_I_OUT] = wrap(out, device)
+        if out is not None:
+            args[_I_OUT] = wrap(out, device)
         args[_I_Q] = wrap(q, device)
         if attention_out is not None:
             args[_I_ATTENTION] = wrap(attention_out, device)
+        if lse is not None:
+            args[_I_LSE] = wrap(lse, device)
         if new_rows is not None:
             args[_I_ROWS] = wrap(new_rows, device)
         for i, buffer in indexed:
             args[i] = buffer
         args[_I_LAYER] = layer_buffer(layer)
+        if first_step != ALL_STEPS:
+            args[_I_FIRST] = first_step_buffer(first_step)
         return args
 
 
@@ -363,6 +480,11 @@ def plan(
     kv = cache_tensors(cache)
     if not isinstance(options, DecodeOptions):
         raise TypeError(f"options: expected a pymla.DecodeOptions, got {type(options).__name__}")
+    if isinstance(cache, PagedLatentCache) and cache.shard != options.shard:
+        raise ValueError(
+            f"options: expected the cache's shard {cache.shard} (a PagedLatentCache holds the "
+            f"positions of one shard), got shard {options.shard}"
+        )
     as_bool("rerun_layers", rerun_layers)
     tracking = {}  # the stale-row tracking of a PagedLatentCache, set up with the value checks
     tensors = {
@@ -375,7 +497,8 @@ def plan(
     for name, t in tensors.items():
         arg = BY_NAME[name]
         v.check_tensor(name, t, rank=arg.rank, dtypes=arg.torch_dtypes())
-    v._agree_attr("device", tensors, ValueError)
+    device = v._agree_attr("device", tensors, ValueError)
+    v.check_shard_device(options.shard, options.score_mod, device)
     v._agree_attr("dtype", {"freqs_cis": freqs_cis, "kv_blocks": kv.blocks}, TypeError)
     rope_dim = freqs_cis.shape[1]
     if rope_dim < 2 or rope_dim % 2:
@@ -417,6 +540,7 @@ def plan(
             max_seq_len=freqs_cis.shape[0],
             num_blocks=kv.blocks.shape[0],
             page_size=kv.blocks.shape[3],
+            shard=options.shard,
         )
         if isinstance(cache, PagedLatentCache):
             tracking = dict(

@@ -37,7 +37,9 @@ rounded to ``D`` for ``P V`` while their sum stays float32.
    ``R + Dr``) and ``V[j] = row_j[:R]`` for the visible positions ``j``:
    ``s[j] = scale * <qf[t, h], K[j]> + bias(h, p, j)`` for ``j`` in the mask's
    key range ``[lo(p), hi(p))``; ``e[j] = exp(s[j] - max(s))``;
-   ``raw[t, h] = rnd(sum_j rnd(e[j]) V[j] / sum_j e[j])``.
+   ``raw[t, h] = rnd(sum_j rnd(e[j]) V[j] / sum_j e[j])``; its log-sum-exp
+   ``lse[t, h] = log(sum_j exp(s[j]))`` (natural log, float32, the op's
+   optional ``lse``: ``max(s) + log(sum_j e[j])``).
    Key ranges: ``null`` ``[0, L)``; ``causal`` ``[0, p + 1)``;
    ``sliding_window_causal`` ``[max(0, p - W + 1), p + 1)``;
    ``chunked_causal`` ``[floor(p / W) * W, p + 1)``, with
@@ -45,6 +47,17 @@ rounded to ``D`` for ``P V`` while their sum stays float32.
    ``alibi_pos`` ``-slope(h) * (p - j)`` with the ALiBi slopes of
    :func:`alibi_slopes`.
 6. Output projection: ``out[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))``.
+
+A shard of the cache (:class:`pymla.CacheShard`, context-parallel decode)
+holds the positions ``j`` with ``shard.owns(j)``, position ``j`` at local
+slot ``shard.local_count(j)``. The op on a shard runs steps 1 and 2 on the
+new rows it holds (at their slots) and step 5 over its keys only: ``j`` in
+the mask's range and held by the shard; positions, masks and biases stay
+global. A row none of whose keys the shard holds gets ``raw = 0`` and
+``lse = -inf``. The ranks' results merge exactly
+(:func:`pymla.merge_attention_states`): with ``M = max_r lse_r``,
+``raw = sum_r exp(lse_r - M) raw_r / sum_r exp(lse_r - M)`` and
+``lse = M + log(sum_r exp(lse_r - M))``.
 
 A kernel with an online softmax rounds ``exp(s[j] - m)`` for a running max
 ``m`` rather than the final one: the same value up to one rounding of ``D``
@@ -61,6 +74,7 @@ import torch
 
 from .args import MASKS, SCORE_MODS, KVCacheTensors
 from .quant import ScaleGranularity, fp8_batched_matmul
+from .shard import CacheShard
 
 # MASKS, SCORE_MODS and KVCacheTensors are the op's vocabulary (pymla.args), used here and
 # importable from here as before.
@@ -167,6 +181,9 @@ class Stages(NamedTuple):
     attention: torch.Tensor  # [T, H, R], step 5 (``raw``)
     attention_magnitude: torch.Tensor  # [T, H, R]: sum_j e[j] |V[j]| / sum_j e[j]
     out: torch.Tensor  # [T, H, Dv] in dtype, step 6
+    lse: torch.Tensor  # [T, H] float32: log sum_j exp(s[j]), step 5
+    score_magnitude: torch.Tensor  # [T, H]: max_j scale sum_i |qf[i] K[j, i]| + |bias(j)|
+    product_magnitude: torch.Tensor  # [T, H]: scale max_i |qf[i]| max_{j, i} |K[j, i]|
 
 
 def store_new_rows(
@@ -177,17 +194,25 @@ def store_new_rows(
     kv_norm_gamma: torch.Tensor,
     epsilon: float,
     new_rows: torch.Tensor | None = None,
+    shard: CacheShard | None = None,
 ) -> None:
-    """Steps 1 and 2 on the new tokens' cache rows, in place (read from ``new_rows`` when given)."""
+    """Steps 1 and 2 on the new tokens' cache rows, in place (read from ``new_rows`` when given).
+
+    On a shard's cache, the rows of the positions it holds, at their local slots.
+    """
     dtype = cache.blocks.dtype
     rank = kv_norm_gamma.shape[0]
+    shard = CacheShard() if shard is None else shard
     for b in range(len(batch.offsets) - 1):
-        pos = batch.new_positions(b)
-        idx = _row_index(cache, b, pos, layer_idx)
+        all_pos = batch.new_positions(b)
+        owned = shard.owns(all_pos)
+        pos = all_pos[owned]
+        idx = _row_index(cache, b, shard.local_count(pos), layer_idx)
         if new_rows is None:
             rows = cache.blocks[idx].to(torch.float32)
         else:
-            rows = new_rows[batch.offsets[b] : batch.offsets[b + 1]].to(torch.float32, copy=True)
+            given = new_rows[batch.offsets[b] : batch.offsets[b + 1]]
+            rows = given[owned.to(given.device)].to(torch.float32, copy=True)
         rows[:, rank:] = rope_interleaved(rows[:, rank:], freqs_cis[pos])
         rows[:, :rank] = rms_norm(rows[:, :rank], kv_norm_gamma, epsilon)
         cache.blocks[idx] = rows.to(dtype)
@@ -223,36 +248,57 @@ def attend(
     score_mod: str,
     local_window_size: int,
     key_range: Callable[[str, int, int, int], tuple[int, int]] = key_range,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 5: ``raw`` and, for the tolerances, ``sum_j e[j] |V[j]| / sum_j e[j]``.
+    shard: CacheShard | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Step 5: ``raw``, ``sum_j e[j] |V[j]| / sum_j e[j]`` (tolerances), ``lse``, magnitudes.
 
-    ``key_range``: the mask's rule (:func:`key_range`); tests pass a wrong one.
+    For the tolerances of the LSE, per row (0 for a row without keys): the
+    score magnitude ``max_j scale sum_i |qf[i] K[j, i]| + |bias(j)|`` bounds
+    what float32 summation order can move its scores; the product magnitude
+    ``scale max_i |qf[i]| max_{j, i} |K[j, i]|`` what one element of q_full
+    or of a key rounded to the other neighbour can.
+
+    ``key_range``: the mask's rule (:func:`key_range`); tests pass a wrong
+    one. ``shard``: the positions ``cache`` holds (module docstring).
     """
     dtype = cache.blocks.dtype
+    shard = CacheShard() if shard is None else shard
     num_tokens, num_heads, _ = q_full.shape
     slopes = (alibi_slopes(num_heads) if score_mod == "alibi_pos" else torch.zeros(num_heads)).to(
         q_full.device
     )
     raw = torch.empty(num_tokens, num_heads, rank, dtype=torch.float32, device=q_full.device)
     magnitude = torch.empty_like(raw)
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q_full.device)
+    score_magnitude = torch.zeros_like(lse)
+    product_magnitude = torch.zeros_like(lse)
     for b in range(len(batch.offsets) - 1):
         start, stop = batch.offsets[b], batch.offsets[b + 1]
         visible = batch.lengths[b] + stop - start
-        keys = cache.blocks[_row_index(cache, b, torch.arange(visible), layer_idx)].to(
-            torch.float32
-        )
+        slots = torch.arange(shard.local_count(visible))
+        keys = cache.blocks[_row_index(cache, b, slots, layer_idx)].to(torch.float32)
+        key_pos = shard.position(slots).to(torch.float32).to(q_full.device)
         for t in range(start, stop):
             p = batch.lengths[b] + t - start
             lo, hi = key_range(mask, p, visible, local_window_size)
+            lo, hi = shard.local_count(lo), shard.local_count(hi)  # the shard's slots
+            if lo >= hi:  # the shard holds none of the row's keys
+                raw[t], magnitude[t], lse[t] = 0.0, 0.0, -math.inf
+                continue
             k = keys[lo:hi]
             scores = scale * (q_full[t] @ k.T)  # [H, hi - lo]
-            dist = (p - torch.arange(lo, hi, dtype=torch.float32, device=q_full.device))[None, :]
+            dist = (p - key_pos[lo:hi])[None, :]
             scores = scores - slopes[:, None] * dist
-            e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+            top = scores.amax(dim=-1, keepdim=True)
+            e = torch.exp(scores - top)
             total = e.sum(dim=-1, keepdim=True)
             raw[t] = rounded((rounded(e, dtype) @ k[:, :rank]) / total, dtype)
             magnitude[t] = (e @ k[:, :rank].abs()) / total
-    return raw, magnitude
+            lse[t] = (top + total.log())[:, 0]
+            bias = (slopes[:, None] * dist).abs()
+            score_magnitude[t] = (scale * (q_full[t].abs() @ k.abs().T) + bias).amax(dim=-1)
+            product_magnitude[t] = scale * q_full[t].abs().amax(dim=-1) * k.abs().max()
+    return raw, magnitude, lse, score_magnitude, product_magnitude
 
 
 def project_output(
@@ -287,21 +333,24 @@ def mla_decode_branch_fp8_stages(
     local_window_size: int = 0,
     new_rows: torch.Tensor | None = None,
     key_range: Callable[[str, int, int, int], tuple[int, int]] = key_range,
+    shard: CacheShard | None = None,
 ) -> Stages:
     """The six steps of the module docstring with their intermediate results.
 
     Updates ``cache.blocks`` in place; arguments are those of
     :func:`pymla.mla_decode_branch_fp8` (no input checks here). ``key_range``
     is step 5's rule (:func:`key_range`), a hook for tests that check that a
-    wrong key range is caught.
+    wrong key range is caught. ``shard``: the positions ``cache`` holds
+    (module docstring); its ``out`` projects the shard's partial ``raw``.
     """
+    shard = CacheShard() if shard is None else shard
     if score_mod not in SCORE_MODS:
         raise ValueError(f"score_mod: expected one of {SCORE_MODS}, got {score_mod!r}")
     granularity = ScaleGranularity.parse(scale_granularity)
     batch = Batch.of(input_row_offsets, cache.cache_lengths)
-    store_new_rows(cache, batch, layer_idx, freqs_cis, kv_norm_gamma, epsilon, new_rows)
+    store_new_rows(cache, batch, layer_idx, freqs_cis, kv_norm_gamma, epsilon, new_rows, shard)
     q_full = build_q_full(q, batch.positions(), freqs_cis, w_uk, w_uk_scale, granularity)
-    raw, magnitude = attend(
+    raw, magnitude, lse, score_magnitude, product_magnitude = attend(
         q_full,
         cache,
         batch,
@@ -312,9 +361,10 @@ def mla_decode_branch_fp8_stages(
         score_mod=score_mod,
         local_window_size=local_window_size,
         key_range=key_range,
+        shard=shard,
     )
     out = project_output(raw, w_uv, w_uv_scale, granularity, q.dtype)
-    return Stages(q_full, raw, magnitude, out)
+    return Stages(q_full, raw, magnitude, out, lse, score_magnitude, product_magnitude)
 
 
 def mla_decode_branch_fp8_reference(*args, **kwargs) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from .args import (
     INPUT_NAMES,
+    STEP_6_ONLY,
     KVCacheTensors,
     Mask,
     ScoreMod,
@@ -27,12 +28,18 @@ from .args import (
 from .options import DecodeOptions
 from .plan import DecodePlan, LayerWeights
 from .quant import ScaleGranularity
+from .shard import CacheShard
 from .validate import Dims, check_inputs
 
 
 def _named(values: tuple) -> dict:
     """The op's positional arguments by name (:data:`pymla.args.INPUT_NAMES`, then check_values)."""
     return dict(zip((*INPUT_NAMES, "check_values"), values, strict=True))
+
+
+def _shard(a: dict) -> CacheShard:
+    """The cache shard the schema carries as three ints (checked by ``CacheShard``)."""
+    return CacheShard(a["shard_rank"], a["num_shards"], a["shard_interleave"])
 
 
 def _parsed_options(a: dict) -> tuple[ScaleGranularity, Mask, ScoreMod]:
@@ -79,6 +86,9 @@ def _check_op_args(
         check_values=a["check_values"] and not metadata_only,
         attention_out=a["attention_output"],
         new_rows=a["new_rows"],
+        lse=a["lse"],
+        shard=_shard(a),
+        first_step=a["first_step"],
     )
 
 
@@ -89,8 +99,10 @@ def _torch_op_impl(*values) -> None:
     dims = _check_op_args(a, granularity, mask, score_mod)
     if dims.num_tokens == 0:
         return
+    out = a["output"] if a["output"].numel() else None
     attention_out = a["attention_output"] if a["attention_output"].numel() else None
     new_rows = a["new_rows"] if a["new_rows"].numel() else None
+    lse = a["lse"] if a["lse"].numel() else None
     weights = LayerWeights(
         a["w_uk"],  # the fp8 weights arrive as their uint8 bytes, as MAX takes them
         a["w_uk_scale"],
@@ -106,6 +118,7 @@ def _torch_op_impl(*values) -> None:
         mask=mask,
         score_mod=score_mod,
         local_window_size=a["local_window_size"],
+        shard=_shard(a),
     )
     step = DecodePlan(
         KVCacheTensors(a["kv_blocks"], a["cache_lengths"], a["lookup_table"]),
@@ -115,7 +128,10 @@ def _torch_op_impl(*values) -> None:
         num_tokens=dims.num_tokens,
         new_rows=new_rows is not None,
     )
-    step._launch(a["q"], a["layer_idx"], weights, a["output"], attention_out, new_rows)
+    if a["first_step"] == STEP_6_ONLY:
+        step.project(attention_out, a["q"], a["layer_idx"], weights, out)
+        return
+    step._launch(a["q"], a["layer_idx"], weights, out, attention_out, new_rows, lse)
 
 
 _torch_op = torch.library.custom_op(

@@ -201,6 +201,17 @@ def _check_scales(
 # ---------------------------------------------------------------- the op
 
 
+def check_shard_device(shard, score_mod: ScoreMod | str, device: torch.device) -> None:
+    """A shard of the cache with ALiBi runs on the CPU only (the GPU kernels take slots for positions)."""
+    if shard is None or shard.whole or device.type == "cpu":
+        return
+    if ScoreMod.parse(score_mod) == ScoreMod.ALIBI_POS:
+        raise ValueError(
+            f"score_mod: expected 'no_pos' for a shard of the cache on {device} (ALiBi on a "
+            "shard runs on the CPU only), got 'alibi_pos'"
+        )
+
+
 def check_inputs(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -225,14 +236,26 @@ def check_inputs(
     check_values: bool = True,
     attention_out: torch.Tensor | None = None,
     new_rows: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    shard=None,
+    first_step: int = 1,
 ) -> Dims:
     """Checks every argument of the op; with ``check_values`` also the values it indexes with.
 
     ``check_values=False`` checks only metadata (what torch's fake tensors
-    have), for tracing. ``attention_out`` and ``new_rows`` are optional: None
-    or an empty rank-1 tensor (the torch op's placeholder) means not given.
-    ``scale_granularity`` is parsed already (``ScaleGranularity.parse``).
+    have), for tracing. ``attention_out``, ``lse``, ``new_rows`` and ``out``
+    are optional: None or an empty rank-1 tensor (the torch op's placeholder)
+    means not given (no ``out``: the op stops after step 5, which then needs
+    ``attention_out``). ``scale_granularity`` is parsed already
+    (``ScaleGranularity.parse``); ``shard`` is a :class:`pymla.CacheShard`
+    (None: the whole cache). ``first_step`` 6 (step 6 alone) reads
+    ``attention_out`` and needs ``out``.
     """
+    first_step = as_int("first_step", first_step)
+    if first_step not in (1, 6):
+        raise ValueError(
+            f"first_step: expected 1 (the six steps) or 6 (step 6 alone), got {first_step}"
+        )
     check_options(
         scale=scale,
         epsilon=epsilon,
@@ -341,39 +364,51 @@ def check_inputs(
             "input_row_offsets: expected shape [num_requests + 1] (at least [0]), got an empty tensor"
         )
 
-    # The output.
-    check_tensor("out", out, rank=3, dtypes=(dtype,), device=dev, dtype_note=" (q's dtype)")
-    check_shape(
-        "out",
-        out,
-        (num_tokens, num_heads, v_head_dim),
-        "[tot_seq_len of q, num_heads, v_head_dim of w_uv]",
-    )
-
-    written = {"out": out, "kv_blocks": kv_blocks}
+    # The outputs.
+    written = {"kv_blocks": kv_blocks}
     optional = {
+        "out": (
+            out,
+            (num_tokens, num_heads, v_head_dim),
+            "[tot_seq_len of q, num_heads, v_head_dim of w_uv]",
+        ),
         "attention_out": (
             attention_out,
             (num_tokens, num_heads, kv_lora_rank),
             "[tot_seq_len of q, num_heads, kv_lora_rank]",
         ),
+        "lse": (lse, (num_tokens, num_heads), "[tot_seq_len of q, num_heads]"),
         "new_rows": (
             new_rows,
             (num_tokens, kv_lora_rank + rope_dim),
             "[tot_seq_len of q, kv_lora_rank + qk_rope_head_dim]",
         ),
     }
+    given = set()
     for name, (t, shape, what) in optional.items():
         if t is None or (isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() == 0):
             continue  # not given
-        check_tensor(
-            name, t, rank=len(shape), dtypes=(dtype,), device=dev, dtype_note=" (q's dtype)"
-        )
+        given.add(name)
+        t_dtype, note = (torch.float32, "") if name == "lse" else (dtype, " (q's dtype)")
+        check_tensor(name, t, rank=len(shape), dtypes=(t_dtype,), device=dev, dtype_note=note)
         check_shape(name, t, shape, what)
-        if name == "attention_out":
-            written[name] = t
-        else:
+        if name == "new_rows":
             inputs[name] = (t, len(shape), (dtype,))
+        else:
+            written[name] = t
+    check_shard_device(shard, score_mod, dev)
+    if "out" in given:  # first, as the op's own result: an overlap is named after it
+        written = {"out": written.pop("out"), **written}
+    if first_step == 6 and not {"out", "attention_out"} <= given:
+        raise ValueError(
+            "first_step: expected out and attention_out with 6 (step 6 alone reads "
+            f"attention_out, writes out), got {' and '.join(sorted(given)) or 'neither'}"
+        )
+    if "out" not in given and "attention_out" not in given:
+        raise ValueError(
+            "out: expected a tensor [tot_seq_len of q, num_heads, v_head_dim of w_uv] "
+            "(without it the op stops after step 5, so attention_out is needed), got none"
+        )
 
     if check_values:
         value_checks._check_no_overlap(written, {name: t for name, (t, _, _) in inputs.items()})
@@ -386,5 +421,6 @@ def check_inputs(
             max_seq_len=freqs_cis.shape[0],
             num_blocks=num_blocks,
             page_size=page_size,
+            shard=shard,
         )
     return Dims(num_tokens, num_requests, num_heads, nope_dim, rope_dim, kv_lora_rank, v_head_dim)

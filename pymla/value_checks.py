@@ -71,10 +71,13 @@ def check_positions(
     max_seq_len: int,
     num_blocks: int,
     page_size: int,
+    shard=None,
 ) -> np.ndarray:
     """The values the kernel indexes with: offsets, positions, pages; returns the offsets.
 
-    ``num_tokens`` None takes the offsets' last value as the token count (a plan's).
+    ``num_tokens`` None takes the offsets' last value as the token count (a
+    plan's). ``shard`` (a :class:`pymla.CacheShard`; None: the whole cache):
+    the pages hold only the shard's positions.
     """
     offsets = _as_numpy(input_row_offsets)
     if offsets[0] != 0:
@@ -103,13 +106,17 @@ def check_positions(
             f"cache_lengths: expected cached + new tokens <= {max_seq_len} (freqs_cis' rows), got "
             f"{int(lengths[worst])} + {int(steps[worst])} = {int(ends[worst])} for request {worst}"
         )
-    pages_needed = (ends + page_size - 1) // page_size
+    held = ends if shard is None else np.asarray(shard.local_count(ends.astype(np.int64)))
+    pages_needed = (held + page_size - 1) // page_size
     capacity = lookup_table.shape[1]
     b = int(np.argmax(pages_needed))
+    whose = (
+        "" if shard is None or shard.whole else f" ({int(held[b])} of them in shard {shard.rank})"
+    )
     if pages_needed[b] > capacity:
         raise ValueError(
             f"lookup_table: expected >= {int(pages_needed[b])} pages per request (request {b} has "
-            f"{int(lengths[b])} cached + {int(steps[b])} new tokens in pages of {page_size}), "
+            f"{int(lengths[b])} cached + {int(steps[b])} new tokens{whose} in pages of {page_size}), "
             f"got shape {tuple(lookup_table.shape)} (were its new rows appended to the cache?)"
         )
     table = _as_numpy(lookup_table)
@@ -119,7 +126,7 @@ def check_positions(
         b, p = (int(v) for v in np.argwhere(unowned)[0])
         raise ValueError(
             f"lookup_table: expected a page at [{b}, {p}] (request {b} has {int(lengths[b])} "
-            f"cached + {int(steps[b])} new tokens in pages of {page_size}), got the unused-page "
+            f"cached + {int(steps[b])} new tokens{whose} in pages of {page_size}), got the unused-page "
             f"marker {UNUSED_PAGE:#x}: the request owns only {p} pages "
             "(were its new rows appended to the cache?)"
         )
@@ -130,21 +137,29 @@ def check_positions(
             f"lookup_table: expected entries < {num_blocks} (kv_blocks' num_blocks), "
             f"got {int(table[b, p])} at [{b}, {p}]"
         )
-    _check_distinct_new_rows(offsets, lengths, table, page_size)
+    _check_distinct_new_rows(offsets, lengths, table, page_size, shard)
     return offsets
 
 
 def _check_distinct_new_rows(
-    offsets: np.ndarray, lengths: np.ndarray, table: np.ndarray, page_size: int
+    offsets: np.ndarray, lengths: np.ndarray, table: np.ndarray, page_size: int, shard=None
 ) -> None:
-    """Every new token's cache row belongs to it alone (the op rewrites those rows in place)."""
+    """Every new token's cache row belongs to it alone (the op rewrites those rows in place).
+
+    With a ``shard``, the rows of the new tokens it holds, at their local slots.
+    """
     steps = offsets[1:] - offsets[:-1]
     request = np.repeat(np.arange(steps.size), steps)
+    position = lengths[request] + np.arange(request.size) - offsets[:-1][request]
+    slot = position
+    if shard is not None and not shard.whole:
+        held = np.asarray(shard.owns(position), dtype=bool)
+        request, position = request[held], position[held]
+        slot = np.asarray(shard.local_count(position))
     if request.size < 2:
         return
-    position = lengths[request] + np.arange(request.size) - offsets[:-1][request]
-    block = table[request, position // page_size]
-    row = block * page_size + position % page_size
+    block = table[request, slot // page_size]
+    row = block * page_size + slot % page_size
     _, inverse, counts = np.unique(row, return_inverse=True, return_counts=True)
     shared = counts[inverse.reshape(-1)] > 1
     if shared.any():
@@ -154,7 +169,7 @@ def _check_distinct_new_rows(
             f"lookup_table: expected a cache row of its own for each new token, got request "
             f"{int(request[first])} position {int(position[first])} and request "
             f"{int(request[second])} position {int(position[second])} both in block "
-            f"{int(block[first])} row {int(position[first]) % page_size}"
+            f"{int(block[first])} row {int(slot[first]) % page_size}"
         )
 
 

@@ -10,7 +10,13 @@ import torch
 
 import pymla
 from pymla.cpu_paths import PATHS, compile_target_name, kernel_cpu_paths
-from pymla.parity import compare_attention, compare_cache, compare_output, compare_projection
+from pymla.parity import (
+    compare_attention,
+    compare_cache,
+    compare_lse,
+    compare_output,
+    compare_projection,
+)
 from pymla.quant import ScaleGranularity
 from pymla.reference import project_output
 from pymla.tools.scenario import Case, make_case, reference_stages, run_reference
@@ -22,6 +28,7 @@ __all__ = [
     "assert_cache_unchanged",
     "cache_snapshot",
     "check_parity",
+    "lse_report",
     "make_case",
     "run_op_poisoned",
     "run_reference",
@@ -69,14 +76,21 @@ def run_op_poisoned(
     attention: bool = False,
     new_rows: torch.Tensor | None = None,
     rerun_layers: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Runs the op into NaN-poisoned outputs and checks every element was written.
 
-    With ``attention`` also returns the attention output (``attention_out``).
+    With ``attention`` also returns the attention output (``attention_out``),
+    with ``lse`` also the LSE (``(out, att, lse)``).
     ``rerun_layers``: the case's layer ran already this step (its rows restored since).
     """
     out = _poisoned(case, case.weights["w_uv"].shape[1])
-    att = _poisoned(case, case.weights["w_uk"].shape[1]) if attention else None
+    att = _poisoned(case, case.weights["w_uk"].shape[1]) if attention or lse else None
+    lse_out = (
+        torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32, device=case.q.device)
+        if lse
+        else None
+    )
     result = pymla.mla_decode_branch_fp8(
         *case.args(),
         **case.options,
@@ -84,14 +98,22 @@ def run_op_poisoned(
         attention_out=att,
         new_rows=new_rows,
         rerun_layers=rerun_layers,
+        lse=lse_out,
     )
     assert result is out
-    for name, t in (("output", out), ("attention output", att)):
+    for name, t in (("output", out), ("attention output", att), ("lse", lse_out)):
         if t is not None:
             assert not torch.isnan(t).any(), (
                 f"{int(torch.isnan(t).sum())} {name} elements not written"
             )
+    if lse:
+        return out, att, lse_out
     return (out, att) if attention else out
+
+
+def lse_report(lse: torch.Tensor, stages, dtype: torch.dtype):
+    """The op's ``lse`` vs the reference stages' (:func:`pymla.parity.compare_lse`)."""
+    return compare_lse(lse, stages.lse, stages.score_magnitude, stages.product_magnitude, dtype)
 
 
 def assert_output_close(out: torch.Tensor, ref: torch.Tensor) -> None:
@@ -136,9 +158,9 @@ def on_target(target: str):
 def check_parity(case: Case, target: str = "cpu", *, via_new_rows: bool = False) -> None:
     """Op (on ``target``, see :data:`TARGETS`) vs reference (on the CPU), stage by stage.
 
-    Checks the attention output (step 5), the output given the op's own
-    attention output (step 6), the output end to end, the updated cache rows
-    and every other cache byte. ``via_new_rows`` passes the new tokens' rows
+    Checks the attention output and its LSE (step 5), the output given the
+    op's own attention output (step 6), the output end to end, the updated
+    cache rows and every other cache byte. ``via_new_rows`` passes the new tokens' rows
     as ``new_rows`` instead of appending them to the cache first.
     """
     new_rows = case.take_new_rows(seed=case.q.shape[0] + 17) if via_new_rows else None
@@ -146,14 +168,16 @@ def check_parity(case: Case, target: str = "cpu", *, via_new_rows: bool = False)
     stages, ref_blocks = reference_stages(case, new_rows=new_rows)
     with on_target(target) as device:
         case.to(device)
-        out, att = run_op_poisoned(
-            case, attention=True, new_rows=None if new_rows is None else new_rows.to(device)
+        out, att, lse = run_op_poisoned(
+            case, lse=True, new_rows=None if new_rows is None else new_rows.to(device)
         )
-        out, att = out.cpu(), att.cpu()
+        out, att, lse = out.cpu(), att.cpu(), lse.cpu()
         case.to("cpu")
     dtype = case.q.dtype
     report = compare_attention(att, stages.attention, stages.attention_magnitude, dtype)
     assert report.passed, report.describe()
+    lse_check = lse_report(lse, stages, dtype)
+    assert lse_check.passed, lse_check.describe()
     w = case.weights
     granularity = ScaleGranularity.parse(case.options["scale_granularity"])
     step6 = project_output(att, w["w_uv"], w["w_uv_scale"], granularity, dtype)
@@ -169,14 +193,17 @@ def check_parity(case: Case, target: str = "cpu", *, via_new_rows: bool = False)
         )
 
 
-def torch_op_args(case: Case) -> tuple:
-    """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` for a case (fresh ``out``)."""
+def torch_op_args(case: Case, **changes) -> tuple:
+    """The positional arguments of ``torch.ops.pymla.mla_decode_branch_fp8`` for a case (fresh ``out``).
+
+    ``changes``: other keywords of :func:`pymla.args.torch_op_args` (``out``, ``first_step``, ...).
+    """
     w = case.weights
     out = torch.empty(case.q.shape[0], case.q.shape[1], w["w_uv"].shape[1], dtype=case.q.dtype)
     o = dict(case.options)
     granularity = ScaleGranularity.parse(o.pop("scale_granularity"))
     return pymla.args.torch_op_args(
-        out=out,
+        **{"out": out, **changes},
         q=case.q,
         input_row_offsets=case.input_row_offsets,
         freqs_cis=case.freqs_cis,

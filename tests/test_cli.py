@@ -73,6 +73,19 @@ BAD_OPTIONS = {
         ("--context", "-1", "expected an integer >= 0, got '-1'"),
         ("--repeat", "0", "expected an integer >= 1, got '0'"),
     ],
+    "dcp": [
+        ("--ranks", "1", "expected an integer >= 2, got '1'"),
+        ("--heads", "0", "expected an integer >= 1, got '0'"),
+        ("--batch", "0", "expected an integer >= 1, got '0'"),
+        ("--context", "0", "expected an integer >= 1, got '0'"),
+        ("--new-tokens", "0", "expected an integer >= 1, got '0'"),
+        ("--page-size", "x", "expected an integer >= 1, got 'x'"),
+        ("--interleave", "0", "expected an integer >= 1, got '0'"),
+        ("--dtype", "int8", "invalid choice: 'int8'"),
+        ("--repeat", "0", "expected an integer >= 1, got '0'"),
+        ("--warmup", "-1", "expected an integer >= 0, got '-1'"),
+        ("--json", str(ROOT), "expected a file in an existing folder, got"),
+    ],
 }
 
 

@@ -9,16 +9,18 @@ end, cache rows): see ``helpers.check_parity`` and :mod:`pymla.parity`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
-from pymla import reference
-from pymla.parity import compare_attention
+import pymla
+from pymla import CacheShard, merge_attention_states, reference
+from pymla.parity import compare_attention, compare_cache, compare_projection
 from pymla.tools.scenario import reference_stages
 
-from helpers import TARGETS, check_parity, make_case, on_target, run_op_poisoned
+from helpers import TARGETS, check_parity, lse_report, make_case, on_target, run_op_poisoned
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GRANULARITIES = ("blockwise", "per_channel", "per_tensor")
@@ -219,15 +221,20 @@ def test_new_rows_given_to_the_op(dtype, target):
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_attention_out_leaves_the_output_unchanged(target):
-    """Asking for the attention output changes nothing else, bit for bit."""
+    """Asking for the attention output (and its LSE) changes nothing else, bit for bit."""
     case = make_case(3200, cache_lengths=(300, 20), new_tokens=(1, 3), num_heads=16)
     blocks = case.cache.blocks.clone()
     with on_target(target) as device:
         case.to(device)
         plain = run_op_poisoned(case)
+        after = case.cache.blocks.clone()
         case.cache.blocks.copy_(blocks.to(device))  # the rows as before the first run
         with_attention, _ = run_op_poisoned(case, attention=True, rerun_layers=True)
+        case.cache.blocks.copy_(blocks.to(device))
+        with_lse, _, _ = run_op_poisoned(case, lse=True, rerun_layers=True)
+        assert torch.equal(after.view(torch.uint8), case.cache.blocks.view(torch.uint8))
     assert torch.equal(plain.view(torch.uint8), with_attention.view(torch.uint8))
+    assert torch.equal(plain.view(torch.uint8), with_lse.view(torch.uint8))
 
 
 def _key_range_one_short(mask, position, visible, window):
@@ -272,3 +279,108 @@ def test_tolerance_catches_mutations(dtype, mutation, target, monkeypatch):
         assert report.max_ratio > 0.1, "the mutation should at least show"
     else:
         assert not report.passed, f"{mutation} went unnoticed: {report.describe()}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_lse_tolerance_catches_mutations(mutation, target):
+    """The op's LSE must fail the check against a reference made slightly wrong (every mutation).
+
+    The LSE is float32 in every dtype, so bfloat16's probability rounding hides nothing here.
+    """
+    case = make_case(
+        3350, dtype=torch.bfloat16, num_heads=32, cache_lengths=(40, 150), new_tokens=(1, 2)
+    )
+    good, _ = reference_stages(case)
+    change = MUTATIONS[mutation](case)
+    freqs = change.pop("freqs_cis", case.freqs_cis)
+    wrong, _ = reference_stages(dataclasses.replace(case, freqs_cis=freqs), **change)
+    with on_target(target) as device:
+        case.to(device)
+        _, _, lse = run_op_poisoned(case, lse=True)
+        case.to("cpu")
+    assert lse_report(lse.cpu(), good, torch.bfloat16).passed
+    report = lse_report(lse.cpu(), wrong, torch.bfloat16)
+    assert not report.passed, f"{mutation} went unnoticed: {report.describe()}"
+
+
+SHARDS = [(2, 1), (3, 16), (2, 200)]  # (count, interleave): tokens, pages of 16, contiguous
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize(("count", "interleave"), SHARDS, ids=[f"{n}x{i}" for n, i in SHARDS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_shards_of_the_cache(dtype, count, interleave, target):
+    """The op on each shard of a cache: attention, LSE and cache bytes against the reference on
+    that shard (global positions for RoPE, the mask and ALiBi; rows written only where held),
+    and the shards' results merged against the reference on the whole cache."""
+    options = dict(
+        dtype=dtype,
+        num_heads=8,
+        page_size=16,
+        cache_lengths=(70, 3, 0, 33),
+        new_tokens=(3, 2, 4, 1),
+        mask="sliding_window_causal",
+        # ALiBi on a shard runs on the CPU only (refused on a GPU: validate.check_shard_device).
+        score_mod="alibi_pos" if target.startswith("cpu") else "no_pos",
+        local_window_size=5,
+    )
+    whole, _ = reference_stages(make_case(3400, **options))
+    atts, lses = [], []
+    for rank in range(count):
+        case = make_case(3400, shard=CacheShard(rank, count, interleave), **options)
+        before = case.cache.blocks.clone()
+        stages, ref_blocks = reference_stages(case)
+        with on_target(target) as device:
+            case.to(device)
+            _, att, lse = run_op_poisoned(case, lse=True)
+            att, lse = att.cpu(), lse.cpu()
+            case.to("cpu")
+        report = compare_attention(att, stages.attention, stages.attention_magnitude, dtype)
+        assert report.passed, f"shard {rank}: {report.describe()}"
+        lse_check = lse_report(lse, stages, dtype)
+        assert lse_check.passed, f"shard {rank}: {lse_check.describe()}"
+        updated = case.new_rows_mask()
+        cache_report = compare_cache(before, case.cache.blocks, ref_blocks, updated)
+        assert cache_report.passed, f"shard {rank} cache: {cache_report.describe()}"
+        atts.append(att)
+        lses.append(lse)
+    assert sum(int(torch.isneginf(lse).sum()) for lse in lses) > 0, "some rows should miss a shard"
+    merged, merged_lse = merge_attention_states(atts, lses)
+    report = compare_attention(
+        merged.to(dtype), whole.attention, whole.attention_magnitude, dtype, whole.score_magnitude
+    )
+    assert report.passed, f"merged: {report.describe()}"
+    lse_check = lse_report(merged_lse, whole, dtype)
+    assert lse_check.passed, f"merged: {lse_check.describe()}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_step_6_alone(dtype, target):
+    """``DecodePlan.project`` (first_step 6) on a given attention output: the reference's step 6
+    on it, the same as the whole op's step 6 bit for bit, and the cache untouched."""
+    case = make_case(3500, dtype=dtype, cache_lengths=(30, 7), new_tokens=(2, 1))
+    w = case.weights
+    granularity = reference.ScaleGranularity.parse(case.options["scale_granularity"])
+    with on_target(target) as device:
+        case.to(device)
+        whole, att = run_op_poisoned(case, attention=True)
+        before = case.cache.blocks.clone()
+        options = {k: v for k, v in case.options.items() if k != "scale_granularity"}
+        step = pymla.plan(
+            case.cache, case.input_row_offsets, case.freqs_cis, pymla.DecodeOptions(**options)
+        )
+        weights = pymla.LayerWeights(
+            *(w[k] for k in ("w_uk", "w_uk_scale", "w_uv", "w_uv_scale")),
+            case.kv_norm_gamma,
+            granularity,
+        )
+        out = torch.full_like(whole, float("nan"))
+        assert step.project(att, case.q, case.layer_idx, weights, out) is out
+        assert torch.equal(case.cache.blocks.view(torch.uint8), before.view(torch.uint8))
+        case.to("cpu")
+    assert torch.equal(out.cpu().view(torch.uint8), whole.cpu().view(torch.uint8))
+    expected = reference.project_output(att.cpu(), w["w_uv"], w["w_uv_scale"], granularity, dtype)
+    report = compare_projection(out.cpu(), expected)
+    assert report.passed, report.describe()

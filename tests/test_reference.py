@@ -157,6 +157,21 @@ def _sdpa_attention(case, kv: KVCacheTensors, q_full, scale, mask, score_mod, wi
     return torch.cat(outs)
 
 
+def _attention_case(seed, dtype, mask, score_mod, window):
+    """Three requests (9, 30 and 0 cached tokens; 1, 3 and 2 new), 4 heads, pages of 8."""
+    return make_case(
+        seed,
+        dtype=dtype,
+        num_heads=4,
+        page_size=8,
+        cache_lengths=(9, 30, 0),
+        new_tokens=(1, 3, 2),
+        mask=mask,
+        score_mod=score_mod,
+        local_window_size=window,
+    )
+
+
 @pytest.mark.parametrize(
     ("mask", "score_mod", "window"),
     [
@@ -168,17 +183,7 @@ def _sdpa_attention(case, kv: KVCacheTensors, q_full, scale, mask, score_mod, wi
 )
 def test_reference_attention_matches_sdpa(mask, score_mod, window, monkeypatch):
     """The whole reference with its fp8 projections made exact, against SDPA on unpaged keys."""
-    case = make_case(
-        5,
-        dtype=torch.float32,
-        num_heads=4,
-        page_size=8,
-        cache_lengths=(9, 30, 0),
-        new_tokens=(1, 3, 2),
-        mask=mask,
-        score_mod=score_mod,
-        local_window_size=window,
-    )
+    case = _attention_case(5, torch.float32, mask, score_mod, window)
     # Replace both fp8 matmuls by exact float matmuls on dequantized weights, so
     # the remaining difference is the attention alone.
     from pymla import reference
@@ -301,3 +306,115 @@ def test_reference_new_rows_equal_appended_rows():
     given, given_blocks = reference_stages(case, new_rows=rows)
     assert torch.equal(appended.out, given.out)
     assert torch.equal(appended_blocks, given_blocks)
+
+
+@pytest.mark.parametrize(
+    ("mask", "score_mod", "window"),
+    [("causal", "alibi_pos", 0), ("sliding_window_causal", "no_pos", 4), ("null", "no_pos", 0)],
+)
+def test_reference_lse_is_the_natural_logsumexp_of_the_scaled_scores(mask, score_mod, window):
+    """The reference's LSE against float64 ``logsumexp`` of ``scale q K^T + bias`` (mask applied)."""
+    case = _attention_case(6, torch.bfloat16, mask, score_mod, window)
+    stages, blocks = reference_stages(case)
+    kv = KVCacheTensors(blocks, case.cache.cache_lengths, case.cache.lookup_table)
+    scale = case.options["scale"]
+    slopes = alibi_slopes(4).double() if score_mod == "alibi_pos" else torch.zeros(4).double()
+    offsets = case.input_row_offsets.tolist()
+    expected = []
+    for b in range(len(offsets) - 1):
+        c, n = case.cache.length(b), offsets[b + 1] - offsets[b]
+        pos = torch.arange(c + n)
+        pages = kv.lookup_table[b].to(torch.int64)
+        keys = kv.blocks[pages[pos // 8], 0, case.layer_idx, pos % 8, 0].double()
+        qpos = torch.arange(c, c + n)
+        q = stages.q_full[offsets[b] : offsets[b + 1]].double()  # [n, H, D]
+        scores = scale * torch.einsum("thd,jd->thj", q, keys)
+        scores = scores - slopes[None, :, None] * (qpos[:, None, None] - pos[None, None, :])
+        allowed = _allowed(mask, qpos[:, None], pos[None, :], window)[:, None, :]
+        expected.append(torch.logsumexp(scores.masked_fill(~allowed, -math.inf), dim=-1))
+    expected = torch.cat(expected)
+    err = (stages.lse.double() - expected).abs()
+    # float32 scores of a few units: a few float32 ulps (a base-2 log would be off by 30%).
+    assert (err <= 1e-5 * (1 + expected.abs())).all(), float(err.max())
+
+
+@pytest.mark.parametrize(("count", "interleave"), [(2, 1), (3, 2), (2, 64)])
+def test_merged_shards_of_the_reference_equal_the_whole(count, interleave):
+    """``merge_attention_states`` of the reference on each shard equals the reference on the whole cache."""
+    from pymla import CacheShard, merge_attention_states
+    from pymla.parity import compare_attention
+
+    from helpers import lse_report
+
+    options = dict(
+        num_heads=4,
+        cache_lengths=(9, 70, 0),
+        new_tokens=(2, 3, 1),
+        mask="sliding_window_causal",
+        score_mod="alibi_pos",
+        local_window_size=3,
+        dtype=torch.float32,
+    )
+    whole, _ = reference_stages(make_case(7, **options))
+    parts = [
+        reference_stages(make_case(7, shard=CacheShard(r, count, interleave), **options))[0]
+        for r in range(count)
+    ]
+    assert any(torch.isneginf(p.lse).any() for p in parts), "a shard should miss some rows' keys"
+    for p in parts:  # a row without keys: zero output, -inf
+        empty = torch.isneginf(p.lse)
+        assert (p.attention[empty] == 0).all()
+    merged, lse = merge_attention_states([p.attention for p in parts], [p.lse for p in parts])
+    report = compare_attention(
+        merged,
+        whole.attention,
+        whole.attention_magnitude,
+        torch.float32,
+        whole.score_magnitude,
+    )
+    assert report.passed, report.describe()
+    lse_check = lse_report(lse, whole, torch.float32)
+    assert lse_check.passed, lse_check.describe()
+
+
+def test_merge_attention_states_of_rows_no_piece_saw():
+    """Pieces with ``lse = -inf`` weigh nothing; a row none saw is zero with ``-inf``."""
+    from pymla import merge_attention_states
+
+    out = torch.tensor([[[[1.0, 2.0]], [[5.0, 5.0]]], [[[3.0, 4.0]], [[7.0, 7.0]]]])  # [2, 2, 1, 2]
+    lse = torch.tensor([[[0.0], [-math.inf]], [[math.log(3.0)], [-math.inf]]])
+    merged, merged_lse = merge_attention_states(out, lse)
+    torch.testing.assert_close(merged[0, 0], torch.tensor([2.5, 3.5]))  # weights 1/4, 3/4
+    assert merged_lse[0, 0] == pytest.approx(math.log(4.0))
+    assert (merged[1] == 0).all() and torch.isneginf(merged_lse[1]).all()
+    with pytest.raises(ValueError, match="outputs, lses"):
+        merge_attention_states(out, lse[:, :1])
+
+
+def test_cache_shard_positions_and_slots():
+    """Every position has one owner; slots count a shard's positions; ``position`` inverts them."""
+    from pymla import CacheShard
+
+    for count, interleave in ((1, 1), (2, 1), (3, 4), (2, 1000)):
+        shards = [CacheShard(r, count, interleave) for r in range(count)]
+        pos = torch.arange(200)
+        owners = torch.stack([s.owns(pos) for s in shards]).int()
+        assert (owners.sum(0) == 1).all()
+        for s in shards:
+            mine = s.positions(200)
+            slots = torch.arange(mine.numel())
+            assert torch.equal(s.local_count(mine), slots)
+            assert torch.equal(s.position(slots), mine)
+            assert s.local_count(200) == mine.numel()
+            assert [s.local_count(int(p)) for p in range(0, 200, 7)] == [
+                int((mine < p).sum()) for p in range(0, 200, 7)
+            ]
+    for bad, match in (
+        (dict(rank=2, count=2), "shard_rank"),
+        (dict(count=0), "num_shards"),
+        (dict(interleave=0), "shard_interleave"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            CacheShard(**bad)
+    with pytest.raises(TypeError, match="num_shards"):
+        CacheShard(count=2.0)

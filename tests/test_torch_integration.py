@@ -12,7 +12,7 @@ import torch
 import pymla
 from pymla.parity import compare_output
 
-from helpers import check_parity, make_case, run_reference, torch_op_args
+from helpers import check_parity, make_case, run_op_poisoned, run_reference, torch_op_args
 
 
 def test_torch_compile_fullgraph_matches_reference():
@@ -61,7 +61,7 @@ def test_op_is_registered_with_mutations_declared():
     mutated = {
         a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
     }
-    assert mutated == {"output", "kv_blocks", "attention_output"}
+    assert mutated == {"output", "kv_blocks", "attention_output", "lse"}
 
 
 def test_direct_torch_ops_call_matches_reference():
@@ -175,3 +175,16 @@ def test_check_values_false_skips_only_the_value_checks(monkeypatch):
     bad_q = case.q[:, :, :100].contiguous()
     with pytest.raises(ValueError, match="^q: "):
         pymla.mla_decode_branch_fp8(bad_q, *case.args()[1:], **case.options, check_values=False)
+
+
+def test_torch_op_step_6_alone_reads_the_attention_output():
+    """``first_step`` 6 through the torch op: step 6 on ``attention_output``, the cache untouched."""
+    case = make_case(90, num_heads=4, cache_lengths=(12, 3), new_tokens=(1, 2))
+    whole, att = run_op_poisoned(case, attention=True)
+    before = case.cache.blocks.clone()
+    out = torch.full_like(whole, float("nan"))
+    torch.ops.pymla.mla_decode_branch_fp8(
+        *torch_op_args(case, out=out, attention_out=att, first_step=pymla.args.STEP_6_ONLY)
+    )
+    assert torch.equal(out.view(torch.uint8), whole.view(torch.uint8))
+    assert torch.equal(case.cache.blocks.view(torch.uint8), before.view(torch.uint8))

@@ -1225,3 +1225,105 @@ def test_random_corrupted_configurations(corruption, config, data):
     assert any(message.startswith(f"{name}: expected ") for name in blamed), message
     assert re.search(rf"(?<![\w.]){re.escape(mentioned)}(?!\w)", message), message
     assert " got " in message, message
+
+
+# ---------------------------------------------------------------- lse, shards
+
+
+def _small_case(**changes):
+    return make_case(
+        40,
+        num_heads=2,
+        cache_lengths=(5, 9),
+        new_tokens=(1, 2),
+        num_layers=1,
+        layer_idx=0,
+        **changes,
+    )
+
+
+@pytest.mark.parametrize(
+    ("lse", "error", "message"),
+    [
+        (torch.empty(3, 2, dtype=torch.bfloat16), TypeError, "lse: expected dtype torch.float32"),
+        (
+            torch.empty(3, 3),
+            ValueError,
+            r"lse: expected shape \(3, 2\) \(\[tot_seq_len of q, num_heads\]\)",
+        ),
+        (torch.empty(3, 2, 1), ValueError, "lse: expected a rank-2 tensor"),
+    ],
+)
+def test_bad_lse_is_refused_before_the_kernel(lse, error, message):
+    case = _small_case()
+    before = case.cache.blocks.clone()
+    with pytest.raises(error, match=message):
+        pymla.mla_decode_branch_fp8(*case.args(), **case.options, lse=lse)
+    assert torch.equal(case.cache.blocks.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_lse_sharing_memory_with_out_is_refused():
+    case = _small_case()
+    out = torch.empty(3, 2, 128, dtype=torch.bfloat16)
+    lse = out.view(-1).view(torch.float32)[:6].view(3, 2)  # the first bytes of out
+    with pytest.raises(ValueError, match="expected memory of its own"):
+        pymla.mla_decode_branch_fp8(*case.args(), **case.options, out=out, lse=lse)
+
+
+def test_shard_of_options_must_be_the_cache_s():
+    shard = pymla.CacheShard(1, 2)
+    case = _small_case(shard=shard)
+    options = {k: v for k, v in case.options.items() if k != "shard"}
+    with pytest.raises(ValueError, match=r"shard: expected the cache's shard"):
+        pymla.mla_decode_branch_fp8(*case.args(), **options)
+    step_options = pymla.DecodeOptions(scale=case.options["scale"], shard=pymla.CacheShard(0, 2))
+    with pytest.raises(ValueError, match=r"options: expected the cache's shard"):
+        pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, step_options)
+    with pytest.raises(TypeError, match="shard: expected a pymla.CacheShard"):
+        pymla.DecodeOptions(scale=1.0, shard=(0, 2, 1))
+
+
+def test_a_shard_needs_only_the_pages_of_its_positions():
+    """The lookup-table checks count the shard's positions: 5 + 1 tokens over 2 shards is 3 each."""
+    shard = pymla.CacheShard(0, 2)
+    cache = pymla.PagedLatentCache(num_blocks=4, page_size=2, kv_lora_rank=8, shard=shard)
+    b = cache.add_request()
+    cache.fill(b, 5)
+    assert len(cache.pages_of(b)) == 2  # positions 0, 2, 4 in pages of 2
+    cache.append(b, 0, torch.randn(1, 72))  # position 5: rank 1's, no page needed here
+    assert len(cache.pages_of(b)) == 2 and cache.pending(b) == 1
+    assert cache.rows(b, 0).shape[0] == 3  # the shard's positions 0, 2, 4
+    table = cache.lookup_table.clone()
+    table[0, 1] = UNUSED_PAGE
+    with pytest.raises(ValueError, match=r"\(3 of them in shard 0\)"):
+        pymla.value_checks.check_positions(
+            torch.tensor([0, 1], dtype=torch.uint32),
+            cache.cache_lengths,
+            table,
+            num_tokens=1,
+            max_seq_len=10,
+            num_blocks=4,
+            page_size=2,
+            shard=shard,
+        )
+
+
+def test_alibi_on_a_shard_is_refused_on_a_gpu():
+    """The GPU kernels take key slots for ALiBi's positions: refused before any kernel runs."""
+    from pymla.validate import check_shard_device
+
+    shard = pymla.CacheShard(0, 2)
+    with pytest.raises(ValueError, match="score_mod: expected 'no_pos' for a shard"):
+        check_shard_device(shard, "alibi_pos", torch.device("cuda", 0))
+    check_shard_device(shard, "alibi_pos", torch.device("cpu"))
+    check_shard_device(pymla.CacheShard(), "alibi_pos", torch.device("cuda", 0))
+    check_shard_device(shard, "no_pos", torch.device("cuda", 0))
+
+
+def test_no_output_needs_attention_out():
+    """The torch op without ``output`` stops after step 5, which then needs ``attention_output``."""
+    case = _small_case()
+    args = list(torch_op_args(case))
+    args[0] = torch.empty(0, dtype=case.q.dtype)
+    with pytest.raises(ValueError, match="out: expected a tensor"):
+        torch.ops.pymla.mla_decode_branch_fp8(*args)

@@ -21,14 +21,18 @@ scored; or, on CPUs with AMX, `tdpbf16ps` on 16-key tiles loaded in place
 from the cache (`cpu/amx.mojo`), `AMX_KEY_TILE` keys per tile, rows padded
 to 16. All sum the same products in float32.
 
-Partitions are merged with their log-sum-exp at the end.
+Partitions are merged with their log-sum-exp at the end, which also gives
+each row's LSE (the op's optional `lse`). With a shard of the cache
+(`RaggedBatch.shard`, context-parallel decode) keys are the shard's slots:
+the partitions split its slots, the mask's position ranges map to slot
+ranges, and ALiBi takes each slot's sequence position.
 """
 
-from std.math import exp, min
+from std.math import exp, log, min
 from std.utils.numerics import neg_inf
 
 from ..common import DPtr, FPtr, ceil_div
-from ..paged_cache import PagedLatentRows, RaggedBatch, partition_keys
+from ..paged_cache import CacheShard, PagedLatentRows, RaggedBatch, partition_keys
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from .amx import (
     AMX_KEY_TILE,
@@ -192,16 +196,20 @@ struct TaskRows(Movable):
         return scratch(self.state_buf).unsafe_offset(3 * self.padded)
 
 
-def softmax_update[dtype: DType, tile: Int](mut rows: TaskRows, j0: Int, num_keys: Int, scale: Float32):
+def softmax_update[
+    dtype: DType, tile: Int
+](mut rows: TaskRows, j0: Int, num_keys: Int, scale: Float32, shard: CacheShard):
     """Turns the tile's scores `[rows, tile]` into probabilities and updates each row's max, sum and correction.
 
     The row sum takes the float32 probabilities; P V gets them rounded to `dtype`.
+    Key slots `j0 ..` of the shard sit at sequence positions `shard.position(j)` (ALiBi).
     """
     comptime ScoreVec = SIMD[DType.float32, tile]
     var lanes = SIMD[DType.int32, tile]()
+    var key_pos = ScoreVec()
     comptime for i in range(tile):
         lanes[i] = Int32(i)
-    var key_pos = lanes.cast[DType.float32]() + Float32(j0)
+        key_pos[i] = Float32(shard.position(j0 + i))
     var scores = scratch(rows.scores_buf)
     var row_max = rows.row_max()
     var row_sum = rows.row_sum()
@@ -234,7 +242,10 @@ def softmax_update[dtype: DType, tile: Int](mut rows: TaskRows, j0: Int, num_key
 
 def attend_tiles_f32[
     dtype: DType
-](mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, key_dim: Int, rank: Int):
+](
+    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    key_dim: Int, rank: Int,
+):
     """The task's keys `k_lo .. k_hi - 1`, tile by tile, widened to float32 once per tile."""
     var tile_buf = List[Float32](length=KEY_TILE * key_dim, fill=0)
     var tile = scratch(tile_buf)
@@ -243,7 +254,7 @@ def attend_tiles_f32[
         var j1 = min(j0 + KEY_TILE, k_hi)
         load_key_tile[dtype](cache, b, j0, j1, tile, key_dim)
         tile_scores(scratch(rows.q_buf), tile, scratch(rows.scores_buf), rows.padded, key_dim)
-        softmax_update[dtype, KEY_TILE](rows, j0, j1 - j0, scale)
+        softmax_update[dtype, KEY_TILE](rows, j0, j1 - j0, scale, shard)
         accumulate_values(
             scratch(rows.scores_buf), tile, scratch(rows.out_buf), rows.correction(), rows.padded, key_dim, rank
         )
@@ -263,7 +274,10 @@ def tile_rows[
 
 def attend_tiles_bf16[
     dtype: DType
-](mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, key_dim: Int, rank: Int):
+](
+    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    key_dim: Int, rank: Int,
+):
     """The task's keys tile by tile on the AVX512-BF16 unit, reading the bf16 cache rows in place.
 
     Keys past the tile's end point at its last key: their probabilities are 0.
@@ -285,7 +299,7 @@ def attend_tiles_bf16[
         var j1 = min(j0 + tile, k_hi)
         var next_keys = tile_rows[dtype, tile](cache, b, min(j1, k_hi - 1), k_hi)
         tile_scores_bf16[tile](q, keys, next_keys, scratch(rows.scores_buf), rows.padded, key_dim)
-        softmax_update[dtype, tile](rows, j0, j1 - j0, scale)
+        softmax_update[dtype, tile](rows, j0, j1 - j0, scale, shard)
         accumulate_values_bf16[tile](
             scratch(rows.scores_buf), probs, keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
         )
@@ -320,8 +334,11 @@ def key_half(
 
 def attend_tiles_amx[
     dtype: DType, tiles: TileUnit
-](mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, key_dim: Int, rank: Int):
-    """The task's keys on AMX tiles (`cpu/amx.mojo`), 32-key tiles aligned to multiples of 32 positions.
+](
+    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    key_dim: Int, rank: Int,
+):
+    """The task's keys on AMX tiles (`cpu/amx.mojo`), 32-key tiles aligned to multiples of 32 slots.
 
     `rows.padded` is a multiple of 16.
     """
@@ -354,7 +371,7 @@ def attend_tiles_amx[
         tile_scores_amx(
             unit, keys, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
         )
-        softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale)
+        softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
         accumulate_values_amx(
             unit, scratch(rows.scores_buf), untracked_bf16(buffers.probs), keys, valid,
             untracked_bf16(buffers.v_packed), out, buffers.out_stride, rows.correction(), rows.padded, rank,
@@ -397,8 +414,8 @@ def attend_partitions[
         var part = i % shape.num_partitions
         var h0 = hg * shape.heads_per_group
         var h1 = min(h0 + shape.heads_per_group, shape.num_heads)
-        var visible = batch.visible(b)
-        var part_keys = partition_keys(part, shape.num_partitions, visible)
+        var visible = batch.visible(b)  # positions: the mask's
+        var part_keys = partition_keys(part, shape.num_partitions, batch.local_keys(b))  # key slots
         var k0 = part_keys[0]
         var k1 = part_keys[1]
         var t0 = batch.start(b)
@@ -406,7 +423,7 @@ def attend_partitions[
         var key_dim = shape.key_dim
         var rank = shape.kv_lora_rank
 
-        # Gather the task's rows: their queries, key ranges (within this partition) and slopes.
+        # Gather the task's rows: their queries, key slots (within this partition) and slopes.
         var rows = TaskRows((t1 - t0) * (h1 - h0), key_dim, rank, TILE_ROWS if path == PATH_AMX else ROW_BLOCK)
         var q_rows = scratch(rows.q_buf)
         var slopes = rows.slope()
@@ -416,8 +433,9 @@ def attend_partitions[
         for t in range(t0, t1):
             var position = batch.position(b, t)
             var span = mask.key_range(position, visible)
-            var lo = max(span[0], k0)
-            var hi = min(span[1], k1)
+            var slots = batch.local_key_range(span[0], span[1])
+            var lo = max(slots[0], k0)
+            var hi = min(slots[1], k1)
             k_lo = min(k_lo, lo)
             k_hi = max(k_hi, hi)
             for h in range(h0, h1):
@@ -437,14 +455,14 @@ def attend_partitions[
         var done = False
         comptime if dtype == DType.bfloat16:
             if path == PATH_AMX:
-                attend_tiles_amx[dtype, tiles](rows, cache, b, k_lo, k_hi, scale, key_dim, rank)
+                attend_tiles_amx[dtype, tiles](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
                 done = True
         comptime if dtype == DType.bfloat16 and HAS_AVX512_BF16:
             if path == PATH_AVX512BF16:
-                attend_tiles_bf16[dtype](rows, cache, b, k_lo, k_hi, scale, key_dim, rank)
+                attend_tiles_bf16[dtype](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
                 done = True
         if not done:
-            attend_tiles_f32[dtype](rows, cache, b, k_lo, k_hi, scale, key_dim, rank)
+            attend_tiles_f32[dtype](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
 
         # Hand the rows' state to the merge.
         var out_rows = scratch(rows.out_buf)
@@ -460,17 +478,23 @@ def attend_partitions[
 
     var keys = 0
     for b in range(batch.num_requests):
-        keys += batch.visible(b)
+        keys += batch.local_keys(b)
     run_tasks(task, batch.num_requests * tasks_per_request, keys * shape.num_heads * shape.key_dim)
 
 
 def merge_partitions[
     dtype: DType
-](partials: PartialResults, shape: AttentionShape, raw: DPtr[dtype]) raises:
-    """`raw[t, h] = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)` with `M = max_p m_p`."""
+](partials: PartialResults, shape: AttentionShape, raw: DPtr[dtype], lse: FPtr, has_lse: Bool) raises:
+    """`raw[t, h] = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)` with `M = max_p m_p`.
+
+    With `has_lse`, `lse[t, h] = M + log(sum_p exp(m_p - M) l_p)`: the natural
+    log-sum-exp of the row's scaled, biased scores (`m_p`, `l_p` are a
+    partition's running max and sum of `exp(s - m_p)`). A row that saw no key
+    (a shard holding none of its key range) gets `raw = 0` and `lse = -inf`.
+    """
     var rows = shape.num_tokens * shape.num_heads
 
-    def row_task(row: Int) {var partials, var shape, var raw, var rows}:
+    def row_task(row: Int) {var partials, var shape, var raw, var rows, var lse, var has_lse}:
         comptime W = F32_WIDTH
         var rank = shape.kv_lora_rank
         var top = neg_inf[DType.float32]()
@@ -486,6 +510,8 @@ def merge_partitions[
             var m = partials.row_max.unsafe_load(p * rows + row)
             if m > neg_inf[DType.float32]():  # else this partition held none of the row's keys
                 weights[p] = exp(m - top) / total
+        if has_lse:
+            lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
         var dst = raw.unsafe_offset(row * rank)
         var c = 0
         while c < rank:

@@ -95,7 +95,7 @@ def plan_attention(batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_
     var head_groups = ceil_div(num_heads, heads_per_group)
     var longest = 0
     for b in range(batch.num_requests):
-        longest = max(longest, batch.visible(b))
+        longest = max(longest, batch.local_keys(b))
     var tasks = max(batch.num_requests * head_groups, 1)
     var partitions = ceil_div(workers * TASKS_PER_WORKER, tasks)
     partitions = max(1, min(partitions, ceil_div(longest, MIN_KEYS_PER_PARTITION)))
@@ -136,11 +136,14 @@ def attention_path[dtype: DType]() raises -> Int:
 
 
 def copy_new_rows_into_cache[dtype: DType](p: DecodeProblem[dtype]):
-    """Stores `new_rows[t]` into the cache row of each new token `t` (before steps 1 and 2 on it)."""
+    """Stores `new_rows[t]` into the cache row of each new token `t` this shard holds (before steps 1 and 2 on it)."""
     var width = p.key_dim()
     for b in range(p.batch.num_requests):
         for t in range(p.batch.start(b), p.batch.stop(b)):
-            var dst = p.cache.row(b, p.batch.position(b, t))
+            var pos = p.batch.position(b, t)
+            if not p.batch.shard.owns(pos):
+                continue
+            var dst = p.cache.row(b, p.batch.shard.local_count(pos))
             var src = p.new_rows.unsafe_offset(t * width)
             for d in range(width):
                 dst.unsafe_store(d, src.unsafe_load(d))
@@ -149,6 +152,12 @@ def copy_new_rows_into_cache[dtype: DType](p: DecodeProblem[dtype]):
 def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     """The six steps on the CPU, each a parallel stage over host memory."""
     if p.num_tokens == 0:
+        return
+    if p.project_only:  # step 6 alone, on the attention output given
+        project_output[dtype](
+            p.attention_output, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank,
+            p.v_head_dim, p.granularity,
+        )
         return
     # The attention path first: a refused PYMLA_CPU_PATH raises before any cache row changes.
     var path = attention_path[dtype]()
@@ -188,13 +197,14 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
         length=0 if p.has_attention_output else p.num_tokens * p.num_heads * p.kv_lora_rank, fill=0
     )
     var raw = p.attention_output if p.has_attention_output else scratch_of(raw_buf)
-    merge_partitions[dtype](partials, shape, raw)
+    merge_partitions[dtype](partials, shape, raw, p.lse, p.has_lse)
 
-    # Step 6: output projection.
-    project_output[dtype](
-        raw, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank, p.v_head_dim,
-        p.granularity, path,
-    )
+    # Step 6: output projection (not wanted by a context-parallel rank: it merges first).
+    if p.has_output:
+        project_output[dtype](
+            raw, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank, p.v_head_dim,
+            p.granularity, path,
+        )
     _ = q_full_buf^
     _ = part_out_buf^
     _ = part_max_buf^

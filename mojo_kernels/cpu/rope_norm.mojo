@@ -66,13 +66,18 @@ def rotate_and_normalize_new_rows[
     kv_lora_rank: Int,
     rope_dim: Int,
 ) raises:
-    """Steps 1 and 2 on the cache, in place, for every new token of every request."""
+    """Steps 1 and 2 on the cache, in place, for every new token of every request.
+
+    With a shard of the cache, only the tokens this rank holds, at their local slots.
+    """
     var num_requests = batch.num_requests
 
     def request_task(b: Int) {var cache, var batch, var freqs_cis, var gamma, var epsilon, var kv_lora_rank, var rope_dim}:
         for t in range(batch.start(b), batch.stop(b)):
             var pos = batch.position(b, t)
-            var row = cache.row(b, pos)
+            if not batch.shard.owns(pos):
+                continue
+            var row = cache.row(b, batch.shard.local_count(pos))
             rms_norm_in_place[dtype](row, gamma, kv_lora_rank, epsilon)
             rope_interleaved[dtype, dtype, dtype](
                 row.unsafe_offset(kv_lora_rank),

@@ -4,7 +4,7 @@ from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from ..common import U32Ptr
 
 
-def find_request(offsets: U32Ptr, num_requests: Int, t: Int) -> Int:
+def find_request(offsets: Pointer[UInt32, MutUntrackedOrigin, address_space=_], num_requests: Int, t: Int) -> Int:
     """The request owning query row `t`: the largest `b` with `offsets[b] <= t`.
 
     Requests without new tokens share their offset with the next one and are

@@ -9,14 +9,20 @@ normalized into `raw` with one partition, else the partition's unnormalized
 output and row statistics for `merge_kernel` (`store_output`, `store_stats`).
 """
 
-from max.gpu import block_idx
+from std.sys._assembly import inlined_assembly
+from std.utils.numerics import neg_inf
+
+from max.gpu import barrier, block_idx
 from max.gpu.host import DeviceContext, FuncAttribute
+from max.gpu.memory import AddressSpace, async_copy_wait_group
 
 from ..common import FPtr
 from ..paged_cache import partition_keys
 from ..spec import MaskSpec
 from .addressing import attention_slots, find_slot_request, row_attention_meta, slot_start
 from .params import DeviceBatch, DeviceCache, KernelParams
+
+comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
 
 @fieldwise_init
@@ -49,6 +55,9 @@ struct AttentionParams[dtype: DType](KernelParams):
 struct AttentionBlock(TrivialRegisterPassable):
     """One block's request `request`, rows `[row0, row_end)` (`t H + h`) and keys `[k0, k1)`.
 
+    Keys are the cache's slots: with a shard of the cache (`DeviceBatch.shard`),
+    slot `j` holds position `shard.position(j)`; the key ranges of `row_meta` are slots.
+
     Its methods take the launch's `AttentionParams`: kernel parameters stay in
     parameter space, where the compiler reloads them instead of holding them
     in registers (holding them made the wgmma kernel spill 10x more).
@@ -60,7 +69,7 @@ struct AttentionBlock(TrivialRegisterPassable):
     var row_end: Int
     var total_rows: Int  # T H
     var cache_length: Int
-    var visible: Int  # the request's keys: cached and new
+    var visible: Int  # the request's positions: cached and new
     var part: Int
     var k0: Int
     var k1: Int
@@ -77,8 +86,8 @@ struct AttentionBlock(TrivialRegisterPassable):
         var o1 = Int(p.batch.offsets.unsafe_load(b + 1))
         var row0 = o0 * heads + (slot - slot_start(p.batch.offsets, b, heads, rows_per_block)) * rows_per_block
         var cache_length = Int(p.batch.cache_lengths.unsafe_load(b))
-        var visible = cache_length + o1 - o0
-        var keys = partition_keys(block_idx.y, Int(p.num_partitions), visible)
+        var visible = cache_length + o1 - o0  # positions (the mask's)
+        var keys = partition_keys(block_idx.y, Int(p.num_partitions), p.batch.shard().local_count(visible))
         return Self(
             b, o0, row0, o1 * heads, Int(p.batch.offsets.unsafe_load(nreq)) * heads, cache_length,
             visible, block_idx.y, keys[0], keys[1],
@@ -91,13 +100,18 @@ struct AttentionBlock(TrivialRegisterPassable):
 
     @always_inline
     def row_meta[dtype: DType, //](self, p: AttentionParams[dtype], r: Int) -> Tuple[Int, Int, Int, Float32]:
-        """Key range `[lo, hi)`, position and ALiBi slope of block row `r`; zeros past the request's rows."""
+        """Key slots `[lo, hi)`, position and ALiBi slope of block row `r`; zeros past the request's rows.
+
+        ALiBi takes the key's slot for its position: the whole cache only (a shard with ALiBi is refused).
+        """
         if self.row0 + r >= self.row_end:
             return (0, 0, 0, Float32(0))
-        return row_attention_meta(
+        var meta = row_attention_meta(
             self.row0 + r, Int(p.num_heads), self.cache_length, self.first_token, self.visible,
             MaskSpec(Int(p.mask_kind), Int(p.window)), Int(p.score_mod),
         )
+        var shard = p.batch.shard()
+        return (shard.local_count(meta[0]), shard.local_count(meta[1]), meta[2], meta[3])
 
     @always_inline
     def widen_keys(self, span: Tuple[Int, Int], lo: Int, hi: Int) -> Tuple[Int, Int]:
@@ -148,6 +162,147 @@ struct AttentionBlock(TrivialRegisterPassable):
         if p.num_partitions > 1 and row < self.row_end:
             p.part_max.unsafe_store(self.part * self.total_rows + row, m)
             p.part_sum.unsafe_store(self.part * self.total_rows + row, l)
+
+
+@fieldwise_init
+struct RowMasks(TrivialRegisterPassable):
+    """The block rows' mask data in shared memory (`row_meta`): key range `[lo, hi)`, position, ALiBi slope."""
+
+    var lo: SPtr[Int32]
+    var hi: SPtr[Int32]
+    var pos: SPtr[Int32]
+    var slope: SPtr[Float32]
+
+    @always_inline
+    def store[dtype: DType, //](self, blk: AttentionBlock, p: AttentionParams[dtype], r: Int):
+        """Block row `r`'s mask data (one thread per row)."""
+        var meta = blk.row_meta(p, r)
+        self.lo.unsafe_store(r, Int32(meta[0]))
+        self.hi.unsafe_store(r, Int32(meta[1]))
+        self.pos.unsafe_store(r, Int32(meta[2]))
+        self.slope.unsafe_store(r, meta[3])
+
+    @always_inline
+    def key_span(self, blk: AttentionBlock, rows: Int) -> Tuple[Int, Int]:
+        """The keys `[lo, hi)` of the partition that any of the block's `rows` rows needs (after a barrier)."""
+        var span = (blk.k1, blk.k0)
+        for r in range(rows):
+            span = blk.widen_keys(span, Int(self.lo.unsafe_load(r)), Int(self.hi.unsafe_load(r)))
+        return span
+
+
+@fieldwise_init
+struct SoftmaxRows(TrivialRegisterPassable):
+    """The block rows' online softmax in shared memory: running max `m`, sum `l`, last correction; their masks."""
+
+    var m: SPtr[Float32]
+    var l: SPtr[Float32]
+    var corr: SPtr[Float32]
+    var masks: RowMasks
+
+    @staticmethod
+    @always_inline
+    def carve(base: SPtr[UInt8], off: Int, rows: Int) -> Self:
+        """Seven tables of `rows` 4-byte values from `base + off`: m, l, corr, slope, lo, hi, pos."""
+        var at = base.unsafe_offset(off)
+        var masks = RowMasks(
+            at.unsafe_offset(4 * rows * 4).unsafe_bitcast[Int32](),
+            at.unsafe_offset(5 * rows * 4).unsafe_bitcast[Int32](),
+            at.unsafe_offset(6 * rows * 4).unsafe_bitcast[Int32](),
+            at.unsafe_offset(3 * rows * 4).unsafe_bitcast[Float32](),
+        )
+        return Self(
+            at.unsafe_bitcast[Float32](),
+            at.unsafe_offset(rows * 4).unsafe_bitcast[Float32](),
+            at.unsafe_offset(2 * rows * 4).unsafe_bitcast[Float32](),
+            masks,
+        )
+
+    @always_inline
+    def start[dtype: DType, //](self, blk: AttentionBlock, p: AttentionParams[dtype], r: Int):
+        """Block row `r`'s mask data and empty softmax state (one thread per row)."""
+        self.masks.store(blk, p, r)
+        self.m.unsafe_store(r, neg_inf[DType.float32]())
+        self.l.unsafe_store(r, Float32(0))
+        self.corr.unsafe_store(r, Float32(1))
+
+
+@always_inline
+def fence_async_proxy():
+    """Orders this thread's generic-proxy shared-memory writes before wgmma's (async proxy) reads."""
+    inlined_assembly["fence.proxy.async.shared::cta;", NoneType, constraints="~{memory}", has_side_effect=True]()
+
+
+@fieldwise_init
+struct KeyTiles[dtype: DType, kt: Int](TrivialRegisterPassable):
+    """Double-buffered key tiles of `kt` keys over keys `[j0, end)`: tile `j0` in `k_s[cur]` while the next is copied.
+
+    `rowoff [2][kt]` (shared) holds each buffer's cache rows. Thread `tid < kt`
+    looks up the cache row of key `tid` of a tile one tile ahead of its copy,
+    in a register (`ahead`), so the lookup-table load is not waited for at the
+    barrier. The kernel starts each copy (`copy_key_tile*`): the first of `rowoff[0]`'s rows into
+    `k_s0`, then at each step `next_rows()` into `next_keys()`.
+    """
+
+    var rowoff: SPtr[Int64]
+    var k_s0: SPtr[Scalar[Self.dtype]]
+    var k_s1: SPtr[Scalar[Self.dtype]]
+    var ahead: Int64
+    var j0: Int
+    var end: Int
+    var cur: Int
+    var has_next: Bool
+
+    def __init__(out self, rowoff: SPtr[Int64], k_s0: SPtr[Scalar[Self.dtype]], k_s1: SPtr[Scalar[Self.dtype]], keys: Tuple[Int, Int]):
+        self = Self(rowoff, k_s0, k_s1, Int64(-1), keys[0], keys[1], 0, False)
+
+    @always_inline
+    def start(mut self, blk: AttentionBlock, p: AttentionParams[Self.dtype], tid: Int):
+        """The rows of the first tile in `rowoff[0]`, the second's in `ahead`; then a barrier."""
+        if tid < Self.kt:
+            self.rowoff.unsafe_store(tid, blk.tile_row(p, self.j0 + tid, self.end))
+        if tid < Self.kt:
+            self.ahead = blk.tile_row(p, self.j0 + Self.kt + tid, self.end)
+        barrier()
+
+    @always_inline
+    def more(self) -> Bool:
+        return self.j0 < self.end
+
+    @always_inline
+    def next_rows(self) -> SPtr[Int64]:
+        """The cache rows of the next tile's buffer."""
+        return self.rowoff.unsafe_offset((1 - self.cur) * Self.kt)
+
+    @always_inline
+    def next_keys(self) -> SPtr[Scalar[Self.dtype]]:
+        """The next tile's buffer."""
+        return self.k_s1 if self.cur == 0 else self.k_s0
+
+    @always_inline
+    def wait[fence: Bool](mut self, tid: Int) -> SPtr[Scalar[Self.dtype]]:
+        """At the top of tile `j0`'s step: the next tile's rows into `next_rows()`, then waits for
+        this tile's copy and the block (`fence`: also orders shared writes before wgmma reads); this tile's keys."""
+        self.has_next = self.j0 + Self.kt < self.end
+        var nxt = self.next_rows()
+        if tid < Self.kt:
+            nxt.unsafe_store(tid, self.ahead)
+        async_copy_wait_group(0)
+        comptime if fence:
+            fence_async_proxy()
+        barrier()
+        return self.k_s0 if self.cur == 0 else self.k_s1
+
+    @always_inline
+    def look_ahead(mut self, blk: AttentionBlock, p: AttentionParams[Self.dtype], tid: Int):
+        """Once the copy of the next tile has started: the rows of the tile after it."""
+        if tid < Self.kt:
+            self.ahead = blk.tile_row(p, self.j0 + 2 * Self.kt + tid, self.end)
+
+    @always_inline
+    def advance(mut self):
+        self.j0 += Self.kt
+        self.cur = 1 - self.cur
 
 
 def enqueue_attention[

@@ -8,8 +8,9 @@ from max.gpu import WARP_SIZE, barrier, thread_idx
 from max.gpu.memory import AddressSpace, async_copy, async_copy_wait_all, external_memory
 from max.gpu.primitives import warp
 
-from .attention_block import AttentionBlock, AttentionParams
+from .attention_block import AttentionBlock, AttentionParams, SoftmaxRows
 from ..common import ceil_div
+from .params import to_global
 
 
 # ATT_ROWS (token, head) rows of one request per block, ATT_KT keys
@@ -63,8 +64,6 @@ def attention_fma_kernel[
         return
     var rank = Int(p.kv_lora_rank)
     var dim = Int(p.cache.key_dim)
-    var row0 = blk.row0
-    var row_end = blk.row_end
 
     # Shared memory regions (byte offsets are multiples of 16).
     var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
@@ -77,52 +76,31 @@ def attention_fma_kernel[
     off += ATT_WARPS * ATT_ROWS * ATT_KT * 4
     var pT_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [KT][ROWS]
     off += ATT_KT * ATT_ROWS * 4
-    var m_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
-    off += ATT_ROWS * 4
-    var l_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
-    off += ATT_ROWS * 4
-    var corr_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
-    off += ATT_ROWS * 4
-    var slope_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
-    off += ATT_ROWS * 4
-    var lo_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
-    off += ATT_ROWS * 4
-    var hi_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
-    off += ATT_ROWS * 4
-    var pos_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
-    off += ATT_ROWS * 4
+    var st = SoftmaxRows.carve(base, off, ATT_ROWS)  # m, l, corr, slope, lo, hi, pos
+    off += 7 * ATT_ROWS * 4
     var rowoff_s = base.unsafe_offset(off).unsafe_bitcast[Int64]()
 
     # Per-row metadata: key range, position, ALiBi slope, empty softmax state.
     if tid < ATT_ROWS:
-        var meta = blk.row_meta(p, tid)
-        lo_s.unsafe_store(tid, Int32(meta[0]))
-        hi_s.unsafe_store(tid, Int32(meta[1]))
-        pos_s.unsafe_store(tid, Int32(meta[2]))
-        slope_s.unsafe_store(tid, meta[3])
-        m_s.unsafe_store(tid, neg_inf[DType.float32]())
-        l_s.unsafe_store(tid, Float32(0))
-        corr_s.unsafe_store(tid, Float32(1))
+        st.start(blk, p, tid)
 
     # q rows, transposed: qT_s[k * ATT_ROWS + r] (rows of one k contiguous).
     for e in range(tid, ATT_ROWS * dim, ATT_THREADS):
         var r = e % ATT_ROWS
         var k = e // ATT_ROWS
         var v = Float32(0)
-        if row0 + r < row_end:
-            v = p.q_full.unsafe_load((row0 + r) * dim + k)
+        if blk.row0 + r < blk.row_end:
+            v = p.q_full.unsafe_load((blk.row0 + r) * dim + k)
         qT_s.unsafe_store(e, v)
     barrier()
 
     # Keys any row of the block needs in this partition.
-    var span = (blk.k1, blk.k0)
-    for r in range(ATT_ROWS):
-        span = blk.widen_keys(span, Int(lo_s.unsafe_load(r)), Int(hi_s.unsafe_load(r)))
+    var span = st.masks.key_span(blk, ATT_ROWS)
     var kb_lo = span[0]
     var kb_hi = span[1]
 
     var acc = Array[SIMD[DType.float32, ATT_ROWS], CPT](fill=0)
-    var blocks_global = p.cache.blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    var blocks_global = to_global(p.cache.blocks)
     var c0 = tid * CPT
     var stride = dim + ATT_KEY_PAD
     var vec_per_row = dim // 4
@@ -168,11 +146,11 @@ def attention_fma_kernel[
             comptime for w in range(ATT_WARPS):
                 s += red_s.unsafe_load((w * ATT_ROWS + r) * ATT_KT + lane)
             var key = j0 + lane
-            if key < kb_hi and key >= Int(lo_s.unsafe_load(r)) and key < Int(hi_s.unsafe_load(r)):
-                s = s * p.scale - slope_s.unsafe_load(r) * Float32(Int(pos_s.unsafe_load(r)) - key)
+            if key < kb_hi and key >= Int(st.masks.lo.unsafe_load(r)) and key < Int(st.masks.hi.unsafe_load(r)):
+                s = s * p.scale - st.masks.slope.unsafe_load(r) * Float32(Int(st.masks.pos.unsafe_load(r)) - key)
             else:
                 s = neg_inf[DType.float32]()
-            var m_old = m_s.unsafe_load(r)
+            var m_old = st.m.unsafe_load(r)
             var m_new = max(m_old, warp.max(s))
             var p = Float32(0)
             var corr = Float32(1)
@@ -182,14 +160,14 @@ def attention_fma_kernel[
             var p_sum = warp.sum(p)
             pT_s.unsafe_store(lane * ATT_ROWS + r, p.cast[dtype]().cast[DType.float32]())
             if lane == 0:
-                m_s.unsafe_store(r, m_new)
-                l_s.unsafe_store(r, l_s.unsafe_load(r) * corr + p_sum)
-                corr_s.unsafe_store(r, corr)
+                st.m.unsafe_store(r, m_new)
+                st.l.unsafe_store(r, st.l.unsafe_load(r) * corr + p_sum)
+                st.corr.unsafe_store(r, corr)
         barrier()
 
         # acc = acc * corr + P V for this thread's value columns.
         if c0 < rank:
-            var corr_v = corr_s.unsafe_load[width=ATT_ROWS, alignment=16](0)
+            var corr_v = st.corr.unsafe_load[width=ATT_ROWS, alignment=16](0)
             comptime for i in range(CPT):
                 acc[i] *= corr_v
             for j in range(nkeys):
@@ -205,13 +183,13 @@ def attention_fma_kernel[
     # Results of the block's valid rows.
     if c0 < rank:
         comptime for r in range(ATT_ROWS):
-            if row0 + r < row_end:
+            if blk.row0 + r < blk.row_end:
                 var v = SIMD[DType.float32, CPT](0)
                 comptime for i in range(CPT):
                     v[i] = acc[i][r]
-                var inv = AttentionBlock.inverse_sum(l_s.unsafe_load(r))
-                blk.result_row(p, row0 + r).unsafe_offset(c0).unsafe_store(
+                var inv = AttentionBlock.inverse_sum(st.l.unsafe_load(r))
+                blk.result_row(p, blk.row0 + r).unsafe_offset(c0).unsafe_store(
                     0, AttentionBlock.result[dtype, CPT](p, v, inv)
                 )
     if tid < ATT_ROWS:
-        blk.store_stats(p, row0 + tid, m_s.unsafe_load(tid), l_s.unsafe_load(tid))
+        blk.store_stats(p, blk.row0 + tid, st.m.unsafe_load(tid), st.l.unsafe_load(tid))

@@ -34,11 +34,12 @@ from std.utils.numerics import neg_inf
 
 from max.gpu import WARP_SIZE, barrier, thread_idx
 from max.gpu.compute.mma import ld_matrix, mma
-from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
+from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, external_memory
 from max.gpu.primitives import warp
 
 from ..common import ceil_div
-from .attention_block import AttentionBlock, AttentionParams
+from .attention_block import AttentionBlock, AttentionParams, KeyTiles, SoftmaxRows
+from .params import to_global
 
 comptime MMA_ROWS = 16  # rows per group (the M of one mma)
 comptime MMA_KEY_DIM_MAX = 576  # k-steps of 16 per warp: key_dim <= gw * ks_max(gw) * 16
@@ -152,17 +153,15 @@ def attention_mma_kernel[
     var lane = tid % WARP_SIZE
     var g = lane // 4
     var t4 = lane % 4
+    var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()  # carved below
 
     var blk = AttentionBlock.locate[ROWS_BLK](p)
     if not blk.has_rows():
         return
     var rank = Int(p.kv_lora_rank)
     var dim = Int(p.cache.key_dim)
-    var row0 = blk.row0
-    var row_end = blk.row_end
 
     # Shared memory.
-    var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()
     var stride = dim + MMA_KEY_PAD
     var off = 0
     var k_buf_bytes = ceil_div(kt * stride * size_of[dtype](), 16) * 16
@@ -173,36 +172,17 @@ def attention_mma_kernel[
     off += groups * gw * MMA_ROWS * RS * 4
     var p_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][16][RS]
     off += groups * MMA_ROWS * RS * 4
-    var m_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [ROWS_BLK] each
-    off += ROWS_BLK * 4
-    var l_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
-    off += ROWS_BLK * 4
-    var corr_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
-    off += ROWS_BLK * 4
-    var slope_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()
-    off += ROWS_BLK * 4
-    var lo_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
-    off += ROWS_BLK * 4
-    var hi_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
-    off += ROWS_BLK * 4
-    var pos_s = base.unsafe_offset(off).unsafe_bitcast[Int32]()
-    off += ROWS_BLK * 4
+    var st = SoftmaxRows.carve(base, off, ROWS_BLK)  # m, l, corr, slope, lo, hi, pos: [ROWS_BLK] each
+    off += 7 * ROWS_BLK * 4
     off = ceil_div(off, 16) * 16
     var rowoff_s = base.unsafe_offset(off).unsafe_bitcast[Int64]()  # two buffers [kt]
 
     if tid < ROWS_BLK:
-        var meta = blk.row_meta(p, tid)
-        lo_s.unsafe_store(tid, Int32(meta[0]))
-        hi_s.unsafe_store(tid, Int32(meta[1]))
-        pos_s.unsafe_store(tid, Int32(meta[2]))
-        slope_s.unsafe_store(tid, meta[3])
-        m_s.unsafe_store(tid, neg_inf[DType.float32]())
-        l_s.unsafe_store(tid, Float32(0))
-        corr_s.unsafe_store(tid, Float32(1))
+        st.start(blk, p, tid)
 
     # This lane's q fragments (rows g and g + 8 of its group), in dtype.
     var nks = dim // 16
-    var gr_a = row0 + group * MMA_ROWS + g
+    var gr_a = blk.row0 + group * MMA_ROWS + g
     var gr_b = gr_a + 8
     var q_h = Array[SIMD[dtype, 8], KS_MAX](fill=0)
     comptime for i in range(KS_MAX):
@@ -210,30 +190,20 @@ def attention_mma_kernel[
         if ks < nks:
             var d0 = ks * 16 + 2 * t4
             var x = SIMD[DType.float32, 8](0)
-            if gr_a < row_end:
-                var src = p.q_full.unsafe_offset(gr_a * dim + d0)
-                var v0 = src.unsafe_load[width=2, alignment=8](0)
-                var v1 = src.unsafe_load[width=2, alignment=8](8)
-                x[0] = v0[0]
-                x[1] = v0[1]
-                x[4] = v1[0]
-                x[5] = v1[1]
-            if gr_b < row_end:
-                var src = p.q_full.unsafe_offset(gr_b * dim + d0)
-                var v0 = src.unsafe_load[width=2, alignment=8](0)
-                var v1 = src.unsafe_load[width=2, alignment=8](8)
-                x[2] = v0[0]
-                x[3] = v0[1]
-                x[6] = v1[0]
-                x[7] = v1[1]
+            comptime for h in range(2):  # row g in x[0, 1, 4, 5], row g + 8 in x[2, 3, 6, 7]
+                if gr_a + 8 * h < blk.row_end:
+                    var src = p.q_full.unsafe_offset((gr_a + 8 * h) * dim + d0)
+                    var v0 = src.unsafe_load[width=2, alignment=8](0)
+                    var v1 = src.unsafe_load[width=2, alignment=8](8)
+                    x[2 * h] = v0[0]
+                    x[2 * h + 1] = v0[1]
+                    x[2 * h + 4] = v1[0]
+                    x[2 * h + 5] = v1[1]
             q_h[i] = x.cast[dtype]()  # exact: q_full holds dtype values
     barrier()
 
     # Keys any row of the block needs in this partition.
-    var span = (blk.k1, blk.k0)
-    for r in range(ROWS_BLK):
-        span = blk.widen_keys(span, Int(lo_s.unsafe_load(r)), Int(hi_s.unsafe_load(r)))
-    var kb_lo = span[0]
+    var span = st.masks.key_span(blk, ROWS_BLK)
     var kb_hi = span[1]
 
     var acc = Array[SIMD[DType.float32, 4], NT_MAX](fill=0)
@@ -243,37 +213,23 @@ def attention_mma_kernel[
     var red_g = red_s.unsafe_offset(group * gw * MMA_ROWS * RS)
     var red_w = red_g.unsafe_offset(w * MMA_ROWS * RS)
     var p_g = p_s.unsafe_offset(group * MMA_ROWS * RS)
-    var blocks_global = p.cache.blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    var blocks_global = to_global(p.cache.blocks)
 
-    # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used. Thread
-    # `tid < kt` looks up the cache row of key `tid` of a tile one tile ahead of its copy, in a
-    # register, so the lookup-table load is not waited for at the barrier.
+    # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used.
     var copy_first = (tid // vec_per_row, tid % vec_per_row)
     var copy_step = (THREADS // vec_per_row, THREADS % vec_per_row)
-    if tid < kt:
-        rowoff_s.unsafe_store(tid, blk.tile_row(p, kb_lo + tid, kb_hi))
-    var ro_ahead = Int64(-1)
-    if tid < kt:
-        ro_ahead = blk.tile_row(p, kb_lo + kt + tid, kb_hi)
-    barrier()
-    if kb_lo < kb_hi:
+    var tiles = KeyTiles[dtype, kt](rowoff_s, k_s0, k_s1, span)
+    tiles.start(blk, p, tid)
+    if tiles.more():
         copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row)
-    var j0 = kb_lo
-    var cur = 0
-    while j0 < kb_hi:
-        var has_next = j0 + kt < kb_hi
-        var nxt_rowoff = rowoff_s.unsafe_offset((1 - cur) * kt)
-        if tid < kt:
-            nxt_rowoff.unsafe_store(tid, ro_ahead)
-        async_copy_wait_group(0)
-        barrier()
-        var k_s = k_s0 if cur == 0 else k_s1
-        if has_next:
+    while tiles.more():
+        var k_s = tiles.wait[fence=False](tid)
+        var j0 = tiles.j0
+        if tiles.has_next:
             copy_key_tile[dtype, kt, THREADS](
-                blocks_global, nxt_rowoff, k_s1 if cur == 0 else k_s0, copy_first, copy_step, stride, vec_per_row
+                blocks_global, tiles.next_rows(), tiles.next_keys(), copy_first, copy_step, stride, vec_per_row
             )
-            if tid < kt:
-                ro_ahead = blk.tile_row(p, j0 + 2 * kt + tid, kb_hi)
+            tiles.look_ahead(blk, p, tid)
 
         # Partial scores of this warp's k-steps.
         var s_acc = Array[SIMD[DType.float32, 4], NSP](fill=0)
@@ -298,10 +254,10 @@ def attention_mma_kernel[
         comptime for ri in range(MMA_ROWS // gw):
             var r = w * (MMA_ROWS // gw) + ri
             var rb = group * MMA_ROWS + r
-            var lo = Int(lo_s.unsafe_load(rb))
-            var hi = Int(hi_s.unsafe_load(rb))
-            var pos = Int(pos_s.unsafe_load(rb))
-            var slope = slope_s.unsafe_load(rb)
+            var lo = Int(st.masks.lo.unsafe_load(rb))
+            var hi = Int(st.masks.hi.unsafe_load(rb))
+            var pos = Int(st.masks.pos.unsafe_load(rb))
+            var slope = st.masks.slope.unsafe_load(rb)
             var sv = SIMD[DType.float32, KPL](0)
             comptime for kk in range(KPL):
                 var j = lane + WARP_SIZE * kk
@@ -314,7 +270,7 @@ def attention_mma_kernel[
                 else:
                     s = neg_inf[DType.float32]()
                 sv[kk] = s
-            var m_old = m_s.unsafe_load(rb)
+            var m_old = st.m.unsafe_load(rb)
             var m_new = max(m_old, warp.max(sv.reduce_max()))
             var p = SIMD[DType.float32, KPL](0)
             var corr = Float32(1)
@@ -325,14 +281,14 @@ def attention_mma_kernel[
             comptime for kk in range(KPL):
                 p_g.unsafe_store(r * RS + lane + WARP_SIZE * kk, p[kk])
             if lane == 0:
-                m_s.unsafe_store(rb, m_new)
-                l_s.unsafe_store(rb, l_s.unsafe_load(rb) * corr + p_sum)
-                corr_s.unsafe_store(rb, corr)
+                st.m.unsafe_store(rb, m_new)
+                st.l.unsafe_store(rb, st.l.unsafe_load(rb) * corr + p_sum)
+                st.corr.unsafe_store(rb, corr)
         barrier()
 
         # O = O * corr + P V on this warp's value columns.
-        var corr_a = corr_s.unsafe_load(group * MMA_ROWS + g)
-        var corr_b = corr_s.unsafe_load(group * MMA_ROWS + g + 8)
+        var corr_a = st.corr.unsafe_load(group * MMA_ROWS + g)
+        var corr_b = st.corr.unsafe_load(group * MMA_ROWS + g + 8)
         var corr_v = SIMD[DType.float32, 4](corr_a, corr_a, corr_b, corr_b)
         comptime for nt in range(NT_MAX):
             if nt < nt_count:
@@ -363,24 +319,23 @@ def attention_mma_kernel[
                             mma_acc(acc[nt + 1], pf, vf[h].slice[4, offset=4]())
         # No barrier here: the next iteration's first barrier orders this tile's reads of
         # k_s / p_s / red_s before they are written again.
-        j0 += kt
-        cur = 1 - cur
+        tiles.advance()
 
     # Results: rows g and g + 8 of the group, this warp's columns.
-    var inv_a = AttentionBlock.inverse_sum(l_s.unsafe_load(group * MMA_ROWS + g))
-    var inv_b = AttentionBlock.inverse_sum(l_s.unsafe_load(group * MMA_ROWS + g + 8))
+    var inv_a = AttentionBlock.inverse_sum(st.l.unsafe_load(group * MMA_ROWS + g))
+    var inv_b = AttentionBlock.inverse_sum(st.l.unsafe_load(group * MMA_ROWS + g + 8))
     var out_a = blk.result_row(p, gr_a)
     var out_b = blk.result_row(p, gr_b)
     comptime for nt in range(NT_MAX):
         if nt < nt_count:
             var col = col_base + nt * 8 + 2 * t4
-            if gr_a < row_end:
+            if gr_a < blk.row_end:
                 out_a.unsafe_offset(col).unsafe_store[alignment=8](
                     0, AttentionBlock.result[dtype, 2](p, acc[nt].slice[2, offset=0](), inv_a)
                 )
-            if gr_b < row_end:
+            if gr_b < blk.row_end:
                 out_b.unsafe_offset(col).unsafe_store[alignment=8](
                     0, AttentionBlock.result[dtype, 2](p, acc[nt].slice[2, offset=2](), inv_b)
                 )
     if tid < ROWS_BLK:
-        blk.store_stats(p, row0 + tid, m_s.unsafe_load(tid), l_s.unsafe_load(tid))
+        blk.store_stats(p, blk.row0 + tid, st.m.unsafe_load(tid), st.l.unsafe_load(tid))

@@ -27,7 +27,6 @@ element `4 j + e` is row `16 w + g + 8 (e / 2)`, column `8 j + 2 t + e % 2`.
 
 from std.math import exp
 from std.sys import size_of
-from std.sys._assembly import inlined_assembly
 from std.utils.numerics import neg_inf
 
 from max.gpu import WARP_SIZE, barrier, thread_idx
@@ -38,10 +37,11 @@ from max.gpu.compute.mma import (
     wgmma_fence_aligned,
     wgmma_wait_group_sync,
 )
-from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group, external_memory
+from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, external_memory
 from max.gpu.primitives.warp import shuffle_xor
 
-from .attention_block import AttentionBlock, AttentionParams
+from .attention_block import AttentionBlock, AttentionParams, KeyTiles, RowMasks, fence_async_proxy
+from .params import to_global
 
 comptime WG_ROWS = 64  # rows per block: the M of one wgmma
 comptime WG_THREADS = 128  # one warpgroup
@@ -66,12 +66,6 @@ def attention_wgmma_smem_bytes[dtype: DType](kt: Int, key_dim: Int) -> Int:
     var row_bytes = (2 * WG_COUNT + 4) * WG_ROWS * 4  # row max / sum exchange, lo, hi, pos, slope
     var off_bytes = 2 * kt * 8
     return q_bytes + k_bytes + p_bytes + row_bytes + off_bytes
-
-
-@always_inline
-def fence_async_proxy():
-    """Orders this thread's generic-proxy shared-memory writes before wgmma's (async proxy) reads."""
-    inlined_assembly["fence.proxy.async.shared::cta;", NoneType, constraints="~{memory}", has_side_effect=True]()
 
 
 @always_inline
@@ -208,12 +202,9 @@ def attention_wgmma_kernel[
     off += WG_ROWS * 4
     var rowoff_s = base.unsafe_offset(off).unsafe_bitcast[Int64]()  # two buffers [kt]
 
+    var masks = RowMasks(lo_s, hi_s, pos_s, slope_s)
     if tid < WG_ROWS:
-        var meta = blk.row_meta(p, tid)
-        lo_s.unsafe_store(tid, Int32(meta[0]))
-        hi_s.unsafe_store(tid, Int32(meta[1]))
-        pos_s.unsafe_store(tid, Int32(meta[2]))
-        slope_s.unsafe_store(tid, meta[3])
+        masks.store(blk, p, tid)
 
     # Q tile in dtype (exact: q_full holds dtype values), zeros past the request's rows.
     var v = tid
@@ -240,13 +231,10 @@ def attention_wgmma_kernel[
     var slope_b = slope_s.unsafe_load(rb)
 
     # Keys any row of the block needs in this partition.
-    var span = (blk.k1, blk.k0)
-    for r in range(WG_ROWS):
-        span = blk.widen_keys(span, Int(lo_s.unsafe_load(r)), Int(hi_s.unsafe_load(r)))
-    var kb_lo = span[0]
+    var span = masks.key_span(blk, WG_ROWS)
     var kb_hi = span[1]
 
-    var blocks_global = blocks.unsafe_address_space_cast[AddressSpace.GLOBAL]()
+    var blocks_global = to_global(blocks)
     # Descriptor strides (bytes): 16-byte columns of a core matrix are 128 bytes apart along a row;
     # 8-row groups are 8 C ESZ apart.
     comptime sbo_qk = 8 * dim * ESZ
@@ -258,29 +246,17 @@ def attention_wgmma_kernel[
     var l_b = Float32(0)
     var acc = SIMD[DType.float32, ACC_W](0)
 
-    if tid < kt:
-        rowoff_s.unsafe_store(tid, blk.tile_row(p, kb_lo + tid, kb_hi))
-    var ro_ahead = Int64(-1)
-    if tid < kt:
-        ro_ahead = blk.tile_row(p, kb_lo + kt + tid, kb_hi)
-    barrier()
-    if kb_lo < kb_hi:
+    var tiles = KeyTiles[dtype, kt](rowoff_s, k_s0, k_s1, span)
+    tiles.start(blk, p, tid)
+    if tiles.more():
         copy_key_tile_core[dtype, kt](blocks_global, rowoff_s, k_s0, tid, chunks)
-    var j0 = kb_lo
-    var cur = 0
-    while j0 < kb_hi:
-        var has_next = j0 + kt < kb_hi
-        var nxt_rowoff = rowoff_s.unsafe_offset((1 - cur) * kt)
-        if tid < kt:
-            nxt_rowoff.unsafe_store(tid, ro_ahead)
-        async_copy_wait_group(0)
-        fence_async_proxy()
-        barrier()  # this tile is in k_s; the previous tile's P V is done in both warpgroups
-        var k_s = k_s0 if cur == 0 else k_s1
-        if has_next:
-            copy_key_tile_core[dtype, kt](blocks_global, nxt_rowoff, k_s1 if cur == 0 else k_s0, tid, chunks)
-            if tid < kt:
-                ro_ahead = blk.tile_row(p, j0 + 2 * kt + tid, kb_hi)
+    while tiles.more():
+        # This tile is in k_s; the previous tile's P V is done in both warpgroups.
+        var k_s = tiles.wait[fence=True](tid)
+        var j0 = tiles.j0
+        if tiles.has_next:
+            copy_key_tile_core[dtype, kt](blocks_global, tiles.next_rows(), tiles.next_keys(), tid, chunks)
+            tiles.look_ahead(blk, p, tid)
 
         # S = Q K^T for this warpgroup's KH keys: dim / 16 k-steps of m64 n(KH) k16.
         var s = SIMD[DType.float32, KH // 2](0)
@@ -373,8 +349,7 @@ def attention_wgmma_kernel[
             ](pa_desc + ks * 256, v_desc + ks * 2 * sbo_qk, acc)
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
-        j0 += kt
-        cur = 1 - cur
+        tiles.advance()
 
     # Row sums: this thread's quad, then both warpgroups.
     l_a = quad_sum(l_a)

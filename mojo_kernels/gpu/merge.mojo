@@ -1,6 +1,6 @@
 """The log-sum-exp merge of step 5's key partitions, and the store of the attention output in dtype."""
 
-from std.math import exp
+from std.math import exp, log
 from std.memory import stack_allocation
 from std.utils.numerics import neg_inf
 
@@ -8,9 +8,8 @@ from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from ..common import DPtr, FPtr
 from .addressing import ELEMENTWISE_THREADS
-from .params import KernelParams
+from .params import GFPtr, GPtr, KernelParams
 
 
 comptime MERGE_THREADS = 128
@@ -22,21 +21,23 @@ comptime MERGE_UNROLL = 4  # partitions whose rows are loaded before they are su
 struct MergeParams[dtype: DType](KernelParams):
     """Parameters of `merge_kernel`: the partitions' outputs `part_out [P, rows, R]`, maxima and sums `[P, rows]`."""
 
-    var part_out: FPtr
-    var part_max: FPtr
-    var part_sum: FPtr
-    var raw: FPtr  # [rows, R]
+    var part_out: GFPtr
+    var part_max: GFPtr
+    var part_sum: GFPtr
+    var raw: GFPtr  # [rows, R]
     var total_rows: Int32
     var num_partitions: Int32
     var kv_lora_rank: Int32
+    var lse: GFPtr  # [rows]: the log-sum-exp of each row, when has_lse
+    var has_lse: Int32
 
 
 @fieldwise_init
 struct StoreParams[dtype: DType](KernelParams):
     """Parameters of `store_kernel`: `count` values of `src` to `dst` as dtype."""
 
-    var src: FPtr
-    var dst: DPtr[Self.dtype]
+    var src: GFPtr
+    var dst: GPtr[Self.dtype]
     var count: Int64
 
 
@@ -44,7 +45,9 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
     """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`.
 
     The first warp turns the partitions' maxima and sums into weights
-    (0 for a partition that saw no key; a row that sees no key is 0); then each thread adds four columns
+    (0 for a partition that saw no key; a row that sees no key is 0) and, with
+    `has_lse`, the row's LSE `M + log(sum_p exp(m_p - M) l_p)` (-inf without
+    keys); then each thread adds four columns
     of the partitions' outputs, `MERGE_UNROLL` partitions at a time; `kv_lora_rank % 4 == 0`.
     """
     var weights = stack_allocation[MAX_PARTITIONS, Float32, address_space=AddressSpace.SHARED]()
@@ -65,6 +68,8 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
         var inv = Float32(1) / total if total > 0 else Float32(0)  # no key at all: the row is 0
         weights.unsafe_store(tid, e0 * inv)
         weights.unsafe_store(tid + WARP_SIZE, e1 * inv)
+        if tid == 0 and p.has_lse != 0:
+            p.lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
     barrier()
     for c in range(4 * tid, rank, 4 * MERGE_THREADS):
         var acc = SIMD[DType.float32, 4](0)
@@ -77,6 +82,22 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
                 if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
                     acc += weights.unsafe_load(p0 + u) * v[u]
         p.raw.unsafe_offset(row * rank + c).unsafe_store[alignment=16](0, acc.cast[dtype]().cast[DType.float32]())
+
+
+@fieldwise_init
+struct WidenParams[dtype: DType](KernelParams):
+    """Parameters of `widen_kernel`: `count` dtype values of `src` to float32 `dst`."""
+
+    var src: GPtr[Self.dtype]
+    var dst: GFPtr
+    var count: Int64
+
+
+def widen_kernel[dtype: DType](p: WidenParams[dtype]):
+    """`dst[i] = src[i]` as float32 (an attention output given to step 6 alone)."""
+    var i = block_idx.x * ELEMENTWISE_THREADS + thread_idx.x
+    if i < Int(p.count):
+        p.dst.unsafe_store(i, p.src.unsafe_load(i).cast[DType.float32]())
 
 
 def store_kernel[dtype: DType](p: StoreParams[dtype]):

@@ -5,13 +5,38 @@ style): plain pointers and fixed-width scalars (`Int` is not
 `DevicePassable` in this Mojo), passed by bit copy (`KernelParams`).
 `DeviceBatch` and `DeviceCache` are the device forms of the root's
 `RaggedBatch` and `PagedLatentRows`, fields of the structs that need them.
+
+Pointers a kernel reads or writes through are global memory: a kernel's
+loose pointer arguments are known to be global, a struct's fields are not
+(the compiler emits generic loads and stores for them unless it can split the
+struct), so the parameter structs of the merge, store, FMA projection, q rope
+and q / output step kernels hold `GlobalPtr`s (`to_global` on the host), and
+`DeviceBatch` hands out its pointers as global ones. `AttentionParams`,
+`DeviceCache` and `CacheRowsParams` keep generic pointers, as their kernels
+had them before the structs; the attention kernels cast the cache blocks
+(`to_global`) for their `cp.async` copies.
 """
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 
+from max.gpu.memory import AddressSpace
+
 from ..common import DPtr, U32Ptr
-from ..paged_cache import PagedLatentRows, RaggedBatch, cache_row_offset
+from ..paged_cache import CacheShard, PagedLatentRows, RaggedBatch, cache_row_offset
 from .addressing import find_request
+
+
+comptime GlobalPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.GLOBAL]
+"""An untracked pointer into global memory."""
+
+comptime GPtr[dtype: DType] = GlobalPtr[Scalar[dtype]]
+comptime GFPtr = GlobalPtr[Float32]
+
+
+@always_inline
+def to_global[T: AnyType](p: Pointer[T, MutUntrackedOrigin]) -> GlobalPtr[T]:
+    """`p`, a device pointer, as a pointer into global memory (on the host: the same address)."""
+    return p.unsafe_address_space_cast[AddressSpace.GLOBAL]()
 
 
 trait KernelParams(DevicePassable, TrivialRegisterPassable):
@@ -29,25 +54,39 @@ trait KernelParams(DevicePassable, TrivialRegisterPassable):
 
 @fieldwise_init
 struct DeviceBatch(TrivialRegisterPassable):
-    """`RaggedBatch` on the device: request `b` owns query rows `[offsets[b], offsets[b + 1])`."""
+    """`RaggedBatch` on the device: request `b` owns query rows `[offsets[b], offsets[b + 1])`.
+
+    Positions are global; the cache holds the positions of its shard (`shard()`, `CacheShard`).
+    """
 
     var offsets: U32Ptr
     var cache_lengths: U32Ptr
     var num_requests: Int32
+    var shard_rank: Int32
+    var num_shards: Int32
+    var shard_interleave: Int32
 
     @staticmethod
     def of(batch: RaggedBatch) -> Self:
-        return Self(batch.offsets, batch.cache_lengths, Int32(batch.num_requests))
+        return Self(
+            batch.offsets, batch.cache_lengths, Int32(batch.num_requests), Int32(batch.shard.rank),
+            Int32(batch.shard.count), Int32(batch.shard.interleave),
+        )
+
+    @always_inline
+    def shard(self) -> CacheShard:
+        """Which positions the cache holds, at which slots."""
+        return CacheShard(Int(self.shard_rank), Int(self.num_shards), Int(self.shard_interleave))
 
     @always_inline
     def request(self, t: Int) -> Int:
         """The request owning query row `t`."""
-        return find_request(self.offsets, Int(self.num_requests), t)
+        return find_request(to_global(self.offsets), Int(self.num_requests), t)
 
     @always_inline
     def position(self, b: Int, t: Int) -> Int:
         """Sequence position of query row `t` of request `b`."""
-        return Int(self.cache_lengths.unsafe_load(b)) + t - Int(self.offsets.unsafe_load(b))
+        return Int(to_global(self.cache_lengths).unsafe_load(b)) + t - Int(to_global(self.offsets).unsafe_load(b))
 
     @always_inline
     def token_position(self, t: Int) -> Int:

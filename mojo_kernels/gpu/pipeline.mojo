@@ -43,28 +43,27 @@ from max.gpu.host import DeviceContext
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..problem import DecodeProblem
-from ..spec import Granularity
+from ..spec import SCORE_MOD_ALIBI_POS, Granularity
 from .addressing import ELEMENTWISE_THREADS
 from .attention_block import AttentionParams, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
-from .merge import MERGE_THREADS, MergeParams, StoreParams, merge_kernel, store_kernel
-from .params import DeviceBatch, DeviceCache
+from .merge import MERGE_THREADS, MergeParams, StoreParams, WidenParams, merge_kernel, store_kernel, widen_kernel
+from .params import DeviceBatch, DeviceCache, to_global
 from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes
 from .projection import (
     MATMUL_M_TILE,
     MATMUL_SMEM_FLOATS,
     MATMUL_THREADS,
     QUANT_WARPS,
-    Fp8MatmulParams,
-    QuantizeParams,
+    FmaProjectionParams,
     fp8_matmul_kernel,
     quantize_kernel,
 )
-from .projection_mma import Fp8Projection
+from .projection_mma import Fp8Projection, ScaleBlocks, StridedRows
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
-from .steps_fused import OutStepParams, QStepParams, enqueue_out_step, enqueue_q_step
+from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
 
 def cache_rows_params[dtype: DType](p: DecodeProblem[dtype], count: Int) -> CacheRowsParams[dtype]:
@@ -98,9 +97,9 @@ def q_projection[dtype: DType](p: DecodeProblem[dtype], q_full: FPtr) -> Fp8Proj
     var key_dim = p.key_dim()
     var blocks = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim)
     return Fp8Projection[dtype, DType.float32](
-        p.q, Int64(q_dim), Int64(p.num_heads * q_dim), p.w_uk, p.w_uk_scale,
-        q_full, Int64(key_dim), Int64(p.num_heads * key_dim),
-        Int32(p.num_tokens), Int32(p.kv_lora_rank), Int32(p.nope_dim), Int32(blocks.m), Int32(blocks.n), Int32(blocks.k),
+        StridedRows(to_global(p.q), Int64(q_dim), Int64(p.num_heads * q_dim)), to_global(p.w_uk), to_global(p.w_uk_scale),
+        StridedRows(to_global(q_full), Int64(key_dim), Int64(p.num_heads * key_dim)),
+        Int32(p.num_tokens), Int32(p.kv_lora_rank), Int32(p.nope_dim), ScaleBlocks.of(blocks),
     )
 
 
@@ -109,9 +108,9 @@ def output_projection[dtype: DType](p: DecodeProblem[dtype], raw: FPtr) -> Fp8Pr
     var rank = p.kv_lora_rank
     var blocks = p.granularity.resolve(p.num_tokens, p.v_head_dim, rank)
     return Fp8Projection[DType.float32, dtype](
-        raw, Int64(rank), Int64(p.num_heads * rank), p.w_uv, p.w_uv_scale,
-        p.output, Int64(p.v_head_dim), Int64(p.num_heads * p.v_head_dim),
-        Int32(p.num_tokens), Int32(p.v_head_dim), Int32(rank), Int32(blocks.m), Int32(blocks.n), Int32(blocks.k),
+        StridedRows(to_global(raw), Int64(rank), Int64(p.num_heads * rank)), to_global(p.w_uv), to_global(p.w_uv_scale),
+        StridedRows(to_global(p.output), Int64(p.v_head_dim), Int64(p.num_heads * p.v_head_dim)),
+        Int32(p.num_tokens), Int32(p.v_head_dim), Int32(rank), ScaleBlocks.of(blocks),
     )
 
 
@@ -133,22 +132,14 @@ def gpu_fp8_batched_matmul[
         return
     var a_dq_buf = ctx.enqueue_create_buffer[DType.float32](groups * rows * depth)
     var a_dq = a_dq_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var quant_blocks = groups * ceil_div(rows, Int(proj.block_m)) * ceil_div(depth, Int(proj.block_k))
-    ctx.enqueue_function[quantize_kernel[in_dtype]](
-        QuantizeParams[in_dtype](
-            proj.a, proj.a_g_stride, proj.a_m_stride, Int32(groups), proj.rows, proj.depth, proj.block_m, proj.block_k, a_dq
-        ),
-        grid_dim=ceil_div(quant_blocks, QUANT_WARPS),
-        block_dim=QUANT_WARPS * WARP_SIZE,
-    )
     var m_tile = max(1, min(MATMUL_M_TILE, MATMUL_SMEM_FLOATS // max(depth, 1)))
-    ctx.enqueue_function[fp8_matmul_kernel[out_dtype, value_dtype]](
-        Fp8MatmulParams[out_dtype](
-            a_dq, proj.w, proj.w_scale, proj.block_n, proj.block_k, proj.c, proj.c_g_stride, proj.c_m_stride,
-            Int32(groups), proj.rows, proj.n_out, proj.depth, Int32(m_tile),
-        ),
-        grid_dim=(ceil_div(n_out, MATMUL_THREADS), groups, ceil_div(rows, m_tile)),
-        block_dim=MATMUL_THREADS,
+    var params = FmaProjectionParams(proj, to_global(a_dq), Int32(groups), Int32(m_tile))
+    var quant_blocks = groups * ceil_div(rows, Int(proj.blocks.m)) * ceil_div(depth, Int(proj.blocks.k))
+    ctx.enqueue_function[quantize_kernel[in_dtype, out_dtype]](
+        params, grid_dim=ceil_div(quant_blocks, QUANT_WARPS), block_dim=QUANT_WARPS * WARP_SIZE
+    )
+    ctx.enqueue_function[fp8_matmul_kernel[in_dtype, out_dtype, value_dtype]](
+        params, grid_dim=(ceil_div(n_out, MATMUL_THREADS), groups, ceil_div(rows, m_tile)), block_dim=MATMUL_THREADS
     )
     _ = a_dq_buf^  # freed in stream order
 
@@ -170,7 +161,8 @@ def gpu_build_q_full[
     comptime if dtype != DType.float32:
         if plan.q_tile >= 0:
             var params = QStepParams[dtype](
-                proj, p.freqs_cis, batch, Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank), 0, 0, cache_rows
+                proj, to_global(p.freqs_cis), batch, Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank),
+                TileGrid.unset(), cache_rows,
             )
             comptime for i in range(len(PROJ_TILES)):
                 if plan.q_tile == i:
@@ -179,7 +171,8 @@ def gpu_build_q_full[
     gpu_rotate_and_normalize_new_rows[dtype](ctx, cache_rows)
     ctx.enqueue_function[rope_q_kernel[dtype]](
         RopeQParams[dtype](
-            p.q, batch, p.freqs_cis, q_full, Int32(p.num_heads), Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank)
+            to_global(p.q), batch, to_global(p.freqs_cis), to_global(q_full),
+            Int32(p.num_heads), Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank),
         ),
         grid_dim=p.num_tokens,
         block_dim=ELEMENTWISE_THREADS,
@@ -200,7 +193,8 @@ def gpu_attention_with[
     """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`), keys split into `num_partitions` parts.
 
     With more than one partition every partition's output and row statistics
-    go to workspaces, merged by log-sum-exp (`merge_kernel`).
+    go to workspaces, merged by log-sum-exp (`merge_kernel`). The LSE
+    (`has_lse`) comes from that merge: with it, at least two partitions.
     """
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
     comptime if groups > 0 and dtype != DType.bfloat16 and dtype != DType.float16:
@@ -212,7 +206,7 @@ def gpu_attention_with[
         var key_dim = p.cache.head_dim
         var rank = p.kv_lora_rank
         var rows = num_tokens * p.num_heads
-        var parts = num_partitions
+        var parts = max(num_partitions, 2) if p.has_lse else num_partitions
         var part_rows = rows * parts if parts > 1 else 1
         var part_out_buf = ctx.enqueue_create_buffer[DType.float32](part_rows * rank if parts > 1 else 1)
         var part_max_buf = ctx.enqueue_create_buffer[DType.float32](part_rows)
@@ -241,7 +235,10 @@ def gpu_attention_with[
             )
         if parts > 1:
             ctx.enqueue_function[merge_kernel[dtype]](
-                MergeParams[dtype](part_out, part_max, part_sum, raw, Int32(rows), Int32(parts), Int32(rank)),
+                MergeParams[dtype](
+                    to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw),
+                    Int32(rows), Int32(parts), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
+                ),
                 grid_dim=rows,
                 block_dim=MERGE_THREADS,
             )
@@ -253,7 +250,7 @@ def gpu_attention_with[
 
 def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, raw: FPtr) raises:
     """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`; with `has_attention_output`
-    also `attention_output = raw` as dtype.
+    also `attention_output = raw` as dtype. Without `has_output`, only that store.
 
     A tile of `plan.out_tile`: one launch of `out_step_kernel` (tensor cores,
     bf16 / f16); `FMA_PATH`: `store_kernel` and the FMA matmul.
@@ -262,8 +259,9 @@ def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype]
         return
     var proj = output_projection(p, raw)
     comptime if dtype != DType.float32:
-        if plan.out_tile >= 0:
-            var params = OutStepParams[dtype](proj, p.attention_output, Int32(1 if p.has_attention_output else 0), 0, 0)
+        if plan.out_tile >= 0 and p.has_output:
+            var has_attention_output = Int32(1 if p.has_attention_output else 0)
+            var params = OutStepParams[dtype](proj, to_global(p.attention_output), has_attention_output, TileGrid.unset())
             comptime for i in range(len(PROJ_TILES)):
                 if plan.out_tile == i:
                     enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads)
@@ -271,11 +269,12 @@ def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype]
     if p.has_attention_output:
         var count = p.num_tokens * p.num_heads * p.kv_lora_rank
         ctx.enqueue_function[store_kernel[dtype]](
-            StoreParams[dtype](raw, p.attention_output, Int64(count)),
+            StoreParams[dtype](to_global(raw), to_global(p.attention_output), Int64(count)),
             grid_dim=ceil_div(count, ELEMENTWISE_THREADS),
             block_dim=ELEMENTWISE_THREADS,
         )
-    gpu_fp8_batched_matmul[dtype](ctx, proj, p.num_heads)
+    if p.has_output:
+        gpu_fp8_batched_matmul[dtype](ctx, proj, p.num_heads)
 
 
 def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: DeviceContext) raises:
@@ -288,10 +287,26 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
+    if p.batch.shard.count > 1 and p.score_mod == SCORE_MOD_ALIBI_POS:
+        raise Error("pymla gpu: ALiBi on a shard of the cache is not supported on the GPU yet")
     var limits = DeviceLimits.read(ctx)
     check_gpu_shapes[dtype](p, limits)
     var plan = GpuPlan.create(p, limits)
     var rows = p.num_tokens * p.num_heads
+    if p.project_only:  # step 6 alone, on the attention output given (widened to float32)
+        var given_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
+        var given = given_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var count = rows * p.kv_lora_rank
+        ctx.enqueue_function[widen_kernel[dtype]](
+            WidenParams[dtype](to_global(p.attention_output), to_global(given), Int64(count)),
+            grid_dim=ceil_div(count, ELEMENTWISE_THREADS),
+            block_dim=ELEMENTWISE_THREADS,
+        )
+        var projection = p
+        projection.has_attention_output = False  # read, not written
+        gpu_project_output[dtype](ctx, projection, plan, given)
+        _ = given_buf^  # freed in stream order
+        return
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.key_dim())
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
     var q_full = q_full_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()

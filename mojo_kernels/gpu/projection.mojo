@@ -6,9 +6,10 @@ from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from ..common import DPtr, FPtr, U8Ptr, ceil_div
+from ..common import ceil_div
 from ..fp8 import activation_scale, scaled_into_range
-from .params import KernelParams
+from .params import GFPtr, KernelParams
+from .projection_mma import Fp8Projection
 
 
 # Quantization: one warp per scale block.
@@ -27,57 +28,36 @@ comptime MATMUL_SMEM_FLOATS = 8192
 
 
 @fieldwise_init
-struct QuantizeParams[dtype: DType](KernelParams):
-    """Parameters of `quantize_kernel`: `a[g, m, k]` at `a + g g_stride + m m_stride + k` into `a_dq [G, M, K]`."""
+struct FmaProjectionParams[in_dtype: DType, out_dtype: DType](KernelParams):
+    """Parameters of `quantize_kernel` and `fp8_matmul_kernel`, a projection's two launches on float32 FMA units.
 
-    var a: DPtr[Self.dtype]
-    var g_stride: Int64
-    var m_stride: Int64
+    `proj` for the groups `g < num_groups`; its activations quantized into
+    `a_dq [G, M, K]` (float32), `m_tile` rows of them per matmul block.
+    """
+
+    var proj: Fp8Projection[Self.in_dtype, Self.out_dtype]
+    var a_dq: GFPtr
     var num_groups: Int32
-    var num_rows: Int32
-    var depth: Int32
-    var block_m: Int32
-    var block_k: Int32
-    var a_dq: FPtr
-
-
-@fieldwise_init
-struct Fp8MatmulParams[out_dtype: DType](KernelParams):
-    """Parameters of `fp8_matmul_kernel`: `c = a w^T` per group, `m_tile` rows of `a [G, M, K]` per block."""
-
-    var a: FPtr
-    var w: U8Ptr
-    var w_scale: FPtr
-    var block_n: Int32
-    var block_k: Int32
-    var c: DPtr[Self.out_dtype]
-    var c_g_stride: Int64
-    var c_m_stride: Int64
-    var num_groups: Int32
-    var num_rows: Int32
-    var n_out: Int32
-    var depth: Int32
     var m_tile: Int32
 
 
-def quantize_kernel[dtype: DType](p: QuantizeParams[dtype]):
-    """Quantizes `a[g, m, k]` (at `a + g g_stride + m m_stride + k`) blockwise to fp8.
+def quantize_kernel[in_dtype: DType, out_dtype: DType](p: FmaProjectionParams[in_dtype, out_dtype]):
+    """Quantizes `proj.a` blockwise to fp8.
 
     One warp per `block_m x block_k` block: `s = amax / 448` (1 when amax is 0),
     `q = fp8(clamp(x / s, -448, 448))`; writes the dequantized `q * s` to
-    `out [G, M, K]` (float32, contiguous).
+    `a_dq [G, M, K]` (float32, contiguous).
     """
     var tid = thread_idx.x
     var lane = tid % WARP_SIZE
-    var groups = Int(p.num_groups)
-    var rows = Int(p.num_rows)
-    var k_total = Int(p.depth)
-    var bm = Int(p.block_m)
-    var bk = Int(p.block_k)
+    var rows = Int(p.proj.rows)
+    var k_total = Int(p.proj.depth)
+    var bm = Int(p.proj.blocks.m)
+    var bk = Int(p.proj.blocks.k)
     var m_blocks = ceil_div(rows, bm)
     var k_blocks = ceil_div(k_total, bk)
     var qb = block_idx.x * QUANT_WARPS + tid // WARP_SIZE
-    if qb >= groups * m_blocks * k_blocks:
+    if qb >= Int(p.num_groups) * m_blocks * k_blocks:
         return
     var g = qb // (m_blocks * k_blocks)
     var mb = (qb // k_blocks) % m_blocks
@@ -88,8 +68,8 @@ def quantize_kernel[dtype: DType](p: QuantizeParams[dtype]):
     var k1 = min(k0 + bk, k_total)
     var width = k1 - k0
     var count = (m1 - m0) * width
-    var src = p.a.unsafe_offset(g * Int(p.g_stride))
-    var ms = Int(p.m_stride)
+    var src = p.proj.a.ptr.unsafe_offset(g * Int(p.proj.a.g_stride))
+    var ms = Int(p.proj.a.m_stride)
 
     var amax = Float32(0)
     for e in range(lane, count, WARP_SIZE):
@@ -111,7 +91,7 @@ def fp8_chunk_fma(
     mut acc: Array[SIMD[DType.float32, 4], MATMUL_M_TILE],
     bits: SIMD[DType.uint32, 4],
     a_s: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    s_row: FPtr,
+    s_row: GFPtr,
     k0: Int,
     k_total: Int,
     bk: Int,
@@ -132,8 +112,10 @@ def fp8_chunk_fma(
                 acc[m] += a_row.unsafe_load[width=4, alignment=16](4 * part) * wv.slice[4, offset=4 * part]()
 
 
-def fp8_matmul_kernel[out_dtype: DType, value_dtype: DType](p: Fp8MatmulParams[out_dtype]):
-    """`c[g, m, n] = sum_k a[g, m, k] * w[g, n, k] * s_w[g, n / bn, k / bk]`.
+def fp8_matmul_kernel[
+    in_dtype: DType, out_dtype: DType, value_dtype: DType
+](p: FmaProjectionParams[in_dtype, out_dtype]):
+    """`c[g, m, n] = sum_k a[g, m, k] * w[g, n, k] * s_w[g, n / bn, k / bk]` (`proj.c`, `a_dq`, `proj.w`).
 
     `a [G, M, K]` is the dequantized fp8 activation (float32), `w [G, N, K]`
     fp8 e4m3 bytes, `s_w [G, ceil(N / bn), ceil(K / bk)]`; results are rounded
@@ -148,17 +130,14 @@ def fp8_matmul_kernel[out_dtype: DType, value_dtype: DType](p: Fp8MatmulParams[o
     var tid = thread_idx.x
     var n = block_idx.x * MATMUL_THREADS + tid
     var g = block_idx.y
-    var rows = Int(p.num_rows)
-    var n_total = Int(p.n_out)
-    var k_total = Int(p.depth)
-    var bn = Int(p.block_n)
-    var bk = Int(p.block_k)
-    var n_blocks = ceil_div(n_total, bn)
-    var k_blocks = ceil_div(k_total, bk)
+    var rows = Int(p.proj.rows)
+    var n_total = Int(p.proj.n_out)
+    var k_total = Int(p.proj.depth)
+    var bk = Int(p.proj.blocks.k)
     var m0 = block_idx.z * Int(p.m_tile)
     var mt = min(Int(p.m_tile), rows - m0)
 
-    var a_src = p.a.unsafe_offset((g * rows + m0) * k_total)
+    var a_src = p.a_dq.unsafe_offset((g * rows + m0) * k_total)
     if k_total % 4 == 0:
         for i in range(4 * tid, mt * k_total, 4 * MATMUL_THREADS):
             a_s.unsafe_offset(i).unsafe_store[alignment=16](0, a_src.unsafe_offset(i).unsafe_load[width=4, alignment=16](0))
@@ -169,8 +148,9 @@ def fp8_matmul_kernel[out_dtype: DType, value_dtype: DType](p: Fp8MatmulParams[o
     if n >= n_total:
         return
 
-    var w_row = p.w.unsafe_offset((g * n_total + n) * k_total)
-    var s_row = p.w_scale.unsafe_offset((g * n_blocks + n // bn) * k_blocks)
+    var w_row = p.proj.w.unsafe_offset((g * n_total + n) * k_total)
+    var bn = Int(p.proj.blocks.n)
+    var s_row = p.proj.w_scale.unsafe_offset((g * ceil_div(n_total, bn) + n // bn) * ceil_div(k_total, bk))
     var acc = Array[SIMD[DType.float32, 4], MATMUL_M_TILE](fill=0)
     if k_total % 64 == 0:
         # Four 16-byte weight loads in flight per step.
@@ -192,7 +172,7 @@ def fp8_matmul_kernel[out_dtype: DType, value_dtype: DType](p: Fp8MatmulParams[o
                 if m < mt:
                     acc[m][0] += a_s.unsafe_load(m * k_total + k) * wk[0]
 
-    var dst = p.c.unsafe_offset(g * Int(p.c_g_stride) + m0 * Int(p.c_m_stride) + n)
+    var dst = p.proj.c.ptr.unsafe_offset(g * Int(p.proj.c.g_stride) + m0 * Int(p.proj.c.m_stride) + n)
     comptime for m in range(MATMUL_M_TILE):
         if m < mt:
-            dst.unsafe_store(m * Int(p.c_m_stride), acc[m].reduce_add().cast[value_dtype]().cast[out_dtype]())
+            dst.unsafe_store(m * Int(p.proj.c.m_stride), acc[m].reduce_add().cast[value_dtype]().cast[out_dtype]())

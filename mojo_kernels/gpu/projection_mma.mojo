@@ -41,8 +41,10 @@ from max.gpu.compute.mma import mma
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group
 from max.gpu.primitives import warp
 
-from ..common import DPtr, FPtr, U8Ptr, ceil_div
+from ..common import ceil_div
 from ..fp8 import activation_scale, scaled_into_range
+from ..spec import BlockShape
+from .params import GFPtr, GlobalPtr, GPtr
 
 comptime KCHUNK = 64  # k per 16-byte fp8 fragment load: 4 mma k-steps
 comptime SEG_VECS = 4  # float32x4 registers per lane for one row's K block (K blocks up to 512)
@@ -51,33 +53,48 @@ comptime SPtr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin, address
 
 
 @fieldwise_init
+struct StridedRows[dtype: DType](TrivialRegisterPassable):
+    """Rows `[G, M, K]` of a projection's input or output: element `(g, m, k)` at `ptr + g g_stride + m m_stride + k`."""
+
+    var ptr: GPtr[Self.dtype]
+    var g_stride: Int64
+    var m_stride: Int64
+
+
+@fieldwise_init
+struct ScaleBlocks(TrivialRegisterPassable):
+    """The resolved fp8 scale blocks of a projection: elements per scale along M, N and K."""
+
+    var m: Int32  # bm
+    var n: Int32  # bn
+    var k: Int32  # bk
+
+    @staticmethod
+    def of(blocks: BlockShape) -> Self:
+        return Self(Int32(blocks.m), Int32(blocks.n), Int32(blocks.k))
+
+
+@fieldwise_init
 struct Fp8Projection[in_dtype: DType, out_dtype: DType](TrivialRegisterPassable):
     """One batched fp8 projection `c[g, m, :] = fp8mm(a[g, m, :], w[g])` over groups (heads) `g`.
 
-    `a[g, m, k]` at `a + g a_g_stride + m a_m_stride + k`, `w [G, N, K]` fp8
-    bytes, `w_scale [G, ceil(N / bn), ceil(K / bk)]`, `c[g, m, n]` at
-    `c + g c_g_stride + m c_m_stride + n`; `(bm, bn, bk)` the resolved scale
-    blocks. A field of the kernels' parameter structs.
+    `a [G, M, K]`, `w [G, N, K]` fp8 bytes, `w_scale [G, ceil(N / bn),
+    ceil(K / bk)]`, `c [G, M, N]`; `rows` M, `n_out` N, `depth` K. A field of
+    the kernels' parameter structs.
     """
 
-    var a: DPtr[Self.in_dtype]
-    var a_g_stride: Int64
-    var a_m_stride: Int64
-    var w: U8Ptr
-    var w_scale: FPtr
-    var c: DPtr[Self.out_dtype]
-    var c_g_stride: Int64
-    var c_m_stride: Int64
+    var a: StridedRows[Self.in_dtype]
+    var w: GlobalPtr[UInt8]
+    var w_scale: GFPtr
+    var c: StridedRows[Self.out_dtype]
     var rows: Int32
     var n_out: Int32
     var depth: Int32
-    var block_m: Int32
-    var block_n: Int32
-    var block_k: Int32
+    var blocks: ScaleBlocks
 
     def tile_grid(self, mt: Int, nt: Int) -> Tuple[Int, Int, Int]:
         """(row tiles, column tiles, dynamic shared memory per block) in tiles of `mt` x `nt`."""
-        var smem = TileLayout.create(Int(self.depth), Int(self.block_k)).smem_bytes(mt, nt)
+        var smem = TileLayout.create(Int(self.depth), Int(self.blocks.k)).smem_bytes(mt, nt)
         return (ceil_div(Int(self.rows), mt), ceil_div(Int(self.n_out), nt), smem)
 
 
@@ -146,19 +163,18 @@ def stage_weights[
     var tid = thread_idx.x
     var n_total = Int(p.n_out)
     var k_total = Int(p.depth)
-    var bn = Int(p.block_n)
-    var bk = Int(p.block_k)
+    var bn = Int(p.blocks.n)
+    var bk = Int(p.blocks.k)
     var kb_count = lay.k_blocks
     var w_g = p.w.unsafe_offset(g * n_total * k_total)
     var rows = min(nt, n_total - n0)
     if lay.fast_weights:
         var vecs = k_total // 16
-        var src = w_g.unsafe_address_space_cast[AddressSpace.GLOBAL]()
         for i in range(tid, rows * vecs, threads):
             var r = i // vecs
             var v = i % vecs
             async_copy[16](
-                src.unsafe_offset((n0 + r) * k_total + 16 * v), sm.w_s.unsafe_offset(r * lay.w_stride + 16 * v)
+                w_g.unsafe_offset((n0 + r) * k_total + 16 * v), sm.w_s.unsafe_offset(r * lay.w_stride + 16 * v)
             )
         async_copy_commit_group()
     else:
@@ -181,6 +197,20 @@ def stage_weights[
         sm.sw_s.unsafe_store(i, s)
 
 
+@fieldwise_init
+struct ActivationRows[in_dtype: DType, copy_dtype: DType](TrivialRegisterPassable):
+    """A block's group of activation rows, as `stage_activations` reads them."""
+
+    var a_g: GPtr[Self.in_dtype]  # row m at a_g + m ms
+    var ms: Int
+    var copy_g: GPtr[Self.copy_dtype]  # with do_copy, row m also stored at copy_g + m copy_ms
+    var copy_ms: Int
+    var do_copy: Bool
+    var rows: Int  # M
+    var k_total: Int  # K
+    var bk: Int  # K block
+
+
 @always_inline
 def stage_activations[
     in_dtype: DType, out_dtype: DType, copy_dtype: DType, warps: Int
@@ -191,7 +221,7 @@ def stage_activations[
     g: Int,
     m0: Int,
     mt: Int,
-    copy: DPtr[copy_dtype],
+    copy: GPtr[copy_dtype],
     copy_g_stride: Int,
     copy_m_stride: Int,
     do_copy: Bool,
@@ -211,23 +241,21 @@ def stage_activations[
     """
     var lane = thread_idx.x % WARP_SIZE
     var wid = thread_idx.x // WARP_SIZE
-    var rows = Int(p.rows)
-    var k_total = Int(p.depth)
-    var bm = Int(p.block_m)
-    var bk = Int(p.block_k)
+    var act = ActivationRows[in_dtype, copy_dtype](
+        p.a.ptr.unsafe_offset(g * Int(p.a.g_stride)), Int(p.a.m_stride), copy.unsafe_offset(g * copy_g_stride), copy_m_stride,
+        do_copy, Int(p.rows), Int(p.depth), Int(p.blocks.k),
+    )
+    var bm = Int(p.blocks.m)
     var kb_count = lay.k_blocks
     var items = mt * kb_count
-    var ms = Int(p.a_m_stride)
-    var a_g = p.a.unsafe_offset(g * Int(p.a_g_stride))
-    var copy_g = copy.unsafe_offset(g * copy_g_stride)
     comptime SLOT = 4 * WARP_SIZE  # values per float32x4 slot of a warp
     var in_registers = (
         bm == 1
-        and bk <= SEG_VECS * SLOT
-        and bk % 4 == 0
-        and k_total % 4 == 0
-        and ms % 4 == 0
-        and Int(p.a_g_stride) % 4 == 0
+        and act.bk <= SEG_VECS * SLOT
+        and act.bk % 4 == 0
+        and act.k_total % 4 == 0
+        and act.ms % 4 == 0
+        and Int(p.a.g_stride) % 4 == 0
         and (not do_copy or (copy_m_stride % 4 == 0 and copy_g_stride % 4 == 0))
     )
     if in_registers:
@@ -235,17 +263,11 @@ def stage_activations[
         # the item arithmetic of a warp step folds away.
         var vpi = ceil_div(lay.block_kp, SLOT)
         if vpi == 1:
-            quantize_rows_in_registers[in_dtype, out_dtype, copy_dtype, warps, 1](
-                p, lay, sm, g, m0, mt, copy, copy_g_stride, copy_m_stride, do_copy
-            )
+            quantize_rows_in_registers[warps, 1](act, lay, sm, m0, mt)
         elif vpi == 2:
-            quantize_rows_in_registers[in_dtype, out_dtype, copy_dtype, warps, 2](
-                p, lay, sm, g, m0, mt, copy, copy_g_stride, copy_m_stride, do_copy
-            )
+            quantize_rows_in_registers[warps, 2](act, lay, sm, m0, mt)
         else:
-            quantize_rows_in_registers[in_dtype, out_dtype, copy_dtype, warps, 4](
-                p, lay, sm, g, m0, mt, copy, copy_g_stride, copy_m_stride, do_copy
-            )
+            quantize_rows_in_registers[warps, 4](act, lay, sm, m0, mt)
         return
 
     for item in range(wid, items, warps):
@@ -253,27 +275,27 @@ def stage_activations[
         var kb = item % kb_count
         var m = m0 + r
         var dst = sm.a_s.unsafe_offset(r * lay.a_stride + kb * lay.block_kp)
-        var k0 = kb * bk
-        var width = min(bk, k_total - k0)
+        var k0 = kb * act.bk
+        var width = min(act.bk, act.k_total - k0)
         var scale = Float32(1)
-        if m < rows:
+        if m < act.rows:
             # The amax over the whole `bm x bk` block, then this row.
             var amax = Float32(0)
             var r0 = (m // bm) * bm
-            for mm in range(r0, min(r0 + bm, rows)):
-                var row = a_g.unsafe_offset(mm * ms + k0)
+            for mm in range(r0, min(r0 + bm, act.rows)):
+                var row = act.a_g.unsafe_offset(mm * act.ms + k0)
                 for kk in range(lane, width, WARP_SIZE):
                     amax = max(amax, abs(row.unsafe_load(kk).cast[DType.float32]()))
             amax = warp.max(amax)
             scale = activation_scale(amax)
-        var src = a_g.unsafe_offset(m * ms + k0)
+        var src = act.a_g.unsafe_offset(m * act.ms + k0)
         for kk in range(lane, lay.block_kp, WARP_SIZE):
             var x = Float32(0)
-            if m < rows and kk < width:
+            if m < act.rows and kk < width:
                 var xv = src.unsafe_load(kk)
                 x = scaled_into_range[1](xv.cast[DType.float32](), scale)
                 if do_copy:
-                    copy_g.unsafe_store(m * copy_m_stride + k0 + kk, xv.cast[copy_dtype]())
+                    act.copy_g.unsafe_store(m * copy_m_stride + k0 + kk, xv.cast[copy_dtype]())
             dst.unsafe_store(kk, x.cast[DType.float8_e4m3fn]().cast[DType.float16]())
         if lane == 0:
             sm.sa_s.unsafe_store(item, scale)
@@ -281,19 +303,8 @@ def stage_activations[
 
 @always_inline
 def quantize_rows_in_registers[
-    in_dtype: DType, out_dtype: DType, copy_dtype: DType, warps: Int, VPI: Int
-](
-    p: Fp8Projection[in_dtype, out_dtype],
-    lay: TileLayout,
-    sm: TileSmem,
-    g: Int,
-    m0: Int,
-    mt: Int,
-    copy: DPtr[copy_dtype],
-    copy_g_stride: Int,
-    copy_m_stride: Int,
-    do_copy: Bool,
-):
+    in_dtype: DType, copy_dtype: DType, //, warps: Int, VPI: Int
+](act: ActivationRows[in_dtype, copy_dtype], lay: TileLayout, sm: TileSmem, m0: Int, mt: Int):
     """`stage_activations` for per-row scales (`bm == 1`) and K blocks of up to `VPI` float32x4 slots of a warp.
 
     A warp step takes `SEG_VECS / VPI` items (row, K block) in `SEG_VECS`
@@ -305,14 +316,8 @@ def quantize_rows_in_registers[
     comptime IPG = SEG_VECS // VPI  # items per warp step
     var lane = thread_idx.x % WARP_SIZE
     var wid = thread_idx.x // WARP_SIZE
-    var rows = Int(p.rows)
-    var k_total = Int(p.depth)
-    var bk = Int(p.block_k)
     var kb_count = lay.k_blocks
     var items = mt * kb_count
-    var ms = Int(p.a_m_stride)
-    var a_g = p.a.unsafe_offset(g * Int(p.a_g_stride))
-    var copy_g = copy.unsafe_offset(g * copy_g_stride)
     for grp in range(wid, ceil_div(items, IPG), warps):
         # Row and K block of the step's items, and the valid width of each block.
         var r_of = SIMD[DType.int32, IPG](0)
@@ -332,9 +337,9 @@ def quantize_rows_in_registers[
             var rr = Int(r_of[s // VPI])
             var kbb = Int(kb_of[s // VPI])
             var kk = 4 * lane + SLOT * (s % VPI)
-            if rr < mt and m0 + rr < rows and kk < min(bk, k_total - kbb * bk):
+            if rr < mt and m0 + rr < act.rows and kk < min(act.bk, act.k_total - kbb * act.bk):
                 v[s] = (
-                    a_g.unsafe_offset((m0 + rr) * ms + kbb * bk + kk)
+                    act.a_g.unsafe_offset((m0 + rr) * act.ms + kbb * act.bk + kk)
                     .unsafe_load[width=4, alignment=4 * size_of[in_dtype]()](0)
                     .cast[DType.float32]()
                 )
@@ -358,8 +363,8 @@ def quantize_rows_in_registers[
                 )
                 if lane == 0 and s % VPI == 0:
                     sm.sa_s.unsafe_store(rr * kb_count + kbb, scale)
-                if do_copy and m0 + rr < rows and kk < min(bk, k_total - kbb * bk):
-                    copy_g.unsafe_offset((m0 + rr) * copy_m_stride + kbb * bk + kk).unsafe_store[
+                if act.do_copy and m0 + rr < act.rows and kk < min(act.bk, act.k_total - kbb * act.bk):
+                    act.copy_g.unsafe_offset((m0 + rr) * act.copy_ms + kbb * act.bk + kk).unsafe_store[
                         alignment=4 * size_of[copy_dtype]()
                     ](0, v[s].cast[copy_dtype]())
 
@@ -421,10 +426,10 @@ def project_tile[
 
     var rows = Int(p.rows)
     var n_total = Int(p.n_out)
-    var cgs = Int(p.c_g_stride)
-    var cms = Int(p.c_m_stride)
+    var cgs = Int(p.c.g_stride)
+    var cms = Int(p.c.m_stride)
     var pairs = cgs % 2 == 0 and cms % 2 == 0 and n_total % 2 == 0
-    var c_g = p.c.unsafe_offset(g * cgs)
+    var c_g = p.c.ptr.unsafe_offset(g * cgs)
     comptime for i in range(tm):
         comptime for h in range(2):
             var m = m0 + row_base + i * 16 + gq + 8 * h

@@ -13,9 +13,9 @@ from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
 from .addressing import ELEMENTWISE_THREADS
-from ..common import DPtr, FPtr
+from ..common import DPtr
 from ..spec import rope_pair
-from .params import DeviceBatch, DeviceCache, KernelParams
+from .params import DeviceBatch, DeviceCache, GFPtr, GPtr, KernelParams
 
 
 @fieldwise_init
@@ -42,10 +42,10 @@ struct CacheRowsParams[dtype: DType](KernelParams):
 struct RopeQParams[dtype: DType](KernelParams):
     """Parameters of `rope_q_kernel`: `q_full[t, h, R:] = rnd(rope(q[t, h, Dn:]))`."""
 
-    var q: DPtr[Self.dtype]  # [T, H, Dn + Dr]
+    var q: GPtr[Self.dtype]  # [T, H, Dn + Dr]
     var batch: DeviceBatch
-    var freqs_cis: DPtr[Self.dtype]
-    var q_full: FPtr  # [T, H, R + Dr]
+    var freqs_cis: GPtr[Self.dtype]
+    var q_full: GFPtr  # [T, H, R + Dr]
     var num_heads: Int32
     var nope_dim: Int32
     var rope_dim: Int32
@@ -61,7 +61,8 @@ struct RopeQParams[dtype: DType](KernelParams):
 def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t: Int):
     """RMSNorm of `row[:R]`, RoPE of `row[R:]` for new token `t`, by a block of `threads` threads.
 
-    Every thread of the block calls it (it has a barrier).
+    Every thread of the block calls it (it has a barrier). With a shard of the
+    cache, only a token the shard holds, at its slot (the whole block returns otherwise).
     """
     var sums = stack_allocation[threads // WARP_SIZE, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
@@ -69,7 +70,10 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t
     var rope = Int(a.rope_dim)
     var b = a.batch.request(t)
     var pos = a.batch.position(b, t)
-    var row = a.cache.blocks.unsafe_offset(a.cache.row_offset(b, pos))
+    var shard = a.batch.shard()
+    if not shard.owns(pos):
+        return
+    var row = a.cache.blocks.unsafe_offset(a.cache.row_offset(b, shard.local_count(pos)))
 
     var src = a.new_rows.unsafe_offset(t * Int(a.cache.key_dim)) if a.has_new_rows != 0 else row
     var sum_sq = Float32(0)
@@ -115,7 +119,7 @@ def rope_norm_cache_kernel[dtype: DType](a: CacheRowsParams[dtype]):
 @always_inline
 def rope_q_pair[
     dtype: DType
-](q_row: DPtr[dtype], freqs_row: DPtr[dtype], q_full_row: FPtr, nope: Int, rank: Int, j: Int):
+](q_row: GPtr[dtype], freqs_row: GPtr[dtype], q_full_row: GFPtr, nope: Int, rank: Int, j: Int):
     """`q_full_row[R + 2j : R + 2j + 2] = rnd(rope(q_row[Dn + 2j : Dn + 2j + 2]))` (dtype values as float32)."""
     var x0 = q_row.unsafe_load(nope + 2 * j).cast[DType.float32]()
     var x1 = q_row.unsafe_load(nope + 2 * j + 1).cast[DType.float32]()

@@ -19,8 +19,7 @@ from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
-from ..common import DPtr
-from .params import DeviceBatch, KernelParams
+from .params import DeviceBatch, GPtr, KernelParams
 from .projection_mma import (
     Fp8Projection,
     TileLayout,
@@ -45,17 +44,40 @@ def tile_threads(tile: Tuple[Int, Int, Int, Int]) -> Int:
 
 
 @fieldwise_init
+struct TileGrid(TrivialRegisterPassable):
+    """A projection step's tiles per group (head): `m_tiles` row tiles x `n_tiles` column tiles (`fit` sets them)."""
+
+    var m_tiles: Int32
+    var n_tiles: Int32
+
+    @staticmethod
+    def unset() -> Self:
+        return Self(0, 0)
+
+    def fit[
+        in_dtype: DType, out_dtype: DType, //, tile: Tuple[Int, Int, Int, Int]
+    ](mut self, proj: Fp8Projection[in_dtype, out_dtype]) -> Int:
+        """Sets the tile counts of `proj` in tiles of `tile`; returns a block's dynamic shared memory."""
+        var grid = proj.tile_grid(tile_rows(tile), tile_cols(tile))
+        self.m_tiles = Int32(grid[0])
+        self.n_tiles = Int32(grid[1])
+        return grid[2]
+
+    def blocks(self, groups: Int) -> Int:
+        return groups * Int(self.m_tiles) * Int(self.n_tiles)
+
+
+@fieldwise_init
 struct QStepParams[dtype: DType](KernelParams):
     """Parameters of `q_step_kernel`: steps 1-4 (q_full) and steps 1-2 (the new cache rows)."""
 
     var proj: Fp8Projection[Self.dtype, DType.float32]  # a = q_nope (q [T, H, Dn + Dr]), c = q_full [T, H, R + Dr]
-    var freqs_cis: DPtr[Self.dtype]
+    var freqs_cis: GPtr[Self.dtype]  # [positions, Dr]
     var batch: DeviceBatch
-    var nope_dim: Int32
-    var rope_dim: Int32
-    var kv_lora_rank: Int32
-    var m_tiles: Int32
-    var n_tiles: Int32
+    var nope_dim: Int32  # Dn
+    var rope_dim: Int32  # Dr
+    var kv_lora_rank: Int32  # R
+    var tiles: TileGrid
     var cache_rows: CacheRowsParams[Self.dtype]  # count = 0: no cache rows in this launch
 
 
@@ -64,16 +86,16 @@ struct OutStepParams[dtype: DType](KernelParams):
     """Parameters of `out_step_kernel`: step 6 and the optional attention-output store."""
 
     var proj: Fp8Projection[DType.float32, Self.dtype]  # a = raw [T, H, R], c = output [T, H, Dv]
-    var attention_output: DPtr[Self.dtype]  # [T, H, R] when has_attention_output
+    var attention_output: GPtr[Self.dtype]  # [T, H, R] when has_attention_output
     var has_attention_output: Int32
-    var m_tiles: Int32
-    var n_tiles: Int32
+    var tiles: TileGrid
 
 
 @always_inline
-def tile_of_block(blk: Int, m_tiles: Int, n_tiles: Int) -> Tuple[Int, Int, Int]:
+def tile_of_block(blk: Int, tiles: TileGrid) -> Tuple[Int, Int, Int]:
     """(group, row tile, column tile) of projection block `blk`; neighbours share their weight tile."""
-    var per_group = m_tiles * n_tiles
+    var m_tiles = Int(tiles.m_tiles)
+    var per_group = m_tiles * Int(tiles.n_tiles)
     var rest = blk % per_group
     return (blk // per_group, rest % m_tiles, rest // m_tiles)
 
@@ -90,16 +112,16 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
     if blk >= proj_blocks:
         rope_norm_cache_row[dtype, THREADS](p.cache_rows, blk - proj_blocks)
         return
-    var tile = tile_of_block(blk, Int(p.m_tiles), Int(p.n_tiles))
+    var tile = tile_of_block(blk, p.tiles)
     var g = tile[0]
     var m0 = tile[1] * MT
     var n0 = tile[2] * NT
-    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k))
+    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.blocks.k))
     var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16](), lay, MT, NT)
 
     stage_weights[dtype, DType.float32, THREADS](p.proj, lay, sm, g, n0, NT)
     stage_activations[dtype, DType.float32, DType.float32, THREADS // WARP_SIZE](
-        p.proj, lay, sm, g, m0, MT, p.proj.c, 0, 0, False
+        p.proj, lay, sm, g, m0, MT, p.proj.c.ptr, 0, 0, False
     )
     if tile[2] == 0:
         # q_full[t, g, R:] = rope(q[t, g, Dn:]): THREADS / MT threads per row, one position lookup each.
@@ -109,9 +131,9 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
         for r in range(thread_idx.x // TPR, rows, THREADS // TPR):
             var t = m0 + r
             var pos = p.batch.token_position(t)
-            var q_row = p.proj.a.unsafe_offset(g * Int(p.proj.a_g_stride) + t * Int(p.proj.a_m_stride))
+            var q_row = p.proj.a.ptr.unsafe_offset(g * Int(p.proj.a.g_stride) + t * Int(p.proj.a.m_stride))
             var freqs = p.freqs_cis.unsafe_offset(pos * rope)
-            var out_row = p.proj.c.unsafe_offset(g * Int(p.proj.c_g_stride) + t * Int(p.proj.c_m_stride))
+            var out_row = p.proj.c.ptr.unsafe_offset(g * Int(p.proj.c.g_stride) + t * Int(p.proj.c.m_stride))
             for j in range(thread_idx.x % TPR, rope // 2, TPR):
                 rope_q_pair[dtype](q_row, freqs, out_row, Int(p.nope_dim), Int(p.kv_lora_rank), j)
     async_copy_wait_all()
@@ -124,17 +146,17 @@ def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](
     comptime THREADS = warps_m * warps_n * WARP_SIZE
     comptime MT = warps_m * tm * 16
     comptime NT = warps_n * tn * 8
-    var tile = tile_of_block(block_idx.x, Int(p.m_tiles), Int(p.n_tiles))
+    var tile = tile_of_block(block_idx.x, p.tiles)
     var g = tile[0]
     var m0 = tile[1] * MT
     var n0 = tile[2] * NT
-    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.block_k))
+    var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.blocks.k))
     var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16](), lay, MT, NT)
 
     stage_weights[DType.float32, dtype, THREADS](p.proj, lay, sm, g, n0, NT)
     # raw and the attention output share their layout [T, H, R].
     stage_activations[DType.float32, dtype, dtype, THREADS // WARP_SIZE](
-        p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a_g_stride), Int(p.proj.a_m_stride),
+        p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a.g_stride), Int(p.proj.a.m_stride),
         p.has_attention_output != 0 and tile[2] == 0,
     )
     async_copy_wait_all()
@@ -160,26 +182,16 @@ def enqueue_tiles[
     )
 
 
-def enqueue_q_step[
-    dtype: DType, tile: Tuple[Int, Int, Int, Int]
-](ctx: DeviceContext, p: QStepParams[dtype], groups: Int) raises:
-    """Launches `q_step_kernel` with `tile` over `groups` heads (`p.m_tiles`, `p.n_tiles` are set here)."""
-    var grid = p.proj.tile_grid(tile_rows(tile), tile_cols(tile))
+def enqueue_q_step[dtype: DType, tile: Tuple[Int, Int, Int, Int]](ctx: DeviceContext, p: QStepParams[dtype], groups: Int) raises:
+    """Launches `q_step_kernel` with `tile` over `groups` heads (and `p.cache_rows.count` blocks of cache rows)."""
     var params = p
-    params.m_tiles = Int32(grid[0])
-    params.n_tiles = Int32(grid[1])
-    var blocks = Int(p.cache_rows.count) + groups * grid[0] * grid[1]
-    enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, grid[2])
+    var smem = params.tiles.fit[tile](p.proj)
+    var blocks = Int(p.cache_rows.count) + params.tiles.blocks(groups)
+    enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, smem)
 
 
-def enqueue_out_step[
-    dtype: DType, tile: Tuple[Int, Int, Int, Int]
-](ctx: DeviceContext, p: OutStepParams[dtype], groups: Int) raises:
-    """Launches `out_step_kernel` with `tile` over `groups` heads (`p.m_tiles`, `p.n_tiles` are set here)."""
-    var grid = p.proj.tile_grid(tile_rows(tile), tile_cols(tile))
+def enqueue_out_step[dtype: DType, tile: Tuple[Int, Int, Int, Int]](ctx: DeviceContext, p: OutStepParams[dtype], groups: Int) raises:
+    """Launches `out_step_kernel` with `tile` over `groups` heads."""
     var params = p
-    params.m_tiles = Int32(grid[0])
-    params.n_tiles = Int32(grid[1])
-    enqueue_tiles[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](
-        ctx, params, groups * grid[0] * grid[1], grid[2]
-    )
+    var smem = params.tiles.fit[tile](p.proj)
+    enqueue_tiles[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, params.tiles.blocks(groups), smem)

@@ -16,7 +16,6 @@ Timings are medians of repeats; on a shared machine repeat and take the best.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -27,7 +26,7 @@ import time
 import torch
 
 from .. import runtime
-from ..__main__ import CommandParser, int_at_least, torch_device
+from ..__main__ import CommandParser, int_at_least, json_file, torch_device
 from ..cpu_paths import cpu_model
 from ..plan import DecodeOptions, LayerWeights, plan
 from .scenario import make_case
@@ -148,14 +147,6 @@ def _devices(text: str) -> list[str]:
     return [torch_device(text)]
 
 
-def _json_path(text: str) -> pathlib.Path:
-    """The --json type: a file to write in a folder that exists (checked before measuring)."""
-    path = pathlib.Path(text)
-    if path.is_dir() or not path.parent.is_dir():
-        raise argparse.ArgumentTypeError(f"expected a file in an existing folder, got {text!r}")
-    return path
-
-
 def _print_table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
     print(title)
@@ -192,7 +183,7 @@ def _parser(prog: str, doc: str) -> CommandParser:
         "--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16", help="op dtype"
     )
     parser.add_argument(
-        "--json", metavar="PATH", type=_json_path, help="also save the results as JSON here"
+        "--json", metavar="PATH", type=json_file, help="also save the results as JSON here"
     )
     return parser
 

@@ -20,6 +20,7 @@ from ..reference import (
     mla_decode_branch_fp8_stages,
     rope_freqs_cis,
 )
+from ..shard import CacheShard
 
 
 @dataclass
@@ -63,20 +64,29 @@ class Case:
         return self
 
     def new_rows_mask(self) -> torch.Tensor:
-        """True at the cache rows ``[num_blocks, 1, num_layers, page_size, 1]`` the op updates."""
+        """True at the cache rows ``[num_blocks, 1, num_layers, page_size, 1]`` the op updates.
+
+        On a shard's cache: the rows of the new positions the shard holds, at their slots.
+        """
         touched = torch.zeros(self.cache.blocks.shape[:-1], dtype=torch.bool)
         page_size = self.cache.page_size
+        shard = self.cache.shard
         for b, pos in self.new_positions():
-            page = self.cache.pages_of(b)[pos // page_size]
-            touched[page, 0, self.layer_idx, pos % page_size, 0] = True
+            if not shard.owns(pos):
+                continue
+            slot = shard.local_count(pos)
+            page = self.cache.pages_of(b)[slot // page_size]
+            touched[page, 0, self.layer_idx, slot % page_size, 0] = True
         return touched
 
     def take_new_rows(self, seed: int) -> torch.Tensor:
         """The new tokens' raw rows ``[T, R + Dr]``, as the op's ``new_rows`` input.
 
         Their cache slots are overwritten with other random values, so only a
-        kernel that stores ``new_rows`` gets them right.
+        kernel that stores ``new_rows`` gets them right. The whole cache only.
         """
+        if not self.cache.shard.whole:
+            raise ValueError("take_new_rows: expected a case on the whole cache, got a shard")
         mask = self.new_rows_mask()
         rows = (
             torch.stack(
@@ -126,11 +136,16 @@ def make_case(
     v_head_dim: int = 128,
     extra_rows: int = 7,
     freqs: str = "random",
+    shard: CacheShard | None = None,
 ) -> Case:
     """A fresh random case: every value is drawn from ``seed``, none is zero.
 
     ``freqs="random"`` draws a random rotation per position and pair;
-    ``freqs="rope"`` uses the standard RoPE table (theta 10000).
+    ``freqs="rope"`` uses the standard RoPE table (theta 10000). ``shard``:
+    the case's cache holds that shard's positions (context-parallel decode);
+    every value drawn is the same as without it, so the shards of a seed
+    split the whole cache of that seed (same pool size, page order and
+    rows), and ``options`` carries the shard.
     """
     g = torch.Generator().manual_seed(seed)
     granularity = ScaleGranularity.parse(granularity)
@@ -145,6 +160,7 @@ def make_case(
         qk_rope_head_dim=rope_dim,
         shuffle_pages=True,
         generator=g,
+        shard=shard,
     )
     # Every slot of the pool holds random data, so a read or write of a wrong row shows.
     cache.blocks.copy_(torch.randn(cache.blocks.shape, generator=g).to(dtype))
@@ -181,6 +197,7 @@ def make_case(
             mask=mask,
             score_mod=score_mod,
             local_window_size=local_window_size,
+            **({} if shard is None else {"shard": shard}),
         ),
     )
 

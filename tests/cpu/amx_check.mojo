@@ -40,7 +40,7 @@ from mojo_kernels.cpu.attention import (
 )
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention
-from mojo_kernels.paged_cache import PagedLatentRows, RaggedBatch
+from mojo_kernels.paged_cache import CacheShard, PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
 
@@ -139,6 +139,7 @@ struct Case(Movable):
             self.offsets.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             self.cache_lengths.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             len(self.cache_lengths),
+            CacheShard.whole(),
         )
 
     def cache(mut self) -> PagedLatentRows[BF16]:
@@ -172,7 +173,9 @@ struct Case(Movable):
         attend_partitions[BF16, tiles](
             q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path
         )
-        merge_partitions[BF16](partials, shape, raw.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]())
+        merge_partitions[BF16](
+            partials, shape, raw.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), row_sum.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False
+        )
         _ = out^
         _ = row_max^
         _ = row_sum^
@@ -256,14 +259,17 @@ struct OpInputs(Movable):
 
     def problem(mut self, mut c: Case) -> DecodeProblem[BF16]:
         return DecodeProblem[BF16](
-            untracked(self.output), untracked(self.q), c.batch(), untracked(self.freqs), untracked(self.gamma),
+            untracked(self.output), True, untracked(self.q), c.batch(), untracked(self.freqs), untracked(self.gamma),
             c.cache(), c.num_tokens, c.num_heads, 128, 64, c.rank, 128, Float32(0.0416), Float32(1e-6), c.mask, 0,
             Granularity(1, 128, 128),
             self.w_uk.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             self.w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             self.w_uv.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             self.w_uv_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            untracked(self.raw), False, untracked(self.raw), False,
+            untracked(self.raw), False,  # no attention_output
+            self.w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False,  # no lse
+            untracked(self.raw), False,  # no new_rows
+            False,  # all six steps
         )
 
 

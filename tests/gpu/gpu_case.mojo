@@ -15,7 +15,7 @@ from mojo_kernels.gpu.pipeline import (
     mla_decode_branch_fp8_gpu,
 )
 from mojo_kernels.gpu.plan import ATTENTION_VARIANTS, DeviceLimits, GpuPlan
-from mojo_kernels.paged_cache import PagedLatentRows, RaggedBatch
+from mojo_kernels.paged_cache import CacheShard, PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import Granularity, MaskSpec
 
@@ -342,8 +342,8 @@ struct DeviceCase[dtype: DType](Movable):
     def problem(self, c: Case) -> DecodeProblem[Self.dtype]:
         """The op's inputs: no attention output, no new rows (the rows are in the cache)."""
         return DecodeProblem[Self.dtype](
-            untracked(self.output), untracked(self.q),
-            RaggedBatch(untracked(self.offsets), untracked(self.lengths), c.num_requests),
+            untracked(self.output), True, untracked(self.q),
+            RaggedBatch(untracked(self.offsets), untracked(self.lengths), c.num_requests, CacheShard.whole()),
             untracked(self.freqs), untracked(self.gamma),
             PagedLatentRows[Self.dtype].create(
                 untracked(self.blocks), untracked(self.lookup), c.pages_per_request,
@@ -354,7 +354,9 @@ struct DeviceCase[dtype: DType](Movable):
             Granularity(c.gm, c.gn, c.gk),
             untracked(self.w_uk), untracked(self.w_uk_scale), untracked(self.w_uv), untracked(self.w_uv_scale),
             untracked(self.output), False,  # no attention_output
+            untracked(self.w_uk_scale), False,  # no lse
             untracked(self.q), False,  # no new_rows
+            False,  # all six steps
         )
 
     def plan(self, ctx: DeviceContext, c: Case) raises -> GpuPlan:
@@ -366,6 +368,21 @@ struct DeviceCase[dtype: DType](Movable):
     ) raises:
         """Step 5 alone on this case's cache."""
         gpu_attention[Self.dtype](ctx, self.problem(c), plan, untracked(q_full), untracked(raw))
+
+    def attention_lse(
+        self,
+        ctx: DeviceContext,
+        c: Case,
+        plan: GpuPlan,
+        q_full: DeviceBuffer[DType.float32],
+        raw: DeviceBuffer[DType.float32],
+        lse: DeviceBuffer[DType.float32],
+    ) raises:
+        """Step 5 alone with its LSE into `lse [T H]`."""
+        var p = self.problem(c)
+        p.lse = untracked(lse)
+        p.has_lse = True
+        gpu_attention[Self.dtype](ctx, p, plan, untracked(q_full), untracked(raw))
 
     def build_q_full(self, ctx: DeviceContext, c: Case, plan: GpuPlan, q_full: DeviceBuffer[DType.float32]) raises:
         """Steps 1, 3, 4 on q alone (no cache rows)."""
@@ -380,6 +397,14 @@ struct DeviceCase[dtype: DType](Movable):
         p.attention_output = untracked(att_out)
         p.has_attention_output = True
         gpu_project_output[Self.dtype](ctx, p, plan, untracked(raw))
+
+    def project_only(self, ctx: DeviceContext, c: Case, att: DeviceBuffer[Self.dtype]) raises:
+        """The op with first_step 6: step 6 alone into `self.output`, from the attention output `att`."""
+        var p = self.problem(c)
+        p.attention_output = untracked(att)
+        p.has_attention_output = True
+        p.project_only = True
+        mla_decode_branch_fp8_gpu[Self.dtype](p, ctx)
 
     def run_op(self, ctx: DeviceContext, c: Case) raises:
         mla_decode_branch_fp8_gpu[Self.dtype](self.problem(c), ctx)

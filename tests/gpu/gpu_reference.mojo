@@ -1,6 +1,6 @@
 # The CPU reference of tests/gpu/gpu_smoke.mojo: plain loops on a `Case` (the docstring of pymla/reference.py).
 
-from std.math import exp, sqrt
+from std.math import exp, log, sqrt
 
 from gpu_case import FP8_MAX, Case, QuantWeights, ceil_div, extent, fp8_value, round_to
 
@@ -113,8 +113,17 @@ def cpu_q_full[dtype: DType](tc: Case) -> List[Float32]:
 
 def cpu_attention[dtype: DType](tc: Case, q_full: List[Float32], blocks: List[Float32]) -> List[Float32]:
     """Step 5, in float64 with the op's rounding points (P and raw rounded to dtype), from any q_full and cache blocks."""
+    var lse = List[Float32]()
+    return cpu_attention_lse[dtype](tc, q_full, blocks, lse)
+
+
+def cpu_attention_lse[
+    dtype: DType
+](tc: Case, q_full: List[Float32], blocks: List[Float32], mut lse: List[Float32]) -> List[Float32]:
+    """`cpu_attention`, and each row's natural log-sum-exp of its scores into `lse [T H]` (float64 math)."""
     var heads = tc.heads
     var raw = List[Float32](length=tc.num_tokens * heads * tc.rank, fill=0)
+    lse = List[Float32](length=tc.num_tokens * heads, fill=0)
     var scores = List[Float64]()
     var acc = List[Float64](length=tc.rank, fill=0)
     for t in range(tc.num_tokens):
@@ -147,6 +156,7 @@ def cpu_attention[dtype: DType](tc: Case, q_full: List[Float32], blocks: List[Fl
                     acc[i] += e_rounded * Float64(blocks[off + i])
             for i in range(tc.rank):
                 raw[(t * heads + h) * tc.rank + i] = round_to[dtype](Float32(acc[i] / total))
+            lse[t * heads + h] = Float32(top + log(total))
     return raw^
 
 

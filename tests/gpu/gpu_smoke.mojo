@@ -35,7 +35,7 @@ from mojo_kernels.gpu.plan import (
 from mojo_kernels.spec import Granularity
 
 from gpu_case import Case, DeviceCase, download, round_to, variant_index
-from gpu_reference import cpu_attention, cpu_cache_rows, cpu_output, cpu_q_full
+from gpu_reference import cpu_attention, cpu_attention_lse, cpu_cache_rows, cpu_output, cpu_q_full
 
 
 # ---------------------------------------------------------------------------
@@ -55,26 +55,53 @@ def report(name: String, ok: Bool, detail: String) -> Bool:
     return ok
 
 
+@fieldwise_init
+struct Errors(Copyable):
+    """`got` against `want`."""
+
+    var top: Float32  # max|want|
+    var worst: Float32  # the largest error that is not NaN
+    var worst_i: Int  # where
+    var nans: Int  # NaN errors
+    var within: Int  # errors within the bound of `scan`
+
+    @staticmethod
+    def scan(got: List[Float32], want: List[Float32], rel_bound: Float32 = 0) -> Self:
+        """`within` counts the errors up to `rel_bound x max|want|`."""
+        var e = Self(max_abs(want), 0, 0, 0, 0)
+        for i in range(len(want)):
+            var err = abs(got[i] - want[i])
+            if err != err:
+                e.nans += 1
+                continue
+            if err > e.worst:
+                e.worst = err
+                e.worst_i = i
+            if err <= rel_bound * e.top:
+                e.within += 1
+        return e^
+
+    def relative(self) -> Float32:
+        """The largest error x max|want|."""
+        return self.worst / self.top if self.top > 0 else self.worst
+
+
 def check_close(name: String, got: List[Float32], want: List[Float32], rel_tol: Float32) -> Bool:
-    var top = max_abs(want)
-    var worst = Float32(0)
-    var worst_i = 0
-    var nans = 0
-    for i in range(len(want)):
-        var e = abs(got[i] - want[i])
-        if e != e:
-            nans += 1
-            continue
-        if e > worst:
-            worst = e
-            worst_i = i
-    var rel = worst / top if top > 0 else worst
-    var ok = rel <= rel_tol and nans == 0
+    var e = Errors.scan(got, want)
+    var rel = e.relative()
+    var ok = rel <= rel_tol and e.nans == 0
+    var at = e.worst_i
     return report(
         name, ok,
-        String("max err ", rel, " x max|ref| (tol ", rel_tol, ") at ", worst_i, ": got ", got[worst_i] if len(got) > 0 else Float32(0),
-               " want ", want[worst_i] if len(want) > 0 else Float32(0), ", NaN ", nans),
+        String("max err ", rel, " x max|ref| (tol ", rel_tol, ") at ", at, ": got ", got[at] if len(got) > 0 else Float32(0),
+               " want ", want[at] if len(want) > 0 else Float32(0), ", NaN ", e.nans),
     )
+
+
+def tile_label[stage: StaticString, i: Int]() -> String:
+    """`stage (tile WMxWNxTMxTN)` of projection tile `PROJ_TILES[i]`."""
+    comptime t = PROJ_TILES[i]
+    return String(stage, " (tile ", t[0], "x", t[1], "x", t[2], "x", t[3], ")")
 
 
 def ulp_of[dtype: DType]() -> Float32:
@@ -97,32 +124,19 @@ def raw_tolerance[dtype: DType]() -> Float32:
 
 def check_parity[dtype: DType](name: String, got: List[Float32], want: List[Float32]) -> Bool:
     """As pymla/parity.py: all within 2 ulp + 1e-6 + 2^-8, 95% within 2 ulp + 1e-6 (x max|ref|)."""
-    var top = max_abs(want)
     var ulp_bound = 2 * ulp_of[dtype]() + Float32(1e-6)
-    var worst = Float32(0)
-    var within = 0
-    var nans = 0
-    for i in range(len(want)):
-        var e = abs(got[i] - want[i])
-        if e != e:
-            nans += 1
-            continue
-        worst = max(worst, e)
-        if e <= ulp_bound * top:
-            within += 1
-    var rel = worst / top if top > 0 else worst
-    var bulk = Float32(within) / Float32(max(len(want), 1))
-    var ok = nans == 0 and rel <= ulp_bound + Float32(2.0) ** -8 and bulk >= 0.95
-    return report(name, ok, String("max err ", rel, " x max|ref|, ", bulk * 100, "% within ", ulp_bound, ", NaN ", nans))
+    var e = Errors.scan(got, want, ulp_bound)
+    var rel = e.relative()
+    var bulk = Float32(e.within) / Float32(max(len(want), 1))
+    var ok = e.nans == 0 and rel <= ulp_bound + Float32(2.0) ** -8 and bulk >= 0.95
+    return report(name, ok, String("max err ", rel, " x max|ref|, ", bulk * 100, "% within ", ulp_bound, ", NaN ", e.nans))
 
 
 def cache_tolerance[dtype: DType]() -> Float32:
-    comptime if dtype == DType.bfloat16:
-        return Float32(2.0) ** -7
-    elif dtype == DType.float16:
-        return Float32(2.0) ** -10
-    else:
+    comptime if dtype == DType.float32:
         return Float32(2.0) ** -20
+    else:
+        return ulp_of[dtype]()
 
 
 def check_cache[dtype: DType](c: Case, got: List[Float32], want: List[Float32]) -> Bool:
@@ -171,8 +185,8 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
                 var tiled = plan
                 tiled.q_tile = i
                 d.build_q_full(ctx, c, tiled, q_full_buf)
-                ok = check_close(String("q_full (tile ", PROJ_TILES[i][0], "x", PROJ_TILES[i][1], "x", PROJ_TILES[i][2], "x", PROJ_TILES[i][3], ")"),
-                                 download[DType.float32](ctx, q_full_buf, rows * c.key_dim), ref_q_full, ulp_of[dtype]()) and ok
+                var got = download[DType.float32](ctx, q_full_buf, rows * c.key_dim)
+                ok = check_close(tile_label["q_full", i](), got, ref_q_full, ulp_of[dtype]()) and ok
             else:
                 print("  q_full: tile", i, "does not fit in shared memory, skipped")
         var fma_path = plan
@@ -183,7 +197,17 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     var gpu_q_full = download[DType.float32](ctx, q_full_buf, rows * c.key_dim)
     ok = check_close("q_full", gpu_q_full, ref_q_full, ulp_of[dtype]()) and ok
 
-    var raw_from_gpu = cpu_attention[dtype](c, gpu_q_full, gpu_blocks)
+    var lse_from_gpu = List[Float32]()
+    var raw_from_gpu = cpu_attention_lse[dtype](c, gpu_q_full, gpu_blocks, lse_from_gpu)
+    # The LSE (float32 [T H], from the partition merge: at least two partitions) with the raw it
+    # comes with; float32 scores in another order: pymla/parity.py's F32_SLACK of the scores.
+    var lse_buf = ctx.enqueue_create_buffer[DType.float32](max(rows, 1))
+    for parts in [1, 3]:
+        var parted = plan
+        parted.num_partitions = parts
+        d.attention_lse(ctx, c, parted, q_full_buf, raw_buf, lse_buf)
+        ok = check_close(String("raw with lse (", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+        ok = check_close(String("lse (", parts, " partitions)"), download[DType.float32](ctx, lse_buf, rows), lse_from_gpu, Float32(2.0) ** -13) and ok
     var gpu_raw = List[Float32]()
     # 0 = the partitions the op would plan itself (last, so gpu_raw is the op's).
     for parts in [1, 3, 0]:
@@ -228,8 +252,7 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
                 var tiled = plan
                 tiled.out_tile = i
                 d.project_output(ctx, c, tiled, raw_buf, att_out)
-                ok = check_parity[dtype](String("output stage (tile ", PROJ_TILES[i][0], "x", PROJ_TILES[i][1], "x", PROJ_TILES[i][2], "x", PROJ_TILES[i][3], ")"),
-                                         download[dtype](ctx, d.output, rows * c.v_dim), ref_out_stage) and ok
+                ok = check_parity[dtype](tile_label["output stage", i](), download[dtype](ctx, d.output, rows * c.v_dim), ref_out_stage) and ok
             else:
                 print("  output stage: tile", i, "does not fit in shared memory, skipped")
         var fma_path = plan
@@ -242,6 +265,10 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     ok = check_parity[dtype]("output stage", gpu_out_stage, ref_out_stage) and ok
     # The attention output the op stores on request: raw as dtype, exactly.
     ok = check_close("attention output store", download[dtype](ctx, att_out, rows * c.rank), gpu_raw, 0) and ok
+    # Step 6 alone (first_step 6) from that attention output: the op's own step 6, exactly.
+    ctx.enqueue_memset(d.output, Scalar[dtype](0))
+    d.project_only(ctx, c, att_out)
+    ok = check_close("step 6 alone (first_step 6)", download[dtype](ctx, d.output, rows * c.v_dim), gpu_out_stage, 0) and ok
 
     # The whole op on fresh inputs against the CPU pipeline.
     var d2 = DeviceCase[dtype](ctx, c)
@@ -262,6 +289,7 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     _ = q_full_buf^
     _ = raw_buf^
     _ = att_out^
+    _ = lse_buf^
     return ok
 
 
