@@ -165,8 +165,8 @@ def test_sizes_with_tails(dtype, target):
 
 
 def test_amx_tile_layouts(tmp_path):
-    """tests/cpu/amx_check.mojo, built for the op's target: the AMX path on emulated tiles
-    (and on the unit where the kernel and the CPU have AMX) against the f32 path."""
+    """tests/cpu/amx_check.mojo, built for the op's target: the AMX paths of steps 5, 3 and 6 on
+    emulated tiles (and on the unit where the kernel and the CPU have AMX) against the f32 paths."""
     root = Path(__file__).resolve().parents[1]
     binary = tmp_path / "amx_check"
     build = subprocess.run(
@@ -181,5 +181,6 @@ def test_amx_tile_layouts(tmp_path):
     lines = result.stdout.splitlines()
     assert lines[-1] == "amx_check: 0 failed", lines[-5:]
     assert sum(line.startswith("PASS amx-emulated") for line in lines) >= 30
+    assert sum(line.startswith("PASS amx-emulated projection") for line in lines) >= 9  # steps 3, 6
     if "amx" in kernel_cpu_paths() and "amx_tile" in cpu_flags():
         assert sum(line.startswith("PASS amx ") for line in lines) >= 30

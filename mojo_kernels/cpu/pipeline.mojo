@@ -27,7 +27,8 @@ from .attention import (
     merge_partitions,
 )
 from .bf16 import HAS_AVX512_BF16
-from .fp8_matmul import StridedMatrices, fp8_batched_matmul
+from .amx_matmul import fp8_projection, projection_on_amx
+from .fp8_matmul import StridedMatrices
 from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
 from .simd import scratch, scratch_of
 
@@ -49,15 +50,17 @@ def project_q_nope[
     rope_dim: Int,
     kv_lora_rank: Int,
     granularity: Granularity,
+    path: Int = PATH_F32,
 ) raises:
-    """Step 3: `q_full[t, h, :R] = rnd(fp8mm(q[t, h, :nope], w_uk[h]))`."""
+    """Step 3: `q_full[t, h, :R] = rnd(fp8mm(q[t, h, :nope], w_uk[h]))`; on AMX tiles where `projection_on_amx`."""
     var a = StridedMatrices[dtype](q, nope_dim + rope_dim, num_heads * (nope_dim + rope_dim))
     var c = StridedMatrices[dtype](
         q_full, kv_lora_rank + rope_dim, num_heads * (kv_lora_rank + rope_dim)
     )
     var blocks = granularity.resolve(num_tokens, kv_lora_rank, nope_dim)
-    fp8_batched_matmul[dtype, dtype](
-        a, w_uk, w_uk_scale, c, num_heads, num_tokens, kv_lora_rank, nope_dim, blocks
+    fp8_projection[dtype, dtype](
+        a, w_uk, w_uk_scale, c, num_heads, num_tokens, kv_lora_rank, nope_dim, blocks,
+        projection_on_amx(path, num_tokens, num_heads),
     )
 
 
@@ -73,13 +76,15 @@ def project_output[
     kv_lora_rank: Int,
     v_head_dim: Int,
     granularity: Granularity,
+    path: Int = PATH_F32,
 ) raises:
-    """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`."""
+    """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`; on AMX tiles where `projection_on_amx`."""
     var a = StridedMatrices[dtype](raw, kv_lora_rank, num_heads * kv_lora_rank)
     var c = StridedMatrices[dtype](output, v_head_dim, num_heads * v_head_dim)
     var blocks = granularity.resolve(num_tokens, v_head_dim, kv_lora_rank)
-    fp8_batched_matmul[dtype, dtype](
-        a, w_uv, w_uv_scale, c, num_heads, num_tokens, v_head_dim, kv_lora_rank, blocks
+    fp8_projection[dtype, dtype](
+        a, w_uv, w_uv_scale, c, num_heads, num_tokens, v_head_dim, kv_lora_rank, blocks,
+        projection_on_amx(path, num_tokens, num_heads),
     )
 
 
@@ -174,7 +179,7 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     )
     project_q_nope[dtype](
         p.q, p.w_uk, p.w_uk_scale, q_full, p.num_tokens, p.num_heads, p.nope_dim, p.rope_dim,
-        p.kv_lora_rank, p.granularity,
+        p.kv_lora_rank, p.granularity, path,
     )
 
     # Step 5: attention, split into partitions, then merged.
@@ -198,7 +203,7 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     if p.has_output:
         project_output[dtype](
             raw, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank, p.v_head_dim,
-            p.granularity,
+            p.granularity, path,
         )
     _ = q_full_buf^
     _ = part_out_buf^

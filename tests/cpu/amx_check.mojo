@@ -17,9 +17,10 @@
 # same bf16 values summed in another order; the probabilities and the output rounded to bf16).
 # Timings: batch 8, 16k context, page 64, 16 and 128 heads, every path the CPU has, one line each
 # with the thread count: step 5 alone, then the whole CPU op (mla_decode_branch_fp8_cpu with
-# DeepSeek-V3 dims, blockwise fp8 weights; PYMLA_CPU_PATH set per path) and its steps 3 and 6
-# alone. The AMX line also times the path with `tdpbf16ps` left out and with no tile instruction
-# at all (wrong results, where the time goes). Exit status 1 if any check fails.
+# DeepSeek-V3 dims, blockwise fp8 weights; PYMLA_CPU_PATH set per path). The AMX line also times
+# the path with `tdpbf16ps` left out and with no tile instruction at all (wrong results, where the
+# time goes). Steps 3 and 6 on tiles (cpu/amx_matmul.mojo): checks and timings in
+# projection_check.mojo; the tile emulation in check_common.mojo. Exit status 1 if any check fails.
 
 from std.os import setenv
 from std.sys import argv, num_physical_cores
@@ -27,7 +28,7 @@ from std.sys.info import CompilationTarget
 from std.time import perf_counter_ns
 
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, ceil_div
-from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, BytePtr, TileUnit, amx_permitted
+from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, TileUnit, amx_permitted
 from mojo_kernels.cpu.attention import (
     PATH_AMX,
     PATH_AVX512BF16,
@@ -38,144 +39,18 @@ from mojo_kernels.cpu.attention import (
     merge_partitions,
 )
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
-from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention, project_output, project_q_nope
+from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention
 from mojo_kernels.paged_cache import CacheShard, PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
+
+from check_common import AmxWithoutDots, EmulatedTiles, NoTiles, Rng, amx_runs, cpu_has_amx
+from projection_check import check_projections, time_projections
 
 comptime TOLERANCE: Float32 = 0.02
 """Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
 
 comptime BF16 = DType.bfloat16
-
-
-struct EmulatedTiles(TileUnit):
-    """The AMX instructions of `TileUnit` in plain loops over eight 1 KiB registers (16 rows x 64 bytes).
-
-    `tdpbf16ps` as the Intel SDM writes it: per row `m`, column `n` and pair
-    `p`, the float32 accumulator adds `a[m, 2p] b[p, 2n]`, then `a[m, 2p+1] b[p, 2n+1]`.
-    """
-
-    var regs: List[UInt8]
-    var started: Bool
-
-    def __init__(out self):
-        self.regs = List[UInt8](length=8 * 1024, fill=0)
-        self.started = False
-
-    def reg(mut self, t: Int) -> BytePtr:
-        if not self.started:
-            print("EmulatedTiles: tile instruction before ldtilecfg")
-        return self.regs.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_offset(t * 1024)
-
-    def start(mut self):
-        self.started = True
-
-    def load[t: Int](mut self, src: BytePtr, stride: Int):
-        var r = self.reg(t)
-        for m in range(16):
-            for i in range(64):
-                r.unsafe_store(m * 64 + i, src.unsafe_load(m * stride + i))
-
-    def store[t: Int](mut self, dst: BytePtr, stride: Int):
-        var r = self.reg(t)
-        for m in range(16):
-            for i in range(64):
-                dst.unsafe_store(m * stride + i, r.unsafe_load(m * 64 + i))
-
-    def zero[t: Int](mut self):
-        var r = self.reg(t)
-        for i in range(1024):
-            r.unsafe_store(i, 0)
-
-    def dot[c: Int, a: Int, b: Int](mut self):
-        var cf = self.reg(c).unsafe_bitcast[Float32]()
-        var ab = self.reg(a).unsafe_bitcast[BFloat16]()
-        var bb = self.reg(b).unsafe_bitcast[BFloat16]()
-        for m in range(16):
-            for n in range(16):
-                var acc = cf.unsafe_load(m * 16 + n)
-                for p in range(16):
-                    acc += ab.unsafe_load(m * 32 + 2 * p).cast[DType.float32]() * bb.unsafe_load(
-                        p * 32 + 2 * n
-                    ).cast[DType.float32]()
-                    acc += ab.unsafe_load(m * 32 + 2 * p + 1).cast[DType.float32]() * bb.unsafe_load(
-                        p * 32 + 2 * n + 1
-                    ).cast[DType.float32]()
-                cf.unsafe_store(m * 16 + n, acc)
-
-    def stop(mut self):
-        self.started = False
-
-
-struct AmxWithoutDots(TileUnit):
-    """The AMX unit with `tdpbf16ps` left out (loads, stores, zeros only): timings only."""
-
-    var unit: AmxTiles
-
-    def __init__(out self):
-        self.unit = AmxTiles()
-
-    def start(mut self):
-        self.unit.start()
-
-    def load[t: Int](mut self, src: BytePtr, stride: Int):
-        self.unit.load[t](src, stride)
-
-    def store[t: Int](mut self, dst: BytePtr, stride: Int):
-        self.unit.store[t](dst, stride)
-
-    def zero[t: Int](mut self):
-        self.unit.zero[t]()
-
-    def dot[c: Int, a: Int, b: Int](mut self):
-        pass
-
-    def stop(mut self):
-        self.unit.stop()
-
-
-struct NoTiles(TileUnit):
-    """No tile instruction at all: what the AMX path costs besides the unit. Timings only."""
-
-    def __init__(out self):
-        pass
-
-    def start(mut self):
-        pass
-
-    def load[t: Int](mut self, src: BytePtr, stride: Int):
-        pass
-
-    def store[t: Int](mut self, dst: BytePtr, stride: Int):
-        pass
-
-    def zero[t: Int](mut self):
-        pass
-
-    def dot[c: Int, a: Int, b: Int](mut self):
-        pass
-
-    def stop(mut self):
-        pass
-
-
-struct Rng(Movable):
-    var state: UInt64
-
-    def __init__(out self, seed: Int):
-        self.state = UInt64(seed) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019
-
-    def next(mut self) -> UInt64:
-        self.state = self.state * 6364136223846793005 + 1442695040888963407
-        return self.state >> 33
-
-    def uniform(mut self) -> Float32:
-        """Uniform in [-1, 1)."""
-        return Float32(Int(self.next() % 65536)) / 32768.0 - 1.0
-
-    def below(mut self, n: Int) -> Int:
-        return Int(self.next() % UInt64(n))
 
 
 struct Case(Movable):
@@ -334,20 +209,6 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
         check(name, "amx", expected, c.attend[AmxTiles](PATH_AMX, partitions), failures)
 
 
-def cpu_has_amx() -> Bool:
-    """CPUID leaf 7: EDX bit 24 (AMX-TILE) and bit 22 (AMX-BF16), read from /proc/cpuinfo's flags."""
-    try:
-        with open("/proc/cpuinfo", "r") as f:
-            var text = f.read()
-            return " amx_tile" in text and " amx_bf16" in text
-    except:
-        return False
-
-
-def amx_runs() -> Bool:
-    return HAS_AMX and cpu_has_amx()
-
-
 def mask(kind: Int, window: Int = 0) -> MaskSpec:
     return MaskSpec(kind, window)
 
@@ -429,29 +290,6 @@ def time_op(mut c: Case, mut inputs: OpInputs, path: String, iters: Int) raises 
     return best
 
 
-def time_projections(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> Tuple[Float64, Float64]:
-    """Best of `iters` calls of step 3 (into a scratch q_full) and of step 6 alone."""
-    var p = inputs.problem(c)
-    var q_full = List[BFloat16](length=c.num_tokens * c.num_heads * c.key_dim, fill=0)
-    var best3 = Float64(1e30)
-    var best6 = Float64(1e30)
-    for _ in range(iters + 1):
-        var t0 = perf_counter_ns()
-        project_q_nope[BF16](
-            p.q, p.w_uk, p.w_uk_scale, untracked(q_full), p.num_tokens, p.num_heads, 128, 64, c.rank, p.granularity
-        )
-        var t1 = perf_counter_ns()
-        project_output[BF16](
-            untracked(inputs.raw), p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, c.rank, 128,
-            p.granularity,
-        )
-        var t2 = perf_counter_ns()
-        best3 = min(best3, Float64(t1 - t0) / 1e6)
-        best6 = min(best6, Float64(t2 - t1) / 1e6)
-    _ = q_full^
-    return (best3, best6)
-
-
 def main() raises:
     var quick = len(argv()) > 1 and argv()[1] == "quick"
     print("amx_check: compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
@@ -477,6 +315,7 @@ def main() raises:
     var tails = Case(seed + 2, 5, 16, [37, 0, 70], [3, 1, 2], mask(MASK_CAUSAL), key_dim=114, rank=100)
     check_case(tails, 0, failures)
     check_case(tails, 2, failures)
+    check_projections(failures)
     print("amx_check:", failures, "failed")
     if not quick:
         var threads = num_physical_cores()
@@ -504,8 +343,7 @@ def main() raises:
                 op_line += String(", avx512bf16 ", time_op(c, inputs, "avx512bf16", 5), " ms")
             if amx_runs():
                 op_line += String(", amx ", time_op(c, inputs, "amx", 5), " ms")
-            var proj = time_projections(c, inputs, 5)
-            op_line += String("; step 3 ", proj[0], " ms, step 6 ", proj[1], " ms")
             print(op_line)
+        time_projections(5, failures)
     if failures:
         raise Error(String(failures, " checks failed"))
