@@ -49,7 +49,14 @@ from .amx import (
     tile_scores_amx,
     untracked_bf16,
 )
-from .bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16, unpermute_value_columns
+from .bf16 import (
+    BF16Ptr,
+    HAS_AVX512_BF16,
+    TileScores,
+    accumulate_values_bf16,
+    tile_scores_bf16,
+    unpermute_value_columns,
+)
 from .merge import AttentionShape, PartialResults, merge_partitions  # merge_partitions: re-exported for callers
 from .online_softmax import BF16_KEY_TILE, COL_BLOCK, KEY_TILE, ROW_BLOCK, TaskRows, softmax_update
 from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, dot_block, run_tasks, scratch
@@ -194,7 +201,9 @@ def attend_tiles_bf16[
     while j0 < k_hi:
         var j1 = min(j0 + tile, k_hi)
         var next_keys = tile_rows[dtype, tile](cache, b, min(j1, k_hi - 1), k_hi)
-        tile_scores_bf16[tile](q, keys, next_keys, scratch(rows.scores_buf), rows.padded, key_dim)
+        tile_scores_bf16(
+            TileScores[tile](q, keys.copy(), next_keys.copy(), scratch(rows.scores_buf), key_dim), rows.padded
+        )
         softmax_update[dtype, tile](rows, j0, j1 - j0, scale, shard)
         accumulate_values_bf16[tile](
             scratch(rows.scores_buf), probs, keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
