@@ -196,19 +196,18 @@ def attend_tiles_bf16[
     var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var probs_buf = List[BFloat16](length=rows.padded * tile, fill=0)
     var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var keys = tile_rows[dtype, tile](cache, b, k_lo, k_hi)
+    var first = tile_rows[dtype, tile](cache, b, k_lo, k_hi)
+    var scoring = TileScores[tile](q, first.copy(), first^, scratch(rows.scores_buf), key_dim)
     var j0 = k_lo
     while j0 < k_hi:
         var j1 = min(j0 + tile, k_hi)
-        var next_keys = tile_rows[dtype, tile](cache, b, min(j1, k_hi - 1), k_hi)
-        tile_scores_bf16(
-            TileScores[tile](q, keys.copy(), next_keys.copy(), scratch(rows.scores_buf), key_dim), rows.padded
-        )
+        scoring.next_keys = tile_rows[dtype, tile](cache, b, min(j1, k_hi - 1), k_hi)
+        tile_scores_bf16(scoring, rows.padded)
         softmax_update[dtype, tile](rows, j0, j1 - j0, scale, shard)
         accumulate_values_bf16[tile](
-            scratch(rows.scores_buf), probs, keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
+            scratch(rows.scores_buf), probs, scoring.keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
         )
-        keys = next_keys^
+        scoring.keys = scoring.next_keys.copy()
         j0 = j1
     _ = q_buf^
     unpermute_value_columns(scratch(rows.out_buf), rows.num_rows, rank)
