@@ -2,7 +2,9 @@
 
 What a step's plan (:mod:`pymla.plan`) and a layer's weights
 (:mod:`pymla.weights`) wrap once, and what each run wraps: its call tensors
-(:func:`wrap_call_tensor`) and the layer index.
+(:func:`wrap_call_tensor`) and the layer index. A plan's argument list is
+:func:`step_template` (the step's buffers in place, made once);
+:func:`run_buffers` fills a copy of it for one launch.
 """
 
 from __future__ import annotations
@@ -12,10 +14,16 @@ import logging
 import torch
 
 from . import bridge, runtime
-from .args import ARGS, BY_NAME, TORCH_SCALAR_DTYPES
+from .args import ALL_STEPS, ARGS, BY_NAME, TORCH_SCALAR_DTYPES, Source
 
 ARG_INDEX = {a.name: i for i, a in enumerate(ARGS)}
 """Each argument's position in :data:`pymla.args.ARGS` (the kernel's argument order)."""
+
+# Positions in ARGS of what a run supplies.
+_RUN_NAMES = ("output", "attention_output", "lse", "q", "new_rows", "layer_idx", "first_step")
+assert {a.name for a in ARGS if a.source in (Source.CALL, Source.LAYER)} == set(_RUN_NAMES)
+_I_OUT, _I_ATTENTION, _I_LSE, _I_Q, _I_ROWS, _I_LAYER, _I_FIRST = (ARG_INDEX[n] for n in _RUN_NAMES)
+_STEP_NAMES = tuple(a.name for a in ARGS if a.source is Source.STEP)
 
 
 def max_buffers(values: dict[str, object]) -> dict[str, object]:
@@ -67,3 +75,61 @@ def first_step_buffer(first_step: int):
     if found is None:
         found = _first_steps[first_step] = runtime.scalar_buffer(first_step, torch.int32)
     return found
+
+
+def step_template(input_row_offsets, freqs_cis, kv, options, dtype, device) -> list:
+    """The kernel's argument list, in ARGS order: the step's tensors (``kv``: the cache's
+    three) and ``options``' scalars as buffers in place, empty buffers of ``dtype`` on
+    ``device`` where a run's tensors go."""
+    buffers = max_buffers(
+        {
+            "input_row_offsets": input_row_offsets,
+            "freqs_cis": freqs_cis,
+            "kv_blocks": kv.blocks,
+            "cache_lengths": kv.cache_lengths,
+            "lookup_table": kv.lookup_table,
+            **options.scalars(),
+        }
+    )
+    assert set(buffers) == set(_STEP_NAMES)
+    template = [buffers.get(a.name) for a in ARGS]
+    template[_I_OUT] = runtime.empty_buffer(3, dtype, device)
+    template[_I_ATTENTION] = runtime.empty_buffer(3, dtype, device)
+    template[_I_LSE] = runtime.empty_buffer(2, torch.float32, device)
+    template[_I_FIRST] = first_step_buffer(ALL_STEPS)
+    template[_I_ROWS] = runtime.empty_buffer(2, dtype, device)
+    return template
+
+
+def run_buffers(
+    template: list,
+    device: tuple[int, int],
+    indexed: list,
+    q,
+    layer: int,
+    out,
+    attention_out,
+    new_rows,
+    lse,
+    first_step: int,
+) -> list:
+    """One launch's arguments: a copy of ``template`` with the call's tensors wrapped
+    (``device``: their DLPack device), the layer's weight buffers (``indexed``: position,
+    buffer pairs) and the layer index; no checks."""
+    args = template.copy()
+    wrap = wrap_call_tensor
+    if out is not None:
+        args[_I_OUT] = wrap(out, device)
+    args[_I_Q] = wrap(q, device)
+    if attention_out is not None:
+        args[_I_ATTENTION] = wrap(attention_out, device)
+    if lse is not None:
+        args[_I_LSE] = wrap(lse, device)
+    if new_rows is not None:
+        args[_I_ROWS] = wrap(new_rows, device)
+    for i, buffer in indexed:
+        args[i] = buffer
+    args[_I_LAYER] = layer_buffer(layer)
+    if first_step != ALL_STEPS:
+        args[_I_FIRST] = first_step_buffer(first_step)
+    return args

@@ -9,7 +9,8 @@
 :func:`plan` checks every value the kernel indexes with, once per step
 (offsets, cache lengths, lookup table, positions against freqs_cis and the
 pages, the rows appended to a :class:`~pymla.PagedLatentCache`), and wraps
-the step's tensors for MAX once, into the kernel's argument list. :class:`LayerWeights` checks and wraps one layer's weights once.
+the step's tensors for MAX once, into the kernel's argument list (the checks: :mod:`pymla.step_checks`;
+the list: :func:`pymla.buffers.step_template`). :class:`LayerWeights` checks and wraps one layer's weights once.
 :meth:`DecodePlan.run` checks only the shapes, dtypes and devices of what it is
 given, puts q, out (and the optional tensors) and the weights' buffers into a
 copy of that list, and launches: no device-to-host copy, no host
@@ -29,25 +30,13 @@ import torch
 
 from . import bridge, runtime, value_checks
 from . import validate as v
-from .args import (
-    ALL_STEPS,
-    ARGS,
-    BY_NAME,
-    STEP_6_ONLY,
-    KVCacheTensors,
-    Source,
-    call_torch_op,
-)
-from .buffers import ARG_INDEX, first_step_buffer, layer_buffer, max_buffers, wrap_call_tensor
+from .args import ALL_STEPS, STEP_6_ONLY, KVCacheTensors, call_torch_op
+from .buffers import run_buffers, step_template
 from .cache import PagedLatentCache
-from .options import DecodeOptions, as_bool, as_int
+from .options import DecodeOptions, as_int
+from .step_checks import cache_tensors as cache_tensors  # re-exported: pymla.plan.cache_tensors
+from .step_checks import check_step
 from .weights import LayerWeights, dim_or_zero
-
-# Positions in ARGS (the kernel's argument order) of what run() supplies.
-_RUN_NAMES = ("output", "attention_output", "lse", "q", "new_rows", "layer_idx", "first_step")
-assert {a.name for a in ARGS if a.source in (Source.CALL, Source.LAYER)} == set(_RUN_NAMES)
-_I_OUT, _I_ATTENTION, _I_LSE, _I_Q, _I_ROWS, _I_LAYER, _I_FIRST = (ARG_INDEX[n] for n in _RUN_NAMES)
-_STEP_NAMES = tuple(a.name for a in ARGS if a.source is Source.STEP)
 
 
 class DecodePlan:
@@ -105,25 +94,10 @@ class DecodePlan:
 
     def _prepare(self) -> list:
         """The kernel's argument list with the step's buffers in place (made once)."""
-        step = max_buffers(
-            {
-                "input_row_offsets": self.input_row_offsets,
-                "freqs_cis": self.freqs_cis,
-                "kv_blocks": self.kv.blocks,
-                "cache_lengths": self.kv.cache_lengths,
-                "lookup_table": self.kv.lookup_table,
-                **self.options.scalars(),
-            }
+        self._template = step_template(
+            self.input_row_offsets, self.freqs_cis, self.kv, self.options, self.dtype, self.device
         )
-        assert set(step) == set(_STEP_NAMES)
-        template = [step.get(a.name) for a in ARGS]
-        template[_I_OUT] = runtime.empty_buffer(3, self.dtype, self.device)
-        template[_I_ATTENTION] = runtime.empty_buffer(3, self.dtype, self.device)
-        template[_I_LSE] = runtime.empty_buffer(2, torch.float32, self.device)
-        template[_I_FIRST] = first_step_buffer(ALL_STEPS)
-        template[_I_ROWS] = runtime.empty_buffer(2, self.dtype, self.device)
-        self._template = template
-        return template
+        return self._template
 
     # ------------------------------------------------------------------ run
 
@@ -397,43 +371,21 @@ class DecodePlan:
         indexed = weights._indexed
         if indexed is None:
             indexed = weights._prepare()
-        args = template.copy()
-        device = self._dl_device
-        wrap = wrap_call_tensor
-        if out is not None:
-            args[_I_OUT] = wrap(out, device)
-        args[_I_Q] = wrap(q, device)
-        if attention_out is not None:
-            args[_I_ATTENTION] = wrap(attention_out, device)
-        if lse is not None:
-            args[_I_LSE] = wrap(lse, device)
-        if new_rows is not None:
-            args[_I_ROWS] = wrap(new_rows, device)
-        for i, buffer in indexed:
-            args[i] = buffer
-        args[_I_LAYER] = layer_buffer(layer)
-        if first_step != ALL_STEPS:
-            args[_I_FIRST] = first_step_buffer(first_step)
-        return args
+        return run_buffers(
+            template,
+            self._dl_device,
+            indexed,
+            q,
+            layer,
+            out,
+            attention_out,
+            new_rows,
+            lse,
+            first_step,
+        )
 
 
 increment_version = torch.autograd.graph.increment_version
-
-
-def cache_tensors(cache: PagedLatentCache | KVCacheTensors | tuple) -> KVCacheTensors:
-    """The (blocks, cache_lengths, lookup_table) of a cache object or triple."""
-    if isinstance(cache, PagedLatentCache):
-        return KVCacheTensors(cache.blocks, cache.cache_lengths, cache.lookup_table)
-    if isinstance(cache, tuple) and len(cache) == 3:
-        if not all(isinstance(t, torch.Tensor) for t in cache):
-            types = ", ".join(type(t).__name__ for t in cache)
-            raise TypeError(
-                f"cache: expected a (blocks, cache_lengths, lookup_table) tuple of tensors, got ({types})"
-            )
-        return KVCacheTensors(*cache)
-    raise TypeError(
-        f"cache: expected a PagedLatentCache or a (blocks, cache_lengths, lookup_table) tuple, got {type(cache).__name__}"
-    )
 
 
 def plan(
@@ -477,86 +429,16 @@ def plan(
     Raises:
         TypeError, ValueError: as :func:`pymla.mla_decode_branch_fp8`.
     """
-    kv = cache_tensors(cache)
-    if not isinstance(options, DecodeOptions):
-        raise TypeError(f"options: expected a pymla.DecodeOptions, got {type(options).__name__}")
-    if isinstance(cache, PagedLatentCache) and cache.shard != options.shard:
-        raise ValueError(
-            f"options: expected the cache's shard {cache.shard} (a PagedLatentCache holds the "
-            f"positions of one shard), got shard {options.shard}"
-        )
-    as_bool("rerun_layers", rerun_layers)
-    tracking = {}  # the stale-row tracking of a PagedLatentCache, set up with the value checks
-    tensors = {
-        "input_row_offsets": input_row_offsets,
-        "freqs_cis": freqs_cis,
-        "kv_blocks": kv.blocks,
-        "cache_lengths": kv.cache_lengths,
-        "lookup_table": kv.lookup_table,
-    }
-    for name, t in tensors.items():
-        arg = BY_NAME[name]
-        v.check_tensor(name, t, rank=arg.rank, dtypes=arg.torch_dtypes())
-    device = v._agree_attr("device", tensors, ValueError)
-    v.check_shard_device(options.shard, options.score_mod, device)
-    v._agree_attr("dtype", {"freqs_cis": freqs_cis, "kv_blocks": kv.blocks}, TypeError)
-    rope_dim = freqs_cis.shape[1]
-    if rope_dim < 2 or rope_dim % 2:
-        raise ValueError(
-            f"freqs_cis: expected an even qk_rope_head_dim >= 2 in dim 1, got {rope_dim} "
-            f"(shape {tuple(freqs_cis.shape)})"
-        )
-    v.check_shape(
-        "kv_blocks",
-        kv.blocks,
-        (None, 1, None, None, 1, None),
-        "[num_blocks, 1, num_layers, page_size, 1, kv_lora_rank + qk_rope_head_dim]",
+    kv, num_tokens, tracking = check_step(
+        cache,
+        input_row_offsets,
+        freqs_cis,
+        options,
+        new_rows=new_rows,
+        check_values=check_values,
+        num_tokens=num_tokens,
+        rerun_layers=rerun_layers,
     )
-    if kv.blocks.shape[5] <= rope_dim:
-        raise ValueError(
-            f"kv_blocks: expected kv_lora_rank + qk_rope_head_dim {rope_dim} > {rope_dim} in dim 5, "
-            f"got {kv.blocks.shape[5]}"
-        )
-    v._at_least("kv_blocks", kv.blocks, 3, "page_size")
-    num_requests = v._agree_size(
-        "num_requests",
-        [
-            v._Size("input_row_offsets", input_row_offsets, 0, 1, "{} + 1"),
-            v._Size("cache_lengths", kv.cache_lengths, 0),
-            v._Size("lookup_table", kv.lookup_table, 0),
-        ],
-    )
-    if num_requests < 0:
-        raise ValueError(
-            "input_row_offsets: expected shape [num_requests + 1] (at least [0]), got an empty tensor"
-        )
-    if check_values:
-        value_checks._check_no_overlap({"kv_blocks": kv.blocks}, tensors)
-        offsets = value_checks.check_positions(
-            input_row_offsets,
-            kv.cache_lengths,
-            kv.lookup_table,
-            num_tokens=None,
-            max_seq_len=freqs_cis.shape[0],
-            num_blocks=kv.blocks.shape[0],
-            page_size=kv.blocks.shape[3],
-            shard=options.shard,
-        )
-        if isinstance(cache, PagedLatentCache):
-            tracking = dict(
-                _cache=cache,
-                _new_requests=value_checks.check_pending_rows(
-                    cache, offsets, new_rows_given=new_rows
-                ),
-                _rerun_layers=rerun_layers,
-            )
-        if num_tokens is not None and num_tokens != int(offsets[-1]):
-            raise ValueError(
-                f"num_tokens: expected input_row_offsets[-1] = {int(offsets[-1])}, got {num_tokens}"
-            )
-        num_tokens = int(offsets[-1])
-    elif num_tokens is None:
-        num_tokens = int(input_row_offsets[-1])  # a device-to-host copy on a GPU
     return DecodePlan(
         kv,
         input_row_offsets,

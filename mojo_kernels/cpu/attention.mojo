@@ -21,15 +21,16 @@ scored; or, on CPUs with AMX, `tdpbf16ps` on 16-key tiles loaded in place
 from the cache (`cpu/amx.mojo`), `AMX_KEY_TILE` keys per tile, rows padded
 to 16. All sum the same products in float32.
 
-Partitions are merged with their log-sum-exp at the end, which also gives
-each row's LSE (the op's optional `lse`). With a shard of the cache
+This file holds the three tile paths and the task loop (`attend_partitions`);
+a task's rows and their online softmax are `cpu/online_softmax.mojo`.
+Partitions are merged with their log-sum-exp at the end (`cpu/merge.mojo`),
+which also gives each row's LSE (the op's optional `lse`). With a shard of the cache
 (`RaggedBatch.shard`, context-parallel decode) keys are the shard's slots:
 the partitions split its slots, the mask's position ranges map to slot
 ranges, and ALiBi takes each slot's sequence position.
 """
 
-from std.math import exp, log, min
-from std.utils.numerics import neg_inf
+from std.math import min
 
 from ..common import DPtr, FPtr, ceil_div
 from ..paged_cache import CacheShard, PagedLatentRows, RaggedBatch, partition_keys
@@ -48,16 +49,17 @@ from .amx import (
     tile_scores_amx,
     untracked_bf16,
 )
-from .bf16 import BF16Ptr, HAS_AVX512_BF16, accumulate_values_bf16, tile_scores_bf16, unpermute_value_columns
+from .bf16 import (
+    BF16Ptr,
+    HAS_AVX512_BF16,
+    TileScores,
+    accumulate_values_bf16,
+    tile_scores_bf16,
+    unpermute_value_columns,
+)
+from .merge import AttentionShape, PartialResults, merge_partitions  # merge_partitions: re-exported for callers
+from .online_softmax import BF16_KEY_TILE, COL_BLOCK, KEY_TILE, ROW_BLOCK, TaskRows, softmax_update
 from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, dot_block, run_tasks, scratch
-
-comptime KEY_TILE = F32_WIDTH  # keys per tile of the float32 path: one score vector per row
-comptime BF16_KEY_TILE = 2 * F32_WIDTH
-"""Keys per tile of the bf16 path: the P V accumulators are loaded and stored once per tile, and
-each row's softmax bookkeeping (max, sum, correction) is paid once per tile."""
-comptime MAX_KEY_TILE = max(KEY_TILE, BF16_KEY_TILE, AMX_KEY_TILE)
-comptime ROW_BLOCK = DOT_ROWS  # rows per register block (scores and P V)
-comptime COL_BLOCK = 4  # value vectors per register block of P V
 
 comptime PATH_F32 = 0
 """Keys widened to float32, float32 FMAs (every dtype, every CPU)."""
@@ -65,24 +67,6 @@ comptime PATH_AVX512BF16 = 1
 """bf16 products on the AVX512-BF16 unit (`cpu/bf16.mojo`), bfloat16 caches."""
 comptime PATH_AMX = 2
 """bf16 products on AMX tiles (`cpu/amx.mojo`), bfloat16 caches."""
-
-@fieldwise_init
-struct AttentionShape(TrivialRegisterPassable):
-    var num_tokens: Int
-    var num_heads: Int
-    var kv_lora_rank: Int
-    var key_dim: Int
-    var heads_per_group: Int
-    var num_partitions: Int
-
-
-@fieldwise_init
-struct PartialResults(TrivialRegisterPassable):
-    """Per partition, row `(t, h)`: unnormalized output, running max and sum."""
-
-    var out: FPtr  # [P, T, H, kv_lora_rank]
-    var row_max: FPtr  # [P, T, H]
-    var row_sum: FPtr  # [P, T, H]
 
 
 def load_key_tile[
@@ -159,87 +143,6 @@ def accumulate_values(probs: FPtr, tile: FPtr, acc_out: FPtr, correction: FPtr, 
             c0 += width
 
 
-struct TaskRows(Movable):
-    """The (token, head) rows of one attention task and their running state."""
-
-    var q_buf: List[Float32]  # [padded rows, key_dim]
-    var out_buf: List[Float32]  # [padded rows, kv_lora_rank]
-    var scores_buf: List[Float32]  # [padded rows, MAX_KEY_TILE]
-    var state_buf: List[Float32]  # max, sum, correction, slope per padded row
-    var meta: List[Int]  # lo, hi, position, token, head per row
-    var num_rows: Int
-    var padded: Int
-
-    def __init__(out self, num_rows: Int, key_dim: Int, rank: Int, row_multiple: Int):
-        """Rows padded to a multiple of `row_multiple` (the path's row block); padding rows stay zero."""
-        self.num_rows = num_rows
-        self.padded = ceil_div(max(num_rows, 1), row_multiple) * row_multiple
-        self.q_buf = List[Float32](length=self.padded * key_dim, fill=0)
-        self.out_buf = List[Float32](length=self.padded * rank, fill=0)
-        self.scores_buf = List[Float32](length=self.padded * MAX_KEY_TILE, fill=0)
-        self.state_buf = List[Float32](length=self.padded * 4, fill=0)
-        self.meta = List[Int](length=self.padded * 5, fill=0)
-        for r in range(self.padded):
-            self.state_buf[r] = neg_inf[DType.float32]()  # running max
-            self.state_buf[2 * self.padded + r] = 1  # correction
-
-    def row_max(mut self) -> FPtr:
-        return scratch(self.state_buf)
-
-    def row_sum(mut self) -> FPtr:
-        return scratch(self.state_buf).unsafe_offset(self.padded)
-
-    def correction(mut self) -> FPtr:
-        return scratch(self.state_buf).unsafe_offset(2 * self.padded)
-
-    def slope(mut self) -> FPtr:
-        return scratch(self.state_buf).unsafe_offset(3 * self.padded)
-
-
-def softmax_update[
-    dtype: DType, tile: Int
-](mut rows: TaskRows, j0: Int, num_keys: Int, scale: Float32, shard: CacheShard):
-    """Turns the tile's scores `[rows, tile]` into probabilities and updates each row's max, sum and correction.
-
-    The row sum takes the float32 probabilities; P V gets them rounded to `dtype`.
-    Key slots `j0 ..` of the shard sit at sequence positions `shard.position(j)` (ALiBi).
-    """
-    comptime ScoreVec = SIMD[DType.float32, tile]
-    var lanes = SIMD[DType.int32, tile]()
-    var key_pos = ScoreVec()
-    comptime for i in range(tile):
-        lanes[i] = Int32(i)
-        key_pos[i] = Float32(shard.position(j0 + i))
-    var scores = scratch(rows.scores_buf)
-    var row_max = rows.row_max()
-    var row_sum = rows.row_sum()
-    var correction = rows.correction()
-    var slope = rows.slope()
-    for r in range(rows.padded):
-        var p_row = scores.unsafe_offset(r * tile)
-        correction.unsafe_store(r, 1)
-        if r >= rows.num_rows:
-            p_row.unsafe_store(0, ScoreVec(0))
-            continue
-        var lo = rows.meta[5 * r] - j0
-        var hi = min(rows.meta[5 * r + 1], j0 + num_keys) - j0
-        if lo >= hi:
-            p_row.unsafe_store(0, ScoreVec(0))
-            continue
-        var position = Float32(rows.meta[5 * r + 2])
-        var s = p_row.unsafe_load[width=tile](0) * scale - slope.unsafe_load(r) * (position - key_pos)
-        var valid = lanes.ge(Int32(lo)) & lanes.lt(Int32(hi))
-        s = valid.select(s, ScoreVec(neg_inf[DType.float32]()))
-        var old_max = row_max.unsafe_load(r)
-        var new_max = max(old_max, s.reduce_max())
-        var corr = exp(old_max - new_max)
-        var p = exp(s - new_max)
-        row_sum.unsafe_store(r, row_sum.unsafe_load(r) * corr + p.reduce_add())
-        row_max.unsafe_store(r, new_max)
-        correction.unsafe_store(r, corr)
-        p_row.unsafe_store(0, p.cast[dtype]().cast[DType.float32]())
-
-
 def attend_tiles_f32[
     dtype: DType
 ](
@@ -293,17 +196,18 @@ def attend_tiles_bf16[
     var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var probs_buf = List[BFloat16](length=rows.padded * tile, fill=0)
     var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var keys = tile_rows[dtype, tile](cache, b, k_lo, k_hi)
+    var first = tile_rows[dtype, tile](cache, b, k_lo, k_hi)
+    var scoring = TileScores[tile](q, first.copy(), first^, scratch(rows.scores_buf), key_dim)
     var j0 = k_lo
     while j0 < k_hi:
         var j1 = min(j0 + tile, k_hi)
-        var next_keys = tile_rows[dtype, tile](cache, b, min(j1, k_hi - 1), k_hi)
-        tile_scores_bf16[tile](q, keys, next_keys, scratch(rows.scores_buf), rows.padded, key_dim)
+        scoring.next_keys = tile_rows[dtype, tile](cache, b, min(j1, k_hi - 1), k_hi)
+        tile_scores_bf16(scoring, rows.padded)
         softmax_update[dtype, tile](rows, j0, j1 - j0, scale, shard)
         accumulate_values_bf16[tile](
-            scratch(rows.scores_buf), probs, keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
+            scratch(rows.scores_buf), probs, scoring.keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
         )
-        keys = next_keys^
+        scoring.keys = scoring.next_keys.copy()
         j0 = j1
     _ = q_buf^
     unpermute_value_columns(scratch(rows.out_buf), rows.num_rows, rank)
@@ -480,54 +384,3 @@ def attend_partitions[
     for b in range(batch.num_requests):
         keys += batch.local_keys(b)
     run_tasks(task, batch.num_requests * tasks_per_request, keys * shape.num_heads * shape.key_dim)
-
-
-def merge_partitions[
-    dtype: DType
-](partials: PartialResults, shape: AttentionShape, raw: DPtr[dtype], lse: FPtr, has_lse: Bool) raises:
-    """`raw[t, h] = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)` with `M = max_p m_p`.
-
-    With `has_lse`, `lse[t, h] = M + log(sum_p exp(m_p - M) l_p)`: the natural
-    log-sum-exp of the row's scaled, biased scores (`m_p`, `l_p` are a
-    partition's running max and sum of `exp(s - m_p)`). A row that saw no key
-    (a shard holding none of its key range) gets `raw = 0` and `lse = -inf`.
-    """
-    var rows = shape.num_tokens * shape.num_heads
-
-    def row_task(row: Int) {var partials, var shape, var raw, var rows, var lse, var has_lse}:
-        comptime W = F32_WIDTH
-        var rank = shape.kv_lora_rank
-        var top = neg_inf[DType.float32]()
-        for p in range(shape.num_partitions):
-            top = max(top, partials.row_max.unsafe_load(p * rows + row))
-        var total = Float32(0)
-        for p in range(shape.num_partitions):
-            var m = partials.row_max.unsafe_load(p * rows + row)
-            if m > neg_inf[DType.float32]():
-                total += exp(m - top) * partials.row_sum.unsafe_load(p * rows + row)
-        var weights = List[Float32](length=shape.num_partitions, fill=0)
-        for p in range(shape.num_partitions):
-            var m = partials.row_max.unsafe_load(p * rows + row)
-            if m > neg_inf[DType.float32]():  # else this partition held none of the row's keys
-                weights[p] = exp(m - top) / total
-        if has_lse:
-            lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
-        var dst = raw.unsafe_offset(row * rank)
-        var c = 0
-        while c < rank:
-            var width = W if c + W <= rank else 1
-            if width == W:
-                var acc = SIMD[DType.float32, W](0)
-                for p in range(shape.num_partitions):
-                    if weights[p] != 0:
-                        acc += weights[p] * partials.out.unsafe_load[width=W]((p * rows + row) * rank + c)
-                dst.unsafe_store(c, acc.cast[dtype]())
-            else:
-                var acc = Float32(0)
-                for p in range(shape.num_partitions):
-                    if weights[p] != 0:
-                        acc += weights[p] * partials.out.unsafe_load((p * rows + row) * rank + c)
-                dst.unsafe_store(c, acc.cast[dtype]())
-            c += width
-
-    run_tasks(row_task, rows, rows * shape.kv_lora_rank * shape.num_partitions)

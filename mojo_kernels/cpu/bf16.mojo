@@ -14,7 +14,7 @@ in place through one pointer per key of the tile.
   are scattered, so the hardware prefetcher cannot run ahead across them,
   and at 16 heads a key row gets too little arithmetic to hide a miss.
 * `O[r] = O[r] * corr[r] + sum_j P[r, j] V[j]`: keys are taken in pairs whose
-  values are interleaved within 128-bit lanes (`pair_low`, `pair_high`), so
+  values are interleaved within 128-bit lanes (`interleave_pairs`), so
   one `vdpbf16ps` with the broadcast pair `(P[r, j], P[r, j + 1])` adds both
   keys to 16 columns; `8 x 32`-column register blocks. The accumulators keep
   each 32-column chunk in a fixed permuted order, restored once per task.
@@ -27,6 +27,7 @@ Which path runs is chosen per call (`cpu_pipeline.attention_path`,
 from std.memory import bitcast
 from std.sys import PrefetchOptions, llvm_intrinsic, prefetch
 from std.sys.info import CompilationTarget
+from std.utils import IndexList
 
 from ..common import FPtr
 from .simd import sum_lanes_of_16
@@ -53,18 +54,20 @@ def dpbf16(acc: F32x16, a: BF16x32, b: BF16x32) -> F32x16:
     return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", F32x16](acc, a, b)
 
 
+@fieldwise_init
+struct TileScores[tile: Int](Movable):
+    """What the scores of one key tile read and write: the bf16 queries `q [rows, key_dim]`, the
+    tile's key rows, the next tile's (prefetched on the way) and `scores [rows, tile]` (float32)."""
+
+    var q: BF16Ptr
+    var keys: Array[BF16Ptr, Self.tile]
+    var next_keys: Array[BF16Ptr, Self.tile]
+    var scores: FPtr
+    var key_dim: Int
+
+
 @always_inline
-def score_row_block[
-    tile: Int
-](
-    q: BF16Ptr,
-    keys: Array[BF16Ptr, tile],
-    next_keys: Array[BF16Ptr, tile],
-    scores: FPtr,
-    r0: Int,
-    row_blocks: Int,
-    key_dim: Int,
-):
+def score_row_block[tile: Int](args: TileScores[tile], r0: Int, row_blocks: Int):
     """Rows `r0 .. r0 + SCORE_ROWS - 1` of `tile_scores_bf16`.
 
     Each key block of the tile is prefetched by one row block, the key
@@ -72,6 +75,11 @@ def score_row_block[
     64-byte step of key `j`, it prefetches the same step of `next_keys[j]`,
     so the next tile streams in spread over the whole tile's dot products.
     """
+    var q = args.q
+    var scores = args.scores
+    var key_dim = args.key_dim
+    ref keys = args.keys
+    ref next_keys = args.next_keys
     var main = key_dim - key_dim % STEP
     var block = r0 // SCORE_ROWS
     comptime for j0 in range(0, tile, SCORE_KEYS):
@@ -98,16 +106,7 @@ def score_row_block[
             scores.unsafe_store((r0 + r) * tile + j0, dots.slice[SCORE_KEYS, offset=r * SCORE_KEYS]())
 
 
-def tile_scores_bf16[
-    tile: Int
-](
-    q: BF16Ptr,
-    keys: Array[BF16Ptr, tile],
-    next_keys: Array[BF16Ptr, tile],
-    scores: FPtr,
-    num_rows: Int,
-    key_dim: Int,
-):
+def tile_scores_bf16[tile: Int](args: TileScores[tile], num_rows: Int):
     """`scores[r, j] = <q[r], keys[j]>` for `num_rows` (a multiple of SCORE_ROWS) rows of `q [rows, key_dim]`.
 
     Prefetches the rows of `next_keys` (the next tile) on the way.
@@ -116,32 +115,30 @@ def tile_scores_bf16[
     comptime assert SCORE_ROWS * SCORE_KEYS == 16
     var row_blocks = num_rows // SCORE_ROWS
     for r0 in range(0, num_rows, SCORE_ROWS):
-        score_row_block[tile](q, keys, next_keys, scores, r0, row_blocks, key_dim)
+        score_row_block[tile](args, r0, row_blocks)
+
+
+def pair_mask[half: Int]() -> IndexList[32]:
+    """Shuffle mask over the 64 lanes of `a` then `b`: `(a[8L + 4 half + i], b[8L + 4 half + i])` for `i < 4`
+    in each 128-bit lane `L`."""
+    var mask = IndexList[32]()
+    for k in range(32):
+        mask[k] = 8 * (k // 8) + 4 * half + (k % 8) // 2 + 32 * (k % 2)
+    return mask
 
 
 @always_inline
-def pair_low(a: BF16x32, b: BF16x32) -> BF16x32:
-    """`(a[8L + i], b[8L + i])` for `i < 4` in each 128-bit lane `L` (`vpunpcklwd`)."""
-    return a.shuffle[
-        0, 32, 1, 33, 2, 34, 3, 35, 8, 40, 9, 41, 10, 42, 11, 43,
-        16, 48, 17, 49, 18, 50, 19, 51, 24, 56, 25, 57, 26, 58, 27, 59,
-    ](b)
-
-
-@always_inline
-def pair_high(a: BF16x32, b: BF16x32) -> BF16x32:
-    """`(a[8L + 4 + i], b[8L + 4 + i])` for `i < 4` in each 128-bit lane `L` (`vpunpckhwd`)."""
-    return a.shuffle[
-        4, 36, 5, 37, 6, 38, 7, 39, 12, 44, 13, 45, 14, 46, 15, 47,
-        20, 52, 21, 53, 22, 54, 23, 55, 28, 60, 29, 61, 30, 62, 31, 63,
-    ](b)
+def interleave_pairs[half: Int](a: BF16x32, b: BF16x32) -> BF16x32:
+    """Two keys' values in pairs within 128-bit lanes: half 0 the low four of each lane's eight (`vpunpcklwd`),
+    half 1 the high four (`vpunpckhwd`)."""
+    return a.shuffle[pair_mask[half]()](b)
 
 
 def stored_column(m: Int) -> Int:
     """The value column held at offset `m < 32` of a 32-column chunk of the P V accumulators.
 
-    `pair_low` feeds offsets 0-15 (lane `4L + i` <- column `8L + i`),
-    `pair_high` offsets 16-31 (column `8L + 4 + i`).
+    `interleave_pairs[0]` feeds offsets 0-15 (lane `4L + i` <- column `8L + i`),
+    `interleave_pairs[1]` offsets 16-31 (column `8L + 4 + i`).
     """
     var k = m % 16
     return 8 * (k // 4) + k % 4 + (4 if m >= 16 else 0)
@@ -183,8 +180,8 @@ def values_row_block[
         comptime for p in range(PAIRS):
             var a = keys[2 * p].unsafe_load[width=STEP](c0)
             var b = keys[2 * p + 1].unsafe_load[width=STEP](c0)
-            var lo = pair_low(a, b)
-            var hi = pair_high(a, b)
+            var lo = interleave_pairs[0](a, b)
+            var hi = interleave_pairs[1](a, b)
             comptime for r in range(rows):
                 var pb = bitcast[DType.bfloat16, STEP](SIMD[DType.int32, 16](words.unsafe_load((r0 + r) * PAIRS + p)))
                 acc[r * 2] = dpbf16(acc[r * 2], pb, lo)
@@ -217,8 +214,8 @@ def accumulate_values_bf16[
 
     `probs [rows, tile]` hold bf16 values (the probabilities rounded for P V);
     `probs_bf16 [rows, tile]` is scratch for them as bf16; `num_rows` is a
-    multiple of PV_ROWS_TAIL. Keys are taken in pairs: `pair_low` and
-    `pair_high` interleave two keys' values within 128-bit lanes, so one
+    multiple of PV_ROWS_TAIL. Keys are taken in pairs: `interleave_pairs`
+    [0] and [1] interleave two keys' values within 128-bit lanes, so one
     `vdpbf16ps` with the broadcast probability pair `(P[r, 2p], P[r, 2p + 1])`
     (one 32-bit word from memory, an embedded broadcast) adds both keys to 16
     columns. The columns of each 32-column chunk of `acc_out` are therefore

@@ -17,18 +17,11 @@ from ..paged_cache import RaggedBatch
 from ..problem import DecodeProblem
 from ..spec import Granularity
 from .amx import HAS_AMX, amx_permitted
-from .attention import (
-    PATH_AMX,
-    PATH_AVX512BF16,
-    PATH_F32,
-    AttentionShape,
-    PartialResults,
-    attend_partitions,
-    merge_partitions,
-)
+from .attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
 from .bf16 import HAS_AVX512_BF16
 from .amx_matmul import fp8_projection, projection_on_amx
 from .fp8_matmul import StridedMatrices
+from .merge import AttentionShape, PartialResults, merge_partitions
 from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
 from .simd import scratch, scratch_of
 

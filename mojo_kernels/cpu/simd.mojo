@@ -1,6 +1,7 @@
 """Host SIMD helpers of the CPU stages: scratch pointers, the task runner, register-blocked dot products."""
 
 from std.sys.info import simd_width_of
+from std.utils import IndexList
 from max.algorithm import sync_parallelize
 
 from ..common import DPtr, FPtr
@@ -75,6 +76,14 @@ def dot_lanes[
     return acc^
 
 
+def half_blocks[block: Int, parity: Int]() -> IndexList[16]:
+    """Shuffle mask over the 32 lanes of `x` then `y`: their even (`parity` 0) or odd (1) blocks of `block` lanes."""
+    var mask = IndexList[16]()
+    for i in range(16):
+        mask[i] = (2 * (i // block) + parity) * block + i % block
+    return mask
+
+
 @always_inline
 def sum_lanes_of_16(v: Array[SIMD[DType.float32, 16], 16]) -> SIMD[DType.float32, 16]:
     """`out[i] = v[i].reduce_add()`: a transposing tree of 15 adds (8 + 4 + 2 + 1 vectors).
@@ -83,32 +92,14 @@ def sum_lanes_of_16(v: Array[SIMD[DType.float32, 16], 16]) -> SIMD[DType.float32
     blocks of 8, 4, 2, 1 lanes and added, so that each output vector holds
     the partial sums of twice as many inputs in half as many lanes.
     """
-    var l8 = Array[SIMD[DType.float32, 16], 8](fill=SIMD[DType.float32, 16](0))
-    comptime for i in range(8):
-        var x = v[2 * i]
-        var y = v[2 * i + 1]
-        l8[i] = x.shuffle[0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23](y) + x.shuffle[
-            8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-        ](y)
-    var l4 = Array[SIMD[DType.float32, 16], 4](fill=SIMD[DType.float32, 16](0))
-    comptime for i in range(4):
-        var x = l8[2 * i]
-        var y = l8[2 * i + 1]
-        l4[i] = x.shuffle[0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27](y) + x.shuffle[
-            4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
-        ](y)
-    var l2 = Array[SIMD[DType.float32, 16], 2](fill=SIMD[DType.float32, 16](0))
-    comptime for i in range(2):
-        var x = l4[2 * i]
-        var y = l4[2 * i + 1]
-        l2[i] = x.shuffle[0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29](y) + x.shuffle[
-            2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
-        ](y)
-    var x = l2[0]
-    var y = l2[1]
-    return x.shuffle[0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30](y) + x.shuffle[
-        1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
-    ](y)
+    var level = v.copy()
+    comptime for step in range(4):
+        comptime block = 8 >> step  # lanes per block; also the number of vector pairs at this level
+        comptime for i in range(block):  # writes vector i after reading 2i and 2i + 1 (>= i)
+            var x = level[2 * i]
+            var y = level[2 * i + 1]
+            level[i] = x.shuffle[half_blocks[block, 0]()](y) + x.shuffle[half_blocks[block, 1]()](y)
+    return level[0]
 
 
 @always_inline
