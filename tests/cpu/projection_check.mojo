@@ -252,14 +252,15 @@ def time_projections(iters: Int, mut failures: Int) raises:
         var heads = shapes[2 * i + 1]
         var x = ProjectionInputs(tokens, heads)
         var f32 = x.time(PATH_F32, iters)
+        # The f32 results, kept before the bare tile run below overwrites the outputs.
+        var q_full = x.q_full.copy()
+        var output = x.output.copy()
         var line = String("timing: steps 3 + 6 alone, batch ", tokens, ", heads ", heads, ", threads ", threads, ":")
         line += String(" f32 vectors ", f32[0], " + ", f32[1], " ms")
         # The tile matmul with no tile instruction (wrong results): quantize, pack, widen, scale, store.
         var bare = x.time[NoTiles](PATH_AMX, iters, tiles_direct=True)
         line += String(", tile path without tile instructions ", bare[0], " + ", bare[1], " ms")
         if amx_runs():
-            var q_full = x.q_full.copy()
-            var output = x.output.copy()
             var amx = x.time(PATH_AMX, iters)
             var diff = max(bf16_diff(q_full, x.q_full), bf16_diff(output, x.output))
             line += String(", amx path ", amx[0], " + ", amx[1], " ms (tiles ")
