@@ -361,7 +361,6 @@ def test_step_6_alone(dtype, target):
     """``DecodePlan.project`` (first_step 6) on a given attention output: the reference's step 6
     on it, the same as the whole op's step 6 bit for bit, and the cache untouched."""
     case = make_case(3500, dtype=dtype, cache_lengths=(30, 7), new_tokens=(2, 1))
-    w = case.weights
     granularity = reference.ScaleGranularity.parse(case.options["scale_granularity"])
     with on_target(target) as device:
         case.to(device)
@@ -372,7 +371,7 @@ def test_step_6_alone(dtype, target):
             case.cache, case.input_row_offsets, case.freqs_cis, pymla.DecodeOptions(**options)
         )
         weights = pymla.LayerWeights(
-            *(w[k] for k in ("w_uk", "w_uk_scale", "w_uv", "w_uv_scale")),
+            *(case.weights[k] for k in ("w_uk", "w_uk_scale", "w_uv", "w_uv_scale")),  # on device
             case.kv_norm_gamma,
             granularity,
         )
@@ -381,6 +380,7 @@ def test_step_6_alone(dtype, target):
         assert torch.equal(case.cache.blocks.view(torch.uint8), before.view(torch.uint8))
         case.to("cpu")
     assert torch.equal(out.cpu().view(torch.uint8), whole.cpu().view(torch.uint8))
+    w = case.weights  # back on the CPU
     expected = reference.project_output(att.cpu(), w["w_uv"], w["w_uv_scale"], granularity, dtype)
     report = compare_projection(out.cpu(), expected)
     assert report.passed, report.describe()
