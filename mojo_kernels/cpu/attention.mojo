@@ -57,7 +57,7 @@ from .bf16 import (
     tile_scores_bf16,
     unpermute_value_columns,
 )
-from .merge import AttentionShape, PartialResults, merge_partitions  # merge_partitions: re-exported for callers
+from .merge import AttentionShape, PartialResults
 from .online_softmax import BF16_KEY_TILE, COL_BLOCK, KEY_TILE, ROW_BLOCK, TaskRows, softmax_update
 from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, dot_block, run_tasks, scratch
 

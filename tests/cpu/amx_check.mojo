@@ -29,15 +29,8 @@ from std.time import perf_counter_ns
 
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, ceil_div
 from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, TileUnit, amx_permitted
-from mojo_kernels.cpu.attention import (
-    PATH_AMX,
-    PATH_AVX512BF16,
-    PATH_F32,
-    AttentionShape,
-    PartialResults,
-    attend_partitions,
-    merge_partitions,
-)
+from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
+from mojo_kernels.cpu.merge import AttentionShape, PartialResults, merge_partitions
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention
 from mojo_kernels.paged_cache import CacheShard, PagedLatentRows, RaggedBatch
