@@ -18,7 +18,7 @@ FMA blocks (every dtype, every CPU); or, for bfloat16 caches on CPUs with
 AVX512-BF16, `vdpbf16ps` on the cache rows in place (`cpu/bf16.mojo`),
 `BF16_KEY_TILE` keys per tile, the next tile's rows prefetched while one is
 scored; or, on CPUs with AMX, `tdpbf16ps` on 16-key tiles loaded in place
-from the cache (`cpu/amx.mojo`), `AMX_KEY_TILE` keys per tile, rows padded
+from the cache (`cpu/amx_attention.mojo`), `AMX_KEY_TILE` keys per tile, rows padded
 to 16. All sum the same products in float32.
 
 This file holds the three tile paths and the task loop (`attend_partitions`);
@@ -35,19 +35,18 @@ from std.math import min
 from ..common import DPtr, FPtr, ceil_div
 from ..paged_cache import CacheShard, PagedLatentRows, RaggedBatch, partition_keys
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
-from .amx import (
+from .amx import TILE_DEPTH, TILE_ROWS, AmxTiles, TileUnit, untracked_bf16
+from .amx_attention import (
     AMX_KEY_TILE,
-    TILE_DEPTH,
-    TILE_ROWS,
+    KEY_BLOCKS,
+    VALUES_IN_PLACE_MAX_ROW_BLOCKS,
     AmxScratch,
-    AmxTiles,
     KeyRows,
-    TileUnit,
     accumulate_values_amx,
     gather_keys,
+    interleave_value_columns,
     pack_queries,
     tile_scores_amx,
-    untracked_bf16,
 )
 from .bf16 import (
     BF16Ptr,
@@ -66,7 +65,7 @@ comptime PATH_F32 = 0
 comptime PATH_AVX512BF16 = 1
 """bf16 products on the AVX512-BF16 unit (`cpu/bf16.mojo`), bfloat16 caches."""
 comptime PATH_AMX = 2
-"""bf16 products on AMX tiles (`cpu/amx.mojo`), bfloat16 caches."""
+"""bf16 products on AMX tiles (`cpu/amx_attention.mojo`), bfloat16 caches."""
 
 
 def load_key_tile[
@@ -214,18 +213,31 @@ def attend_tiles_bf16[
     _ = probs_buf^
 
 
-def key_half(
-    cache: PagedLatentRows[DType.bfloat16], b: Int, j0: Int, k_lo: Int, k_hi: Int, staging: BF16Ptr, key_dim: Int, padded_dim: Int
+def key_block(
+    cache: PagedLatentRows[DType.bfloat16],
+    b: Int,
+    j0: Int,
+    k_lo: Int,
+    k_hi: Int,
+    staging: BF16Ptr,
+    key_dim: Int,
+    padded_dim: Int,
+    whole: Bool,
 ) -> KeyRows:
     """Keys `j0 .. j0 + 15` of request `b` for a tile load: in place when they lie in one page and the
     key dim is whole depth steps, else gathered into `staging` (zeros for keys outside `[k_lo, k_hi)`).
 
-    Keys of an in-place half outside `[k_lo, k_hi)` are rows of the same page: their scores are masked.
+    Keys of an in-place block outside `[k_lo, k_hi)` are rows of the same page: their scores are
+    masked, but their values may hold any bits; with `whole` (values read in place too) such a block
+    is gathered.
     """
     var first = max(j0, k_lo)
-    if first >= min(j0 + TILE_ROWS, k_hi):
+    var last = min(j0 + TILE_ROWS, k_hi)
+    if first >= last:
         return KeyRows(staging, padded_dim)  # no key of the task: every score masked, every value zero
-    if key_dim == padded_dim and j0 // cache.page_size == (j0 + TILE_ROWS - 1) // cache.page_size:
+    var all_valid = first == j0 and last == j0 + TILE_ROWS
+    var one_page = j0 // cache.page_size == (j0 + TILE_ROWS - 1) // cache.page_size
+    if key_dim == padded_dim and one_page and (all_valid or not whole):
         return KeyRows(cache.row(b, j0), key_dim)
     var rows = Array[BF16Ptr, TILE_ROWS](fill=cache.row(b, first))
     var valid = Array[Bool, TILE_ROWS](fill=False)
@@ -237,14 +249,15 @@ def key_half(
 
 
 def attend_tiles_amx[
-    dtype: DType, tiles: TileUnit
+    dtype: DType, tiles: TileUnit, in_place_max_row_blocks: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
 ](
     mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
-    """The task's keys on AMX tiles (`cpu/amx.mojo`), 32-key tiles aligned to multiples of 32 slots.
+    """The task's keys on AMX tiles (`cpu/amx_attention.mojo`), key tiles aligned to multiples of AMX_KEY_TILE slots.
 
-    `rows.padded` is a multiple of 16.
+    `rows.padded` is a multiple of 16. Values are read in place up to
+    `in_place_max_row_blocks` row blocks, else packed once per key tile.
     """
     comptime assert dtype == DType.bfloat16, "the AMX path serves bfloat16 caches"
     comptime tile = AMX_KEY_TILE
@@ -254,19 +267,18 @@ def attend_tiles_amx[
     var buffers = AmxScratch(rows.padded, key_dim, rank)
     var steps = buffers.steps
     var padded_dim = steps * TILE_DEPTH
+    var in_place = rows.padded // TILE_ROWS <= in_place_max_row_blocks
     var q_packed = untracked_bf16(buffers.q_packed)
-    var staging = untracked_bf16(buffers.staging)
     var out = scratch(buffers.out)
     pack_queries(scratch(rows.q_buf), q_packed, rows.padded, key_dim, steps)
     var unit = tiles()
     unit.start()
     var j0 = k_lo - k_lo % tile
     while j0 < k_hi:
-        var keys = Array[KeyRows, 2](fill=KeyRows(staging, padded_dim))
-        comptime for h in range(2):
-            keys[h] = key_half(
-                bf16_cache, b, j0 + h * TILE_ROWS, k_lo, k_hi, staging.unsafe_offset(h * TILE_ROWS * padded_dim),
-                key_dim, padded_dim,
+        var keys = Array[KeyRows, KEY_BLOCKS](fill=KeyRows(q_packed, padded_dim))
+        comptime for kb in range(KEY_BLOCKS):
+            keys[kb] = key_block(
+                bf16_cache, b, j0 + kb * TILE_ROWS, k_lo, k_hi, buffers.staging_block(kb), key_dim, padded_dim, in_place
             )
         var valid = Array[Bool, tile](fill=False)
         comptime for j in range(tile):
@@ -278,10 +290,12 @@ def attend_tiles_amx[
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
         accumulate_values_amx(
             unit, scratch(rows.scores_buf), untracked_bf16(buffers.probs), keys, valid,
-            untracked_bf16(buffers.v_packed), out, buffers.out_stride, rows.correction(), rows.padded, rank,
+            untracked_bf16(buffers.v_packed), out, buffers.out_stride, rows.correction(), rows.padded, rank, in_place,
         )
         j0 += tile
     unit.stop()
+    if in_place:
+        interleave_value_columns(out, rows.num_rows, buffers.out_stride, rank)
     var out_rows = scratch(rows.out_buf)
     for r in range(rows.num_rows):
         for c in range(rank):
@@ -290,7 +304,7 @@ def attend_tiles_amx[
 
 
 def attend_partitions[
-    dtype: DType, tiles: TileUnit = AmxTiles
+    dtype: DType, tiles: TileUnit = AmxTiles, in_place_max_row_blocks: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
 ](
     q_full: DPtr[dtype],
     cache: PagedLatentRows[dtype],
@@ -305,7 +319,7 @@ def attend_partitions[
     """Runs every (request, head group, key partition) task into `partials`.
 
     `path` (PATH_*, chosen by `cpu_pipeline.attention_path`) takes the
-    AVX512-BF16 products (`cpu/bf16.mojo`) or the AMX tiles (`cpu/amx.mojo`,
+    AVX512-BF16 products (`cpu/bf16.mojo`) or the AMX tiles (`cpu/amx_attention.mojo`,
     through `tiles`: the unit, or the emulation of `tests/cpu/amx_check.mojo`)
     for a bfloat16 cache; otherwise keys are widened to float32.
     """
@@ -359,7 +373,9 @@ def attend_partitions[
         var done = False
         comptime if dtype == DType.bfloat16:
             if path == PATH_AMX:
-                attend_tiles_amx[dtype, tiles](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
+                attend_tiles_amx[dtype, tiles, in_place_max_row_blocks](
+                    rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank
+                )
                 done = True
         comptime if dtype == DType.bfloat16 and HAS_AVX512_BF16:
             if path == PATH_AVX512BF16:

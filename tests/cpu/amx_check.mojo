@@ -29,10 +29,12 @@ from std.time import perf_counter_ns
 
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, ceil_div
 from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, TileUnit, amx_permitted
+from mojo_kernels.cpu.amx_attention import VALUES_IN_PLACE_MAX_ROW_BLOCKS
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
 from mojo_kernels.cpu.merge import AttentionShape, PartialResults, merge_partitions
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention
+from mojo_kernels.cpu.simd import run_tasks
 from mojo_kernels.paged_cache import CacheShard, PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
@@ -44,6 +46,8 @@ comptime TOLERANCE: Float32 = 0.02
 """Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
 
 comptime BF16 = DType.bfloat16
+comptime ALWAYS = 1 << 20
+"""`in_place_max` that reads values in place at any row count."""
 
 
 struct Case(Movable):
@@ -149,8 +153,13 @@ struct Case(Movable):
             plan.num_partitions = partitions
         return plan
 
-    def attend[tiles: TileUnit](mut self, path: Int, partitions: Int) raises -> List[BFloat16]:
-        """`attend_partitions` + `merge_partitions` on `path`: the attention output `[T, H, rank]`."""
+    def attend[
+        tiles: TileUnit, in_place_max: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
+    ](mut self, path: Int, partitions: Int) raises -> List[BFloat16]:
+        """`attend_partitions` + `merge_partitions` on `path`: the attention output `[T, H, rank]`.
+
+        `in_place_max`: the AMX path reads values in place up to that many row blocks (0: always packed).
+        """
         var shape = self.shape(partitions)
         var rows = shape.num_partitions * self.num_tokens * self.num_heads
         var out = List[Float32](length=max(rows * self.rank, 1), fill=Float32.MAX)
@@ -163,7 +172,7 @@ struct Case(Movable):
         )
         var raw = List[BFloat16](length=max(self.num_tokens * self.num_heads * self.rank, 1), fill=0)
         var q = self.q_full.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        attend_partitions[BF16, tiles](
+        attend_partitions[BF16, tiles, in_place_max](
             q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path
         )
         merge_partitions[BF16](
@@ -197,22 +206,59 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
     var expected = c.attend[AmxTiles](PATH_F32, partitions)
     comptime if HAS_AVX512_BF16:
         check(name, "avx512bf16", expected, c.attend[AmxTiles](PATH_AVX512BF16, partitions), failures)
-    check(name, "amx-emulated", expected, c.attend[EmulatedTiles](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated packed", expected, c.attend[EmulatedTiles, 0](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated in-place", expected, c.attend[EmulatedTiles, ALWAYS](PATH_AMX, partitions), failures)
     if amx_runs():
-        check(name, "amx", expected, c.attend[AmxTiles](PATH_AMX, partitions), failures)
+        check(name, "amx packed", expected, c.attend[AmxTiles, 0](PATH_AMX, partitions), failures)
+        check(name, "amx in-place", expected, c.attend[AmxTiles, ALWAYS](PATH_AMX, partitions), failures)
 
 
 def mask(kind: Int, window: Int = 0) -> MaskSpec:
     return MaskSpec(kind, window)
 
 
-def time_path[tiles: TileUnit](mut c: Case, path: Int, iters: Int) raises -> Float64:
-    _ = c.attend[tiles](path, 0)  # warm-up
+def time_path[
+    tiles: TileUnit, in_place_max: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
+](mut c: Case, path: Int, iters: Int) raises -> Float64:
+    _ = c.attend[tiles, in_place_max](path, 0)  # warm-up
     var best = Float64(1e30)
     for _ in range(iters):
         var t0 = perf_counter_ns()
-        _ = c.attend[tiles](path, 0)
+        _ = c.attend[tiles, in_place_max](path, 0)
         best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
+    return best
+
+
+def time_hot_cache(mut c: Case, iters: Int) raises -> Float64:
+    """The AMX path with every page table entry pointing at 4 pages (in L2): the time without memory traffic."""
+    var saved = c.lookup.copy()
+    for i in range(len(c.lookup)):
+        c.lookup[i] = saved[i % 4]
+    var best = time_path[AmxTiles](c, PATH_AMX, iters)
+    c.lookup = saved^
+    return best
+
+
+def read_cache_ms(mut c: Case, iters: Int) raises -> Float64:
+    """Best time to read every byte of the cache once on every core (64-byte vector sums): step 5's memory floor."""
+    var words = c.blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[UInt64]()
+    var total = len(c.blocks) // 4 // 8  # 64-byte vectors
+    var chunks = num_physical_cores() * 4
+    var sums = List[UInt64](length=chunks, fill=0)
+    var out = sums.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+    def work(i: Int) {var words, var total, var chunks, var out}:
+        var acc = SIMD[DType.uint64, 8](0)
+        for k in range(total * i // chunks, total * (i + 1) // chunks):
+            acc += words.unsafe_load[width=8](k * 8)
+        out.unsafe_store(i, acc.reduce_add())
+
+    var best = Float64(1e30)
+    for _ in range(iters + 1):
+        var t0 = perf_counter_ns()
+        run_tasks(work, chunks, total * 64)
+        best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
+    _ = sums^
     return best
 
 
@@ -321,7 +367,10 @@ def main() raises:
             comptime if HAS_AVX512_BF16:
                 line += String(", avx512bf16 ", time_path[AmxTiles](c, PATH_AVX512BF16, 5), " ms")
             if amx_runs():
-                line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms")
+                line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms (values packed ")
+                line += String(time_path[AmxTiles, 0](c, PATH_AMX, 5), " ms, in place ")
+                line += String(time_path[AmxTiles, ALWAYS](c, PATH_AMX, 5), " ms; hot cache ")
+                line += String(time_hot_cache(c, 5), " ms; reading the cache once ", read_cache_ms(c, 5), " ms)")
                 var err = max_error(c.attend[AmxTiles](PATH_F32, 0), c.attend[AmxTiles](PATH_AMX, 0))
                 line += String(" (amx vs f32 max|err| ", err, "; without tdpbf16ps ")
                 line += String(time_path[AmxWithoutDots](c, PATH_AMX, 5), " ms, without tile instructions ")
