@@ -233,8 +233,13 @@ struct Fp8LatentRows(TrivialRegisterPassable):
                 var at = block * FP8_SCALE_BLOCK + i
                 dst.unsafe_store(at, (widen_e4m3[W](row.unsafe_load[width=W](at)) * s).cast[out_dtype]())
         var rope = self.rope(row)
-        for d in range(self.rope_dim):
+        var d = 0
+        while d + W <= self.rope_dim:
+            dst.unsafe_store(self.kv_lora_rank + d, rope.unsafe_load[width=W](d).cast[out_dtype]())
+            d += W
+        while d < self.rope_dim:
             dst.unsafe_store(self.kv_lora_rank + d, rope.unsafe_load(d).cast[out_dtype]())
+            d += 1
 
     def store_row[src_dtype: DType](self, b: Int, pos: Int, src: DPtr[src_dtype]):
         """Quantizes `src[:R + Dr]` (bfloat16 values) into the row: per 128 latent values the scale

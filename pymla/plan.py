@@ -33,7 +33,7 @@ from . import validate as v
 from .args import ALL_STEPS, STEP_6_ONLY, KVCacheTensors, call_torch_op
 from .buffers import run_buffers, step_template
 from .cache import PagedLatentCache
-from .cache_format import kv_lora_rank_of, value_dtype
+from .cache_format import format_of, kv_lora_rank_of, value_dtype
 from .options import DecodeOptions, as_int
 from .step_checks import cache_tensors as cache_tensors  # re-exported: pymla.plan.cache_tensors
 from .step_checks import check_step
@@ -69,6 +69,7 @@ class DecodePlan:
         self.needs_new_rows = new_rows
         self.dtype = value_dtype(kv.blocks)  # the op's (bfloat16 for fp8_ds_mla rows)
         self.cache_dtype = kv.blocks.dtype
+        self.cache_format = format_of(kv.blocks)  # "dtype" or "fp8_ds_mla" (uint8 blocks)
         self.device = kv.blocks.device
         self.rope_dim = dim_or_zero(freqs_cis, 1)
         self.kv_lora_rank = (
