@@ -79,7 +79,11 @@ struct MLADecodeBranchFP8:
         var nope_dim = w_uk.dim_size(2)
         var blocks = kv_blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var lookup = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var fp8_cache = Fp8LatentRows.absent(blocks.unsafe_bitcast[UInt8](), lookup)
+        var rows = PagedLatentRows[dtype].create(
+            blocks.unsafe_bitcast[Scalar[dtype]](), lookup, lookup_table.dim_size(1), kv_blocks.dim_size(2),
+            kv_blocks.dim_size(3), kv_blocks.dim_size(5), Int(layer_idx),
+        )
+        var fp8_cache = Fp8LatentRows.absent(rows)
         comptime if cache_dtype == DType.uint8:
             comptime assert dtype == DType.bfloat16, "kv_blocks: uint8 (fp8_ds_mla rows) serves bfloat16 ops"
             fp8_cache = Fp8LatentRows.create(
@@ -100,15 +104,7 @@ struct MLADecodeBranchFP8:
             ),
             freqs_cis.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             kv_norm_gamma.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            PagedLatentRows[dtype].create(
-                blocks.unsafe_bitcast[Scalar[dtype]](),
-                lookup,
-                lookup_table.dim_size(1),
-                kv_blocks.dim_size(2),
-                kv_blocks.dim_size(3),
-                kv_blocks.dim_size(5),
-                Int(layer_idx),
-            ),
+            rows,
             q.dim_size(0),
             q.dim_size(1),
             nope_dim,

@@ -176,9 +176,9 @@ struct Fp8LatentRows(TrivialRegisterPassable):
     var active: Bool
 
     @staticmethod
-    def absent(bytes: U8Ptr, lookup_table: U32Ptr) -> Self:
-        """No fp8 rows: the cache (at `bytes`) holds rows in the op's dtype."""
-        return Self(bytes, lookup_table, 0, 1, 0, 0, 0, 0, 0, False)
+    def absent[dtype: DType](rows: PagedLatentRows[dtype]) -> Self:
+        """No fp8 rows: the cache holds `rows`, in the op's dtype."""
+        return Self(rows.blocks.unsafe_bitcast[UInt8](), rows.lookup_table, 0, 1, 0, 0, 0, 0, 0, False)
 
     @staticmethod
     def create(

@@ -339,24 +339,6 @@ def attend_partitions[
     score_mod: Int,
     partials: PartialResults,
     path: Int,
-) raises:
-    """`attend_partitions` on a cache of `dtype` rows (no fp8 rows)."""
-    var fp8 = Fp8LatentRows.absent(cache.blocks.unsafe_bitcast[UInt8](), cache.lookup_table)
-    attend_partitions[dtype, tiles](q_full, cache, batch, shape, scale, mask, score_mod, partials, path, fp8)
-
-
-def attend_partitions[
-    dtype: DType, tiles: TileUnit = AmxTiles
-](
-    q_full: DPtr[dtype],
-    cache: PagedLatentRows[dtype],
-    batch: RaggedBatch,
-    shape: AttentionShape,
-    scale: Float32,
-    mask: MaskSpec,
-    score_mod: Int,
-    partials: PartialResults,
-    path: Int,
     fp8: Fp8LatentRows,
 ) raises:
     """Runs every (request, head group, key partition) task into `partials`.
