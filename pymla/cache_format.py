@@ -29,6 +29,14 @@ rounded to bfloat16, exactly as the ``"dtype"`` format stores it (step 2's
   ``|x / scale| <= 448``, so rounding to the nearest e4m3 value (ties to
   even) never saturates.
 
+For a bfloat16 ``amax`` with ``amax / 448`` a normal float32 this is the ``ue8m0`` scale of
+DeepSeek's reference, ``fast_pow2(fast_log2_ceil(amax / 448))`` on the
+rounded float32 quotient: that quotient lands on a power of two only when
+``amax / 448`` is one exactly, which 8 significant bits allow only there.
+Rows written by a producer with other float32 scales (``amax / 448``) are
+read the same way (the stored scale multiplies), but their values are then
+not always bfloat16 values.
+
 The rope part is stored as bfloat16 (after step 1's rotation, as the
 ``"dtype"`` format stores it). The row's values are read back as
 ``q * scale`` (latent) and the bfloat16 rope values.

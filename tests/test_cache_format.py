@@ -140,3 +140,17 @@ def test_reference_attention_on_fp8_rows_is_the_bf16_computation_on_their_values
     b = attend(q_full, KVCacheTensors(bf16, lengths, table), batch, 0, 512, **kw)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+def test_scales_are_deepseeks_ue8m0_scales_for_every_bf16_amax():
+    """``fast_pow2(fast_log2_ceil(amax / 448))`` of DeepSeek's reference, on float32 bits."""
+    bits = torch.arange(0x0080, 0x7F80, dtype=torch.int32).to(torch.int16)  # normal, finite
+    amax = bits.view(torch.bfloat16).float()
+    quotient = (amax / 448).view(torch.int32)
+    exponent = ((quotient >> 23) & 0xFF) - 127 + ((quotient & 0x7FFFFF) != 0).int()
+    ue8m0 = torch.ldexp(torch.ones_like(amax), exponent)
+    # where the formula holds (a normal quotient) and the scale is in the module's range
+    keep = (((quotient >> 23) & 0xFF) > 0) & (exponent <= 119)
+    blocks = torch.zeros(amax.numel(), 128)
+    blocks[:, 0] = amax
+    assert torch.equal(cf.block_scales(blocks)[:, 0][keep], ue8m0[keep])
