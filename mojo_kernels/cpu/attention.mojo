@@ -24,7 +24,15 @@ to 16. All sum the same products in float32.
 This file holds the three tile paths and the task loop (`attend_partitions`);
 a task's rows and their online softmax are `cpu/online_softmax.mojo`.
 Partitions are merged with their log-sum-exp at the end (`cpu/merge.mojo`),
-which also gives each row's LSE (the op's optional `lse`). With a shard of the cache
+which also gives each row's LSE (the op's optional `lse`).
+
+An `fp8_ds_mla` cache (`Fp8LatentRows`) is read through `CacheKeys`: the f32
+path dequantizes its keys straight into the float32 tile, the AVX512-BF16
+path into a bfloat16 staging tile (two, alternating, as the next tile is
+prepared while one is scored); the values are exact bfloat16 values, so the
+products are those of a bfloat16 cache holding them. The AMX path reads
+bfloat16 rows in place: an fp8 cache takes the AVX512-BF16 (else f32) path
+for step 5 instead (steps 3 and 6 keep the tiles). With a shard of the cache
 (`RaggedBatch.shard`, context-parallel decode) keys are the shard's slots:
 the partitions split its slots, the mask's position ranges map to slot
 ranges, and ALiBi takes each slot's sequence position.
@@ -33,7 +41,7 @@ ranges, and ALiBi takes each slot's sequence position.
 from std.math import min
 
 from ..common import DPtr, FPtr, ceil_div
-from ..paged_cache import CacheShard, PagedLatentRows, RaggedBatch, partition_keys
+from ..paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch, partition_keys
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from .amx import TILE_DEPTH, TILE_ROWS, AmxTiles, TileUnit, untracked_bf16
 from .amx_attention import (
@@ -68,14 +76,38 @@ comptime PATH_AMX = 2
 """bf16 products on AMX tiles (`cpu/amx_attention.mojo`), bfloat16 caches."""
 
 
+@fieldwise_init
+struct CacheKeys[dtype: DType](TrivialRegisterPassable):
+    """Where a task reads its keys: the cache rows of `dtype` in place, or `fp8_ds_mla` rows
+    (when `fp8.active`), dequantized exactly (`Fp8LatentRows.dequantize_row`)."""
+
+    var rows: PagedLatentRows[Self.dtype]
+    var fp8: Fp8LatentRows
+
+    def tile[tile: Int](self, b: Int, j0: Int, k_hi: Int, staging: BF16Ptr, key_dim: Int) -> Array[BF16Ptr, tile]:
+        """`tile_rows` of keys `j0 ..`: in place, or fp8 rows dequantized into `staging [tile, key_dim]`."""
+        if not self.fp8.active:
+            return tile_rows[Self.dtype, tile](self.rows, b, j0, k_hi)
+        var count = max(min(tile, k_hi - j0), 1)
+        for c in range(count):
+            self.fp8.dequantize_row[DType.bfloat16](b, j0 + c, staging.unsafe_offset(c * key_dim))
+        var keys = Array[BF16Ptr, tile](fill=staging.unsafe_offset((count - 1) * key_dim))
+        for c in range(count):
+            keys[c] = staging.unsafe_offset(c * key_dim)
+        return keys^
+
+
 def load_key_tile[
     dtype: DType
-](cache: PagedLatentRows[dtype], b: Int, j0: Int, j1: Int, tile: FPtr, key_dim: Int):
+](keys: CacheKeys[dtype], b: Int, j0: Int, j1: Int, tile: FPtr, key_dim: Int):
     """Widens cache rows `j0 .. j1 - 1` of request `b` into the first rows of `tile [KEY_TILE, key_dim]`."""
     comptime W = F32_WIDTH
     for j in range(j0, j1):
-        var src = cache.row(b, j)
         var dst = tile.unsafe_offset((j - j0) * key_dim)
+        if keys.fp8.active:
+            keys.fp8.dequantize_row[DType.float32](b, j, dst)
+            continue
+        var src = keys.rows.row(b, j)
         var k = 0
         while k + W <= key_dim:
             dst.unsafe_store(k, src.unsafe_load[width=W](k).cast[DType.float32]())
@@ -145,7 +177,7 @@ def accumulate_values(probs: FPtr, tile: FPtr, acc_out: FPtr, correction: FPtr, 
 def attend_tiles_f32[
     dtype: DType
 ](
-    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
     """The task's keys `k_lo .. k_hi - 1`, tile by tile, widened to float32 once per tile."""
@@ -154,7 +186,7 @@ def attend_tiles_f32[
     var j0 = k_lo
     while j0 < k_hi:
         var j1 = min(j0 + KEY_TILE, k_hi)
-        load_key_tile[dtype](cache, b, j0, j1, tile, key_dim)
+        load_key_tile[dtype](keys, b, j0, j1, tile, key_dim)
         tile_scores(scratch(rows.q_buf), tile, scratch(rows.scores_buf), rows.padded, key_dim)
         softmax_update[dtype, KEY_TILE](rows, j0, j1 - j0, scale, shard)
         accumulate_values(
@@ -177,13 +209,14 @@ def tile_rows[
 def attend_tiles_bf16[
     dtype: DType
 ](
-    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
     """The task's keys tile by tile on the AVX512-BF16 unit, reading the bf16 cache rows in place.
 
     Keys past the tile's end point at its last key: their probabilities are 0.
-    While a tile is scored, the next tile's rows are prefetched.
+    While a tile is scored, the next tile's rows are prefetched (fp8 rows:
+    dequantized into the other of two staging tiles).
     """
     comptime tile = BF16_KEY_TILE
     if k_lo >= k_hi:
@@ -195,12 +228,16 @@ def attend_tiles_bf16[
     var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var probs_buf = List[BFloat16](length=rows.padded * tile, fill=0)
     var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var first = tile_rows[dtype, tile](cache, b, k_lo, k_hi)
+    var staging_buf = List[BFloat16](length=2 * tile * key_dim if keys.fp8.active else 0, fill=0)
+    var staging = staging_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var slot = 0
+    var first = keys.tile[tile](b, k_lo, k_hi, staging, key_dim)
     var scoring = TileScores[tile](q, first.copy(), first^, scratch(rows.scores_buf), key_dim)
     var j0 = k_lo
     while j0 < k_hi:
         var j1 = min(j0 + tile, k_hi)
-        scoring.next_keys = tile_rows[dtype, tile](cache, b, min(j1, k_hi - 1), k_hi)
+        slot = 1 - slot
+        scoring.next_keys = keys.tile[tile](b, min(j1, k_hi - 1), k_hi, staging.unsafe_offset(slot * tile * key_dim), key_dim)
         tile_scores_bf16(scoring, rows.padded)
         softmax_update[dtype, tile](rows, j0, j1 - j0, scale, shard)
         accumulate_values_bf16[tile](
@@ -211,6 +248,7 @@ def attend_tiles_bf16[
     _ = q_buf^
     unpermute_value_columns(scratch(rows.out_buf), rows.num_rows, rank)
     _ = probs_buf^
+    _ = staging_buf^
 
 
 def key_block(
@@ -315,18 +353,24 @@ def attend_partitions[
     score_mod: Int,
     partials: PartialResults,
     path: Int,
+    fp8: Fp8LatentRows,
 ) raises:
     """Runs every (request, head group, key partition) task into `partials`.
 
     `path` (PATH_*, chosen by `cpu_pipeline.attention_path`) takes the
     AVX512-BF16 products (`cpu/bf16.mojo`) or the AMX tiles (`cpu/amx_attention.mojo`,
     through `tiles`: the unit, or the emulation of `tests/cpu/amx_check.mojo`)
-    for a bfloat16 cache; otherwise keys are widened to float32.
+    for a bfloat16 cache; otherwise keys are widened to float32. `fp8`:
+    the cache's rows in the `fp8_ds_mla` format, when active (`CacheKeys`; never on AMX tiles).
     """
+    var keys = CacheKeys[dtype](cache, fp8)
+    var key_path = path
+    if fp8.active and path == PATH_AMX:
+        key_path = PATH_AVX512BF16 if HAS_AVX512_BF16 else PATH_F32
     var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
     var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var cache, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
+    def task(i: Int) {var q_full, var cache, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var key_path}:
         var b = i // tasks_per_request
         var hg = (i % tasks_per_request) // shape.num_partitions
         var part = i % shape.num_partitions
@@ -342,7 +386,7 @@ def attend_partitions[
         var rank = shape.kv_lora_rank
 
         # Gather the task's rows: their queries, key slots (within this partition) and slopes.
-        var rows = TaskRows((t1 - t0) * (h1 - h0), key_dim, rank, TILE_ROWS if path == PATH_AMX else ROW_BLOCK)
+        var rows = TaskRows((t1 - t0) * (h1 - h0), key_dim, rank, TILE_ROWS if key_path == PATH_AMX else ROW_BLOCK)
         var q_rows = scratch(rows.q_buf)
         var slopes = rows.slope()
         var k_lo = k1
@@ -372,17 +416,17 @@ def attend_partitions[
 
         var done = False
         comptime if dtype == DType.bfloat16:
-            if path == PATH_AMX:
+            if key_path == PATH_AMX:
                 attend_tiles_amx[dtype, tiles, in_place_max_row_blocks](
                     rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank
                 )
                 done = True
         comptime if dtype == DType.bfloat16 and HAS_AVX512_BF16:
-            if path == PATH_AVX512BF16:
-                attend_tiles_bf16[dtype](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
+            if key_path == PATH_AVX512BF16:
+                attend_tiles_bf16[dtype](rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
                 done = True
         if not done:
-            attend_tiles_f32[dtype](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
+            attend_tiles_f32[dtype](rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
 
         # Hand the rows' state to the merge.
         var out_rows = scratch(rows.out_buf)
@@ -396,7 +440,7 @@ def attend_partitions[
                 dst.unsafe_store(c, src.unsafe_load(c))
         _ = rows^
 
-    var keys = 0
+    var total_keys = 0
     for b in range(batch.num_requests):
-        keys += batch.local_keys(b)
-    run_tasks(task, batch.num_requests * tasks_per_request, keys * shape.num_heads * shape.key_dim)
+        total_keys += batch.local_keys(b)
+    run_tasks(task, batch.num_requests * tasks_per_request, total_keys * shape.num_heads * shape.key_dim)

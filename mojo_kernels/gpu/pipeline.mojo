@@ -285,6 +285,8 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     request times page size) bounds every request's visible keys; it only
     shapes the key partitioning (`GpuPlan`).
     """
+    if p.fp8_cache.active:
+        raise Error("pymla gpu: the fp8_ds_mla cache format is not yet on the GPU (CPU only)")
     if p.num_tokens == 0 or p.num_heads == 0:
         return
     if p.batch.shard.count > 1 and p.score_mod == SCORE_MOD_ALIBI_POS:

@@ -35,7 +35,7 @@ from mojo_kernels.cpu.merge import AttentionShape, PartialResults, merge_partiti
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention
 from mojo_kernels.cpu.simd import run_tasks
-from mojo_kernels.paged_cache import CacheShard, PagedLatentRows, RaggedBatch
+from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
 
@@ -173,7 +173,8 @@ struct Case(Movable):
         var raw = List[BFloat16](length=max(self.num_tokens * self.num_heads * self.rank, 1), fill=0)
         var q = self.q_full.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         attend_partitions[BF16, tiles, in_place_max](
-            q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path
+            q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path,
+            Fp8LatentRows.absent(self.cache()),
         )
         merge_partitions[BF16](
             partials, shape, raw.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), row_sum.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False
@@ -309,6 +310,7 @@ struct OpInputs(Movable):
             self.w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False,  # no lse
             untracked(self.raw), False,  # no new_rows
             False,  # all six steps
+            Fp8LatentRows.absent(c.cache()),  # rows in bf16
         )
 
 

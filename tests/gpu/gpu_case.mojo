@@ -15,7 +15,7 @@ from mojo_kernels.gpu.pipeline import (
     mla_decode_branch_fp8_gpu,
 )
 from mojo_kernels.gpu.plan import ATTENTION_VARIANTS, DeviceLimits, GpuPlan
-from mojo_kernels.paged_cache import CacheShard, PagedLatentRows, RaggedBatch
+from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import Granularity, MaskSpec
 
@@ -340,15 +340,16 @@ struct DeviceCase[dtype: DType](Movable):
         self.output = ctx.enqueue_create_buffer[Self.dtype](max(c.num_tokens * c.heads * c.v_dim, 1))
 
     def problem(self, c: Case) -> DecodeProblem[Self.dtype]:
-        """The op's inputs: no attention output, no new rows (the rows are in the cache)."""
+        """The op's inputs: no attention output, no new rows (the rows are in the cache, of dtype)."""
+        var rows = PagedLatentRows[Self.dtype].create(
+            untracked(self.blocks), untracked(self.lookup), c.pages_per_request,
+            c.num_layers, c.page_size, c.key_dim, c.layer,
+        )
         return DecodeProblem[Self.dtype](
             untracked(self.output), True, untracked(self.q),
             RaggedBatch(untracked(self.offsets), untracked(self.lengths), c.num_requests, CacheShard.whole()),
             untracked(self.freqs), untracked(self.gamma),
-            PagedLatentRows[Self.dtype].create(
-                untracked(self.blocks), untracked(self.lookup), c.pages_per_request,
-                c.num_layers, c.page_size, c.key_dim, c.layer,
-            ),
+            rows,
             c.num_tokens, c.heads, c.nope, c.rope, c.rank, c.v_dim,
             c.scale, c.epsilon, MaskSpec(c.mask_kind, c.window), c.score_mod,
             Granularity(c.gm, c.gn, c.gk),
@@ -357,6 +358,7 @@ struct DeviceCase[dtype: DType](Movable):
             untracked(self.w_uk_scale), False,  # no lse
             untracked(self.q), False,  # no new_rows
             False,  # all six steps
+            Fp8LatentRows.absent(rows),
         )
 
     def plan(self, ctx: DeviceContext, c: Case) raises -> GpuPlan:
