@@ -22,12 +22,14 @@
 # time goes). Steps 3 and 6 on tiles (cpu/amx_matmul.mojo): checks and timings in
 # projection_check.mojo; the tile emulation in check_common.mojo. Exit status 1 if any check fails.
 
+from std.memory import bitcast
 from std.os import setenv
 from std.sys import argv, num_physical_cores
 from std.sys.info import CompilationTarget
 from std.time import perf_counter_ns
 
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, ceil_div
+from mojo_kernels.fp8 import NO_SHIFT, bf16_scale_shift, power_of_two, widen_e4m3, widen_e4m3_bf16
 from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, TileUnit, amx_permitted
 from mojo_kernels.cpu.amx_attention import VALUES_IN_PLACE_MAX_ROW_BLOCKS
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
@@ -254,6 +256,28 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
     c.use_fp8 = False
 
 
+def check_fp8_widening(mut failures: Int):
+    """`widen_e4m3_bf16` (the bf16 route of fp8 key reads) against `widen_e4m3 * 2^k` rounded to bf16:
+    bit for bit, every e4m3 byte but NaN, shifts across the range `bf16_scale_shift` allows."""
+    var wrong = 0
+    for k in [-120, -64, -9, -1, 0, 3, 64, 119]:
+        if bf16_scale_shift(power_of_two(k)) != k:
+            wrong += 1
+        for x in range(256):
+            if x & 0x7F == 0x7F:
+                continue
+            var byte = SIMD[DType.uint8, 2](UInt8(x))
+            var fast = widen_e4m3_bf16[2](byte, k)[0]
+            var slow = (widen_e4m3[2](byte) * power_of_two(k)).cast[DType.bfloat16]()[0]
+            if bitcast[DType.uint16](fast) != bitcast[DType.uint16](slow):
+                wrong += 1
+    if bf16_scale_shift(Float32(0.75)) != NO_SHIFT or bf16_scale_shift(power_of_two(-121)) != NO_SHIFT:
+        wrong += 1
+    if wrong:
+        failures += 1
+    print("PASS" if wrong == 0 else "FAIL", "fp8 widening to bf16:", wrong, "mismatches")
+
+
 def mask(kind: Int, window: Int = 0) -> MaskSpec:
     return MaskSpec(kind, window)
 
@@ -396,6 +420,7 @@ def main() raises:
     var tails = Case(seed + 2, 5, 16, [37, 0, 70], [3, 1, 2], mask(MASK_CAUSAL), key_dim=114, rank=100)
     check_case(tails, 0, failures)
     check_case(tails, 2, failures)
+    check_fp8_widening(failures)
     check_projections(failures)
     print("amx_check:", failures, "failed")
     if not quick:
