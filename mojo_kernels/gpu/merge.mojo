@@ -10,6 +10,7 @@ from max.gpu.primitives import warp
 
 from .addressing import ELEMENTWISE_THREADS
 from .params import GFPtr, GPtr, KernelParams
+from .pdl import allow_dependents, wait_for_producers
 
 
 comptime MERGE_THREADS = 128
@@ -56,6 +57,8 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
     var rows = Int(p.total_rows)
     var parts = Int(p.num_partitions)
     var rank = Int(p.kv_lora_rank)
+    wait_for_producers()  # the partitions come from the attention kernel (pdl.mojo)
+    allow_dependents()
     if tid < WARP_SIZE:
         var m0 = p.part_max.unsafe_load(tid * rows + row) if tid < parts else neg_inf[DType.float32]()
         var m1 = p.part_max.unsafe_load((tid + WARP_SIZE) * rows + row) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()

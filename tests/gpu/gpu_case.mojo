@@ -12,6 +12,7 @@ from mojo_kernels.gpu.pipeline import (
     gpu_attention,
     gpu_build_q_full,
     gpu_project_output,
+    gpu_run_plan,
     mla_decode_branch_fp8_gpu,
 )
 from mojo_kernels.gpu.plan import ATTENTION_VARIANTS, DeviceLimits, GpuPlan
@@ -400,16 +401,26 @@ struct DeviceCase[dtype: DType](Movable):
         p.has_attention_output = True
         gpu_project_output[Self.dtype](ctx, p, plan, untracked(raw))
 
-    def project_only(self, ctx: DeviceContext, c: Case, att: DeviceBuffer[Self.dtype]) raises:
-        """The op with first_step 6: step 6 alone into `self.output`, from the attention output `att`."""
+    def project_only(self, ctx: DeviceContext, c: Case, att: DeviceBuffer[Self.dtype], pdl: Bool = False) raises:
+        """The op with first_step 6: step 6 alone into `self.output`, from the attention output `att`
+        (`pdl`: the op's plan with programmatic dependent launch)."""
         var p = self.problem(c)
         p.attention_output = untracked(att)
         p.has_attention_output = True
         p.project_only = True
-        mla_decode_branch_fp8_gpu[Self.dtype](p, ctx)
+        if pdl:
+            var plan = GpuPlan.create(p, DeviceLimits.read(ctx))
+            plan.pdl = True
+            gpu_run_plan[Self.dtype](ctx, p, plan)
+        else:
+            mla_decode_branch_fp8_gpu[Self.dtype](p, ctx)
 
     def run_op(self, ctx: DeviceContext, c: Case) raises:
         mla_decode_branch_fp8_gpu[Self.dtype](self.problem(c), ctx)
+
+    def run_plan(self, ctx: DeviceContext, c: Case, plan: GpuPlan) raises:
+        """The whole op under `plan` (e.g. the op's plan with `pdl` set)."""
+        gpu_run_plan[Self.dtype](ctx, self.problem(c), plan)
 
 
 def variant_index[v: Tuple[Int, Int, Int]]() -> Int:

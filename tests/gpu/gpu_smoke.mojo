@@ -13,10 +13,12 @@
 #   raw     attention from the GPU's own q_full and cache (float64 on the CPU), for 1 and several
 #           partitions, and the FMA, small-rank tensor-core and wgmma kernels pinned by a plan
 #   output  output projection of the GPU's raw (CPU fp8mm), then the whole op against the CPU pipeline
-#           with the tolerance of pymla/parity.py
+#           with the tolerance of pymla/parity.py, with programmatic dependent launch (PDL) on and
+#           off (`GpuPlan.pdl`), the two bit for bit equal
 # Exit status 1 if any check fails.
 
 from std.sys import has_accelerator
+from std.utils.numerics import nan
 
 from max.gpu.host import DeviceContext
 
@@ -157,6 +159,18 @@ def check_cache[dtype: DType](c: Case, got: List[Float32], want: List[Float32]) 
     return report("cache", ok, String("max err ", rel, " x max|ref| (tol ", cache_tolerance[dtype](), "), other elements changed: ", changed))
 
 
+def poison_workspaces(ctx: DeviceContext, c: Case, parts: Int) raises:
+    """NaN-filled buffers of the op's workspace sizes (q_full, raw, the partitions'), released at once:
+    the device's allocator tends to hand their memory to the next op call's workspaces, so that a
+    kernel reading one before its producer wrote it sees NaN, not an earlier call's equal values."""
+    var rows = c.num_tokens * c.heads
+    var sizes = [rows * c.key_dim, rows * c.rank, max(parts, 2) * rows * c.rank, max(parts, 2) * rows, max(parts, 2) * rows]
+    for n in sizes:
+        var buf = ctx.enqueue_create_buffer[DType.float32](max(n, 1))
+        ctx.enqueue_memset(buf, nan[DType.float32]())
+        _ = buf^
+
+
 def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> Bool:
     print(name, "dtype", dtype, "T", c.num_tokens, "H", c.heads, "R", c.rank, "Dr", c.rope, "Dn", c.nope, "Dv", c.v_dim,
           "mask", c.mask_kind, "window", c.window, "score_mod", c.score_mod, "gran", c.gm, c.gn, c.gk)
@@ -265,27 +279,44 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     ok = check_parity[dtype]("output stage", gpu_out_stage, ref_out_stage) and ok
     # The attention output the op stores on request: raw as dtype, exactly.
     ok = check_close("attention output store", download[dtype](ctx, att_out, rows * c.rank), gpu_raw, 0) and ok
-    # Step 6 alone (first_step 6) from that attention output: the op's own step 6, exactly.
-    ctx.enqueue_memset(d.output, Scalar[dtype](0))
-    d.project_only(ctx, c, att_out)
-    ok = check_close("step 6 alone (first_step 6)", download[dtype](ctx, d.output, rows * c.v_dim), gpu_out_stage, 0) and ok
+    # Step 6 alone (first_step 6) from that attention output: the op's own step 6, exactly,
+    # with programmatic dependent launch (PDL) off and on.
+    for pdl in [False, True]:
+        ctx.enqueue_memset(d.output, Scalar[dtype](0))
+        d.project_only(ctx, c, att_out, pdl)
+        var name = String("step 6 alone (first_step 6", ", PDL" if pdl else "", ")")
+        ok = check_close(name, download[dtype](ctx, d.output, rows * c.v_dim), gpu_out_stage, 0) and ok
 
-    # The whole op on fresh inputs against the CPU pipeline.
-    var d2 = DeviceCase[dtype](ctx, c)
-    d2.run_op(ctx, c)
-    var out = download[dtype](ctx, d2.output, rows * c.v_dim)
-    var blocks_after = download[dtype](ctx, d2.blocks, len(c.blocks))
+    # The whole op on fresh inputs against the CPU pipeline, with PDL on (first, on workspaces
+    # freshly poisoned) and off; the two must agree bit for bit (PDL changes no arithmetic, only
+    # when each kernel starts: a misplaced wait is a race that reads stale q_full, cache rows or raw).
     var ref_raw = cpu_attention[dtype](c, ref_q_full, ref_blocks)
     var ref_out = cpu_output(c, ref_raw)
     for i in range(len(ref_out)):
         ref_out[i] = round_to[dtype](ref_out[i])
-    comptime if dtype == DType.float32:
-        ok = check_parity[dtype]("op output", out, ref_out) and ok
-    else:
-        # End to end, step 6 re-quantizes an attention output that differs by the rounding of
-        # the probabilities: pymla/parity.py's end-to-end element bound (2 ulp + 2^-5).
-        ok = check_close("op output (end to end)", out, ref_out, 2 * ulp_of[dtype]() + Float32(2.0) ** -5) and ok
-    ok = check_cache[dtype](c, blocks_after, ref_blocks) and ok
+    var outs = List[List[Float32]]()
+    var caches = List[List[Float32]]()
+    for pdl in [True, False]:
+        var d2 = DeviceCase[dtype](ctx, c)
+        var op_plan = d2.plan(ctx, c)
+        op_plan.pdl = pdl
+        if pdl:
+            poison_workspaces(ctx, c, op_plan.num_partitions)
+        d2.run_plan(ctx, c, op_plan)
+        var out = download[dtype](ctx, d2.output, rows * c.v_dim)
+        var blocks_after = download[dtype](ctx, d2.blocks, len(c.blocks))
+        var tag = String(" (PDL ", "on" if pdl else "off", ")")
+        comptime if dtype == DType.float32:
+            ok = check_parity[dtype](String("op output", tag), out, ref_out) and ok
+        else:
+            # End to end, step 6 re-quantizes an attention output that differs by the rounding of
+            # the probabilities: pymla/parity.py's end-to-end element bound (2 ulp + 2^-5).
+            ok = check_close(String("op output (end to end)", tag), out, ref_out, 2 * ulp_of[dtype]() + Float32(2.0) ** -5) and ok
+        ok = check_cache[dtype](c, blocks_after, ref_blocks) and ok
+        outs.append(out^)
+        caches.append(blocks_after^)
+    ok = check_close("op output, PDL on vs off (bit for bit)", outs[0], outs[1], 0) and ok
+    ok = check_close("cache, PDL on vs off (bit for bit)", caches[0], caches[1], 0) and ok
     _ = q_full_buf^
     _ = raw_buf^
     _ = att_out^
