@@ -169,9 +169,12 @@ def attention_wgmma_kernel[
     comptime dim = WG_KEY_DIM  # == key_dim (wgmma_supported)
     var parts = Int(num_partitions)
 
+    # With PDL (pdl.mojo) the block waits for the q step at once: any later wait makes ptxas
+    # spill (160 bytes instead of 4), and this kernel's prologue is short next to its key loop.
+    wait_for_producers()
+    allow_dependents()
     var blk = AttentionBlock.locate[WG_ROWS](p)
     if not blk.has_rows():
-        wait_for_producers()  # pdl.mojo: every block of a dependent launch waits
         return
     var part = blk.part
     var row0 = blk.row0
@@ -207,6 +210,17 @@ def attention_wgmma_kernel[
     var masks = RowMasks(lo_s, hi_s, pos_s, slope_s)
     if tid < WG_ROWS:
         masks.store(blk, p, tid)
+
+    # Q tile in dtype (exact: q_full holds dtype values), zeros past the request's rows.
+    var v = tid
+    while v < WG_ROWS * chunks:
+        var r = (v // (8 * chunks)) * 8 + v % 8
+        var c = (v // 8) % chunks
+        var x = SIMD[DType.float32, 8](0)
+        if row0 + r < row_end:
+            x = q_full.unsafe_offset((row0 + r) * dim + c * 8).unsafe_load[width=8, alignment=16](0)
+        q_s.unsafe_offset(v * VEC).unsafe_store[alignment=16](0, x.cast[dtype]())
+        v += WG_BLOCK_THREADS
     barrier()
 
     # This thread's two rows (g and g + 8 of its warp) and their mask data.
@@ -239,28 +253,8 @@ def attention_wgmma_kernel[
 
     var tiles = KeyTiles[dtype, kt](rowoff_s, k_s0, k_s1, span)
     tiles.start(blk, p, tid)
-    # Everything above reads only the op's inputs; a first tile of rows cached before this call
-    # is copied too, before the wait for the q step (pdl.mojo), whose q_full and new cache rows follow.
-    var copied = tiles.more() and tiles.first_is_old(blk, p)
-    if copied:
+    if tiles.more():
         copy_key_tile_core[dtype, kt](blocks_global, rowoff_s, k_s0, tid, chunks)
-    wait_for_producers()
-    allow_dependents()
-    if tiles.more() and not copied:
-        copy_key_tile_core[dtype, kt](blocks_global, rowoff_s, k_s0, tid, chunks)
-
-    # Q tile in dtype (exact: q_full holds dtype values), zeros past the request's rows.
-    var v = tid
-    while v < WG_ROWS * chunks:
-        var r = (v // (8 * chunks)) * 8 + v % 8
-        var c = (v // 8) % chunks
-        var x = SIMD[DType.float32, 8](0)
-        if row0 + r < row_end:
-            x = q_full.unsafe_offset((row0 + r) * dim + c * 8).unsafe_load[width=8, alignment=16](0)
-        q_s.unsafe_offset(v * VEC).unsafe_store[alignment=16](0, x.cast[dtype]())
-        v += WG_BLOCK_THREADS
-    barrier()  # (and the fence of `tiles.wait` before wgmma reads q_s)
-
     while tiles.more():
         # This tile is in k_s; the previous tile's P V is done in both warpgroups.
         var k_s = tiles.wait[fence=True](tid)
