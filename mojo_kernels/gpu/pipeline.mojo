@@ -49,7 +49,16 @@ from .attention_block import AttentionParams, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
-from .merge import MERGE_THREADS, MergeParams, StoreParams, WidenParams, merge_kernel, store_kernel, widen_kernel
+from .merge import (
+    MERGE_QUANT_RANK,
+    MERGE_THREADS,
+    MergeParams,
+    StoreParams,
+    WidenParams,
+    merge_kernel,
+    store_kernel,
+    widen_kernel,
+)
 from .params import DeviceBatch, DeviceCache, to_global
 from .pdl import launch_attributes
 from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes
@@ -62,7 +71,7 @@ from .projection import (
     fp8_matmul_kernel,
     quantize_kernel,
 )
-from .projection_mma import Fp8Projection, ScaleBlocks, StridedRows
+from .projection_mma import KCHUNK, Fp8Projection, QuantizedRows, ScaleBlocks, StridedRows
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
@@ -204,28 +213,42 @@ struct AttentionWorkspace(Movable):
 def gpu_attention[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr) raises:
     """Step 5: `raw [T, H, R]` from `q_full [T, H, R + Dr]` and the paged cache, with the plan's kernel and partitions."""
     var ws = AttentionWorkspace(ctx, p, plan.num_partitions)
-    gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws)
+    gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws, QuantizedRows.none(to_global(raw)))
     _ = ws^  # freed in stream order
 
 
 def gpu_attention_into[
     dtype: DType
-](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr, ws: AttentionWorkspace) raises:
-    """`gpu_attention` in workspace `ws` (made for `plan.num_partitions`)."""
+](
+    ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr, ws: AttentionWorkspace,
+    quant: QuantizedRows,
+) raises:
+    """`gpu_attention` in workspace `ws` (made for `plan.num_partitions`); with `quant` active the merge
+    quantizes the rows for step 6 (`merge_quantizes`) instead of writing `raw`."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
         if plan.attention == i:
-            gpu_attention_with[dtype, ATTENTION_VARIANTS[i]](ctx, p, q_full, raw, ws, plan.pdl)
+            gpu_attention_with[dtype, ATTENTION_VARIANTS[i]](ctx, p, q_full, raw, ws, plan.pdl, quant)
 
 
 def gpu_attention_with[
     dtype: DType, variant: Tuple[Int, Int, Int]
-](ctx: DeviceContext, p: DecodeProblem[dtype], q_full: FPtr, raw: FPtr, ws: AttentionWorkspace, pdl: Bool) raises:
+](
+    ctx: DeviceContext,
+    p: DecodeProblem[dtype],
+    q_full: FPtr,
+    raw: FPtr,
+    ws: AttentionWorkspace,
+    pdl: Bool,
+    quant: QuantizedRows,
+) raises:
     """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`), keys split into `ws.parts` parts.
 
     With more than one partition every partition's output and row statistics
     go to `ws`, merged by log-sum-exp (`merge_kernel`). The LSE (`has_lse`)
     comes from that merge: with it, at least two partitions. With `pdl` the
     attention kernel and the merge start early (programmatic dependent launch, pdl.mojo).
+    With `quant` active (only with a merge) the merge writes step 6's quantized rows and the
+    attention output (`has_attention_output`), not `raw`.
     """
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
     comptime if groups > 0 and dtype != DType.bfloat16 and dtype != DType.float16:
@@ -266,6 +289,7 @@ def gpu_attention_with[
                 MergeParams[dtype](
                     to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw),
                     Int32(rows), Int32(parts), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
+                    quant, to_global(p.attention_output), Int32(1 if p.has_attention_output else 0),
                 ),
                 grid_dim=rows,
                 block_dim=MERGE_THREADS,
@@ -273,12 +297,36 @@ def gpu_attention_with[
             )
 
 
-def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, raw: FPtr) raises:
+def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, parts: Int) -> Bool:
+    """Whether the partition merge quantizes step 6's activations (`QuantizedRows`): asked by the plan
+    (`quantize_in_merge`), a merge runs (`parts > 1`), the tensor-core output step follows, scales
+    per row (`bm == 1`: one merged row per block) over K blocks of multiples of 64 that tile
+    kv_lora_rank (the plain layout `stage_quantized` copies), and a row fits the merge's shared memory."""
+    comptime if dtype == DType.float32:
+        return False
+    var blocks = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank)
+    return (
+        plan.quantize_in_merge
+        and parts > 1
+        and plan.out_tile >= 0
+        and p.has_output
+        and blocks.m == 1
+        and blocks.k % KCHUNK == 0
+        and p.kv_lora_rank % blocks.k == 0
+        and p.kv_lora_rank <= MERGE_QUANT_RANK
+    )
+
+
+def gpu_project_output[
+    dtype: DType
+](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, raw: FPtr, quant: QuantizedRows) raises:
     """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`; with `has_attention_output`
     also `attention_output = raw` as dtype. Without `has_output`, only that store.
 
     A tile of `plan.out_tile`: one launch of `out_step_kernel` (tensor cores,
-    bf16 / f16); `FMA_PATH`: `store_kernel` and the FMA matmul.
+    bf16 / f16); `FMA_PATH`: `store_kernel` and the FMA matmul. With `quant` active
+    (`merge_quantizes`: the merge quantized raw and stored the attention output) the output
+    step reads those rows, not `raw`.
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
@@ -286,7 +334,9 @@ def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype]
     comptime if dtype != DType.float32:
         if plan.out_tile >= 0 and p.has_output:
             var has_attention_output = Int32(1 if p.has_attention_output else 0)
-            var params = OutStepParams[dtype](proj, to_global(p.attention_output), has_attention_output, TileGrid.unset())
+            var params = OutStepParams[dtype](
+                proj, to_global(p.attention_output), has_attention_output, TileGrid.unset(), quant
+            )
             comptime for i in range(len(PROJ_TILES)):
                 if plan.out_tile == i:
                     enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads, plan.pdl)
@@ -335,7 +385,7 @@ def gpu_run_plan[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan
         )
         var projection = p
         projection.has_attention_output = False  # read, not written
-        gpu_project_output[dtype](ctx, projection, plan, given)
+        gpu_project_output[dtype](ctx, projection, plan, given, QuantizedRows.none(to_global(given)))
         _ = given_buf^  # freed in stream order
         return
     # Every workspace before the first launch, every release after the last: nothing but
@@ -343,16 +393,30 @@ def gpu_run_plan[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.key_dim())
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
     var ws = AttentionWorkspace(ctx, p, plan.num_partitions)
+    var quantized = merge_quantizes(p, plan, ws.parts)
+    var block_k = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank).k
+    var k_blocks = ceil_div(p.kv_lora_rank, block_k)
+    var values_buf = ctx.enqueue_create_buffer[DType.float16](rows * p.kv_lora_rank if quantized else 1)
+    var scales_buf = ctx.enqueue_create_buffer[DType.float32](rows * k_blocks if quantized else 1)
     var q_full = q_full_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var raw = raw_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var quant = QuantizedRows.none(to_global(raw))
+    if quantized:
+        quant = QuantizedRows(
+            to_global(values_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()),
+            to_global(scales_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()),
+            Int32(block_k), Int32(p.num_heads), 1,
+        )
 
     # Steps 1-4: the new cache rows and q_full, one launch (bf16 / f16).
     gpu_build_q_full[dtype](ctx, p, plan, q_full, cache_rows_params(p, p.num_tokens))
-    gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws)
+    gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws, quant)
     # Step 6 and the optional attention-output store, one launch (bf16 / f16).
-    gpu_project_output[dtype](ctx, p, plan, raw)
+    gpu_project_output[dtype](ctx, p, plan, raw, quant)
 
     # The workspaces are freed in stream order, after the kernels above.
     _ = q_full_buf^
     _ = raw_buf^
     _ = ws^
+    _ = values_buf^
+    _ = scales_buf^

@@ -6,7 +6,13 @@
   the blocks of column tile 0 also write `q_full[:, :, R:] = rnd(rope(q_rope))`.
 * `out_step_kernel`: one block per (head, row tile, column tile) of
   `output = rnd(fp8mm(raw, w_uv))`; the blocks of column tile 0 also store the
-  attention output (`raw` as dtype) when it is wanted.
+  attention output (`raw` as dtype) when it is wanted. When the partition merge
+  quantized raw already (`QuantizedRows`, merge.mojo) the block copies those
+  rows and scales instead (`stage_quantized`), and the merge stored the attention output.
+
+With programmatic dependent launch (`GpuPlan.pdl`, pdl.mojo) the output step
+stages its weights before waiting for the attention kernel or merge, and the
+q step lets the attention kernel launch early.
 
 Each launch takes one parameter struct (`QStepParams`, `OutStepParams`; `params.mojo`).
 
@@ -23,10 +29,12 @@ from .params import DeviceBatch, GPtr, KernelParams
 from .pdl import allow_dependents, launch_attributes, wait_for_producers
 from .projection_mma import (
     Fp8Projection,
+    QuantizedRows,
     TileLayout,
     TileSmem,
     project_tile,
     stage_activations,
+    stage_quantized,
     stage_weights,
 )
 from .rope_norm import CacheRowsParams, rope_norm_cache_row, rope_q_pair
@@ -90,6 +98,7 @@ struct OutStepParams[dtype: DType](KernelParams):
     var attention_output: GPtr[Self.dtype]  # [T, H, R] when has_attention_output
     var has_attention_output: Int32
     var tiles: TileGrid
+    var quant: QuantizedRows  # active: the merge quantized raw (and stored the attention output)
 
 
 @always_inline
@@ -159,11 +168,14 @@ def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](
     # The weights are the op's inputs; raw comes from the attention kernel or the merge (pdl.mojo).
     wait_for_producers()
     allow_dependents()
-    # raw and the attention output share their layout [T, H, R].
-    stage_activations[DType.float32, dtype, dtype, THREADS // WARP_SIZE](
-        p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a.g_stride), Int(p.proj.a.m_stride),
-        p.has_attention_output != 0 and tile[2] == 0,
-    )
+    if p.quant.active != 0:
+        stage_quantized[THREADS](p.quant, lay, sm, g, m0, MT, Int(p.proj.rows))
+    else:
+        # raw and the attention output share their layout [T, H, R].
+        stage_activations[DType.float32, dtype, dtype, THREADS // WARP_SIZE](
+            p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a.g_stride), Int(p.proj.a.m_stride),
+            p.has_attention_output != 0 and tile[2] == 0,
+        )
     async_copy_wait_all()
     barrier()
     project_tile[DType.float32, dtype, dtype, warps_m, warps_n, tm, tn](p.proj, lay, sm, g, m0, n0)
