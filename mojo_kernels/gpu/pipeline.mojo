@@ -35,7 +35,17 @@ Nothing is read back to the host: a block finds its request on the device
 from `input_row_offsets`; sizes the host cannot know (tokens per request,
 cache lengths) only bound grids whose spare blocks exit at once.
 Every launch takes one parameter struct (`params.mojo`). Workspaces come from
-`ctx.enqueue_create_buffer` and are released in stream order.
+`ctx.enqueue_create_buffer` and are released in stream order, all before the
+first launch and after the last (`gpu_run_plan`).
+
+With `GpuPlan.pdl` the attention kernel, the merge and the output step are
+launched with programmatic dependent launch (`pdl.mojo`): each may start while
+the kernel ahead of it finishes and waits (`wait_for_producers`) before its
+first read of that kernel's results (the q step's q_full and new cache rows,
+the partitions, raw). The q step, first of the chain, is launched as usual, so
+the op starts after everything before it. With `GpuPlan.quantize_in_merge`
+(and `merge_quantizes`) the merge writes step 6's quantized activations
+(`QuantizedRows`) and the attention output, the output step copies them.
 """
 
 from max.gpu import WARP_SIZE
