@@ -21,7 +21,7 @@ from ..paged_cache import partition_keys
 from ..spec import MaskSpec
 from .addressing import attention_slots, find_slot_request, row_attention_meta, slot_start
 from .params import DeviceBatch, DeviceCache, KernelParams
-from .pdl import launch_attributes
+from .pdl import launch_attributes, wait_for_producers
 
 comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
@@ -98,6 +98,15 @@ struct AttentionBlock(TrivialRegisterPassable):
     def has_rows(self) -> Bool:
         """Whether the block has rows (a request's last slot may have none)."""
         return self.row0 < self.row_end
+
+    @always_inline
+    def exits_empty(self) -> Bool:
+        """Whether the block has no rows and exits; such a block still waits for the kernels
+        ahead of it first (with PDL every block of a dependent launch waits, pdl.mojo)."""
+        if self.has_rows():
+            return False
+        wait_for_producers()
+        return True
 
     @always_inline
     def row_meta[dtype: DType, //](self, p: AttentionParams[dtype], r: Int) -> Tuple[Int, Int, Int, Float32]:

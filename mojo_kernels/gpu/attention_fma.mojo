@@ -61,8 +61,7 @@ def attention_fma_kernel[
     var warp_id = tid // WARP_SIZE
     var lane = tid % WARP_SIZE
     var blk = AttentionBlock.locate[ATT_ROWS](p)
-    if not blk.has_rows():
-        wait_for_producers()  # pdl.mojo: every block of a dependent launch waits
+    if blk.exits_empty():
         return
     var rank = Int(p.kv_lora_rank)
     var dim = Int(p.cache.key_dim)

@@ -157,8 +157,7 @@ def attention_mma_kernel[
     var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()  # carved below
 
     var blk = AttentionBlock.locate[ROWS_BLK](p)
-    if not blk.has_rows():
-        wait_for_producers()  # pdl.mojo: every block of a dependent launch waits
+    if blk.exits_empty():
         return
     var rank = Int(p.kv_lora_rank)
     var dim = Int(p.cache.key_dim)

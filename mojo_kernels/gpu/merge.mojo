@@ -21,8 +21,8 @@ from max.gpu.primitives import warp
 from ..fp8 import activation_scale, scaled_into_range
 from .addressing import ELEMENTWISE_THREADS
 from .params import GFPtr, GPtr, KernelParams
-from .projection_mma import QuantizedRows
 from .pdl import allow_dependents, wait_for_producers
+from .projection_mma import QuantizedRows
 
 
 comptime MERGE_THREADS = 128
@@ -30,8 +30,6 @@ comptime MAX_PARTITIONS = 64  # key partitions per request, at most (two per lan
 comptime MERGE_UNROLL = 4  # partitions whose rows are loaded before they are summed
 comptime MERGE_QUANT_RANK = 2048  # kv_lora_rank up to which the merge can quantize rows (shared memory)
 comptime MERGE_QUANT_K_BLOCKS = MERGE_QUANT_RANK // 64  # K blocks of at least 64
-
-
 
 
 @fieldwise_init
@@ -115,7 +113,9 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
 
 
 @always_inline
-def quantize_row[dtype: DType](p: MergeParams[dtype], row_s: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED], row: Int):
+def quantize_row[
+    dtype: DType
+](p: MergeParams[dtype], row_s: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED], row: Int):
     """Merged row `row` (in `row_s`, dtype values) quantized into `p.quant` per K block of `block_k`:
     `s = amax / 448` (1 when 0), `fp8(clamp(x / s))`, as `quantize_rows_in_registers` does; with
     `has_attention_output` the row as dtype too. `block_k % 4 == 0`, `kv_lora_rank % block_k == 0`."""
