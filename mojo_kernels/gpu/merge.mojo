@@ -59,8 +59,9 @@ struct StoreParams[dtype: DType](KernelParams):
     var count: Int64
 
 
-def merge_kernel[dtype: DType](p: MergeParams[dtype]):
-    """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`.
+def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
+    """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`; with `quantize`
+    (`p.quant` active) the row quantized for step 6 instead (`quantize_row`).
 
     The first warp turns the partitions' maxima and sums into weights
     (0 for a partition that saw no key; a row that sees no key is 0) and, with
@@ -69,13 +70,13 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
     of the partitions' outputs, `MERGE_UNROLL` partitions at a time; `kv_lora_rank % 4 == 0`.
     """
     var weights = stack_allocation[MAX_PARTITIONS, Float32, address_space=AddressSpace.SHARED]()
-    var row_s = stack_allocation[MERGE_QUANT_RANK, Float32, address_space=AddressSpace.SHARED]()
+    # The merged row for `quantize_row` (a parameter: the plain merge keeps its registers and shared memory).
+    var row_s = stack_allocation[MERGE_QUANT_RANK if quantize else 4, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
     var row = block_idx.x
     var rows = Int(p.total_rows)
     var parts = Int(p.num_partitions)
     var rank = Int(p.kv_lora_rank)
-    var quantize = p.quant.active != 0
     wait_for_producers()  # the partitions come from the attention kernel (pdl.mojo)
     allow_dependents()
     if tid < WARP_SIZE:
@@ -104,11 +105,11 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
                 if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
                     acc += weights.unsafe_load(p0 + u) * v[u]
         var value = acc.cast[dtype]().cast[DType.float32]()
-        if quantize:
+        comptime if quantize:
             row_s.unsafe_offset(c).unsafe_store[alignment=16](0, value)
         else:
             p.raw.unsafe_offset(row * rank + c).unsafe_store[alignment=16](0, value)
-    if quantize:
+    comptime if quantize:
         quantize_row[dtype](p, row_s, row)
 
 

@@ -295,16 +295,19 @@ def gpu_attention_with[
                 pdl,
             )
         if parts > 1:
-            ctx.enqueue_function[merge_kernel[dtype]](
-                MergeParams[dtype](
-                    to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw),
-                    Int32(rows), Int32(parts), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
-                    quant, to_global(p.attention_output), Int32(1 if p.has_attention_output else 0),
-                ),
-                grid_dim=rows,
-                block_dim=MERGE_THREADS,
-                attributes=launch_attributes(pdl),
+            var merge = MergeParams[dtype](
+                to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw),
+                Int32(rows), Int32(parts), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
+                quant, to_global(p.attention_output), Int32(1 if p.has_attention_output else 0),
             )
+            if quant.active != 0:
+                ctx.enqueue_function[merge_kernel[dtype, True]](
+                    merge, grid_dim=rows, block_dim=MERGE_THREADS, attributes=launch_attributes(pdl)
+                )
+            else:
+                ctx.enqueue_function[merge_kernel[dtype, False]](
+                    merge, grid_dim=rows, block_dim=MERGE_THREADS, attributes=launch_attributes(pdl)
+                )
 
 
 def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, parts: Int) -> Bool:
