@@ -59,12 +59,15 @@ comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (2, 4, 1, 4))
 comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile fits in shared memory
 
 # Programmatic dependent launch (pdl.mojo) of the attention kernel, the merge and the output step,
-# each after the kernel ahead of it. Off until the H200 measures it (`gpu_bench bench`: the op with
-# PDL off and on; `gpu_smoke`: the whole op both ways).
+# each after the kernel ahead of it. Off: on the H200 (2026-12-05, bf16, `gpu_bench bench`, best of
+# 2 alternated rounds; benchmarks/results/h200-2026-12-05b/bench_pdl.log) it cost 1.8-2.3 us per
+# call (16 h b8 8k: 73.4 -> 75.2 us; 128 h b64 8k: 737.6 -> 739.9 us): today's kernels have
+# little prologue to overlap. To be measured again with the TMA attention kernel (issue 23).
 comptime PDL_DEFAULT = False
 # Step 6's activation quantization in the partition merge (merge.mojo, `QuantizedRows`) where the
-# sizes allow it (`pipeline.merge_quantizes`); off until measured, like PDL.
-comptime QUANTIZE_IN_MERGE_DEFAULT = False
+# sizes allow it (`pipeline.merge_quantizes`). On: same H200 run, 16 h b8 8k 73.4 -> 65.8 us per
+# call (-7.6 us, -10%), 128 h b64 8k 737.6 -> 737.3 us; gpu_smoke checks the op both ways.
+comptime QUANTIZE_IN_MERGE_DEFAULT = True
 
 
 @fieldwise_init
