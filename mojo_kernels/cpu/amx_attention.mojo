@@ -256,16 +256,15 @@ def values_2x2[
     var two_left = layout.lefts == 2
     var two_right = rights == 2
     var o = layout.out.unsafe_offset(c * layout.out_block)
-    var o01 = o.unsafe_offset(layout.out_block)
-    var o10 = o.unsafe_offset(layout.out_step)
-    var o11 = o10.unsafe_offset(layout.out_block)
-    unit.load[0](o, layout.out_stride)
-    if two_right:
-        unit.load[1](o01, layout.out_stride)
-    if two_left:
-        unit.load[2](o10, layout.out_stride)
-        if two_right:
-            unit.load[3](o11, layout.out_stride)
+    var places = Array[BytePtr, 4](fill=o)
+    places[1] = o.unsafe_offset(layout.out_block)
+    places[2] = o.unsafe_offset(layout.out_step)
+    places[3] = places[2].unsafe_offset(layout.out_block)
+    var live = Array[Bool, 4](fill=True)
+    live[1] = two_right
+    live[2] = two_left
+    live[3] = two_left and two_right
+    move_accumulators[T, False](unit, places, live, layout.out_stride)
     for d in range(layout.pieces):
         var left = layout.left.unsafe_offset(d * layout.left_piece)
         var v = values[d]
@@ -280,13 +279,20 @@ def values_2x2[
             unit.dot[2, 5, 6]()
             if two_right:
                 unit.dot[3, 5, 7]()
-    unit.store[0](o, layout.out_stride)
-    if two_right:
-        unit.store[1](o01, layout.out_stride)
-    if two_left:
-        unit.store[2](o10, layout.out_stride)
-        if two_right:
-            unit.store[3](o11, layout.out_stride)
+    move_accumulators[T, True](unit, places, live, layout.out_stride)
+
+
+@always_inline
+def move_accumulators[
+    T: TileUnit, store: Bool
+](mut unit: T, places: Array[BytePtr, 4], live: Array[Bool, 4], stride: Int):
+    """Loads (or stores) accumulator tiles 0-3 that are `live` from (to) `places[a]`, rows `stride` bytes apart."""
+    comptime for a in range(4):
+        if live[a]:
+            comptime if store:
+                unit.store[a](places[a], stride)
+            else:
+                unit.load[a](places[a], stride)
 
 
 comptime SPLIT_ROW_WORDS = KEY_BLOCKS * 2 * TILE_PAIRS
