@@ -209,10 +209,10 @@ def tile_scores_amx[
     """`scores [rows, AMX_KEY_TILE]` of the tile's key blocks against the packed queries; `acc [4 x 256]` is scratch.
 
     Row blocks in pairs against pairs of key blocks; a last (or only) row
-    block against all four. The passes of the first row blocks prefetch
-    the next tile (`next_keys`).
+    block against four key blocks at a time. The passes of the first row
+    blocks prefetch the next tile (`next_keys`).
     """
-    comptime assert KEY_BLOCKS == 4
+    comptime assert KEY_BLOCKS % 4 == 0
     var row_blocks = padded_rows // TILE_ROWS
     var rb = 0
     while rb + 1 < row_blocks:
@@ -220,7 +220,8 @@ def tile_scores_amx[
             score_group[T, 2, 2](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
         rb += 2
     if rb < row_blocks:
-        score_group[T, 1, 4](unit, keys, 0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+        comptime for kb0 in range(0, KEY_BLOCKS, 4):
+            score_group[T, 1, 4](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
 
 
 @fieldwise_init
