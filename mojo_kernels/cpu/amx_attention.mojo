@@ -38,6 +38,9 @@ from std.sys import prefetch
 
 from ..common import FPtr, ceil_div
 from .amx import (
+    ACC,
+    LEFT,
+    RIGHT,
     TILE_BYTES,
     TILE_DEPTH,
     TILE_ELEMENTS,
@@ -171,7 +174,7 @@ def score_group[
     """
     comptime assert RB * KB == 4
     comptime for a in range(4):
-        unit.zero[a]()
+        unit.zero[ACC + a]()
     for s in range(steps):
         if prefetch_next:
             comptime for j in range(KB * TILE_ROWS):
@@ -184,10 +187,10 @@ def score_group[
             unit.load[k_reg](keys[kb0 + k].tile(s * TILE_DEPTH), keys[kb0 + k].stride_bytes())
             comptime for i in range(RB):
                 comptime q_reg = 4 if RB == 1 else 6 + i
-                unit.dot[i * KB + k, k_reg, q_reg]()
+                unit.dot[ACC + i * KB + k, k_reg, q_reg]()
     comptime for i in range(RB):
         comptime for k in range(KB):
-            unit.store[i * KB + k](f32_bytes(acc, (i * KB + k) * 256), TILE_BYTES)
+            unit.store[ACC + i * KB + k](f32_bytes(acc, (i * KB + k) * 256), TILE_BYTES)
             transpose_into_scores(
                 acc.unsafe_offset((i * KB + k) * 256), scores, (rb0 + i) * TILE_ROWS, (kb0 + k) * TILE_ROWS,
                 AMX_KEY_TILE,
@@ -252,7 +255,7 @@ def values_2x2[
 ](mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], c: Int, rights: Int):
     """Accumulators `(i, j)`, `i < layout.lefts`, `j < rights`, += left `i` x right `j` over the depth pieces.
 
-    Registers: accumulator `2 i + j` (tiles 0-3), left tiles 4 and 5, right tiles 6 and 7.
+    Registers: accumulator `ACC + 2 i + j`, left tiles `LEFT + i`, right tiles `RIGHT + j` (`cpu/amx.mojo`).
     """
     var two_left = layout.lefts == 2
     var two_right = rights == 2
@@ -269,17 +272,17 @@ def values_2x2[
     for d in range(layout.pieces):
         var left = layout.left.unsafe_offset(d * layout.left_piece)
         var v = values[d]
-        unit.load[4](left, layout.left_stride)
-        unit.load[6](v.tile(TILE_DEPTH * c), v.stride_bytes())
-        unit.dot[0, 4, 6]()
+        unit.load[LEFT](left, layout.left_stride)
+        unit.load[RIGHT](v.tile(TILE_DEPTH * c), v.stride_bytes())
+        unit.dot[ACC, LEFT, RIGHT]()
         if two_right:
-            unit.load[7](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
-            unit.dot[1, 4, 7]()
+            unit.load[RIGHT + 1](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
+            unit.dot[ACC + 1, LEFT, RIGHT + 1]()
         if two_left:
-            unit.load[5](left.unsafe_offset(layout.left_step), layout.left_stride)
-            unit.dot[2, 5, 6]()
+            unit.load[LEFT + 1](left.unsafe_offset(layout.left_step), layout.left_stride)
+            unit.dot[ACC + 2, LEFT + 1, RIGHT]()
             if two_right:
-                unit.dot[3, 5, 7]()
+                unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
     move_accumulators[T, True](unit, places, live, layout.out_stride)
 
 
@@ -287,13 +290,13 @@ def values_2x2[
 def move_accumulators[
     T: TileUnit, store: Bool
 ](mut unit: T, places: Array[BytePtr, 4], live: Array[Bool, 4], stride: Int):
-    """Loads (or stores) accumulator tiles 0-3 that are `live` from (to) `places[a]`, rows `stride` bytes apart."""
+    """Loads (or stores) accumulator tiles `ACC + a` that are `live` from (to) `places[a]`, rows `stride` bytes apart."""
     comptime for a in range(4):
         if live[a]:
             comptime if store:
-                unit.store[a](places[a], stride)
+                unit.store[ACC + a](places[a], stride)
             else:
-                unit.load[a](places[a], stride)
+                unit.load[ACC + a](places[a], stride)
 
 
 comptime SPLIT_ROW_WORDS = KEY_BLOCKS * 2 * TILE_PAIRS

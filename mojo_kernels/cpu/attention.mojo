@@ -95,11 +95,14 @@ struct CacheKeys[dtype: DType](TrivialRegisterPassable):
             keys[c] = staging.unsafe_offset(c * key_dim)
         return keys^
 
-    def stored_row(self, b: Int, j: Int) -> BF16Ptr:
-        """Where key slot `j`'s stored row starts (bf16 row, or fp8 bytes): what to prefetch."""
-        if self.fp8.active:
-            return self.fp8.row(b, j).unsafe_bitcast[BFloat16]()
-        return self.rows.row(b, j).unsafe_bitcast[BFloat16]()
+    def stored_rows[tile: Int](self, b: Int, j0: Int, k_hi: Int) -> Array[BF16Ptr, tile]:
+        """Where the stored rows of keys `j0 ..` start (bf16 rows, or fp8 bytes), as `tile_rows`: what to prefetch."""
+        if not self.fp8.active:
+            return tile_rows[Self.dtype, tile](self.rows, b, j0, k_hi)
+        var rows = Array[BF16Ptr, tile](fill=self.fp8.row(b, j0).unsafe_bitcast[BFloat16]())
+        comptime for c in range(tile):
+            rows[c] = self.fp8.row(b, min(j0 + c, k_hi - 1)).unsafe_bitcast[BFloat16]()
+        return rows^
 
 
 def load_key_tile[
@@ -338,9 +341,7 @@ def attend_tiles_amx[
         var valid = Array[Bool, tile](fill=False)
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
-        var next_keys = Array[BF16Ptr, tile](fill=q_packed)
-        comptime for j in range(tile):
-            next_keys[j] = keys.stored_row(b, min(j0 + tile + j, k_hi - 1))
+        var next_keys = keys.stored_rows[tile](b, min(j0 + tile, k_hi - 1), k_hi)
         tile_scores_amx(
             unit, blocks, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
         )
@@ -386,7 +387,7 @@ def attend_partitions[
     var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
     var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var cache, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
+    def task(i: Int) {var q_full, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
         var b = i // tasks_per_request
         var hg = (i % tasks_per_request) // shape.num_partitions
         var part = i % shape.num_partitions
