@@ -260,7 +260,8 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
 
 def check_fp8_widening(mut failures: Int):
     """`widen_e4m3_bf16` (the bf16 route of fp8 key reads) against `widen_e4m3 * 2^k` rounded to bf16:
-    bit for bit, every e4m3 byte but NaN, shifts across the range `bf16_scale_shift` allows."""
+    bit for bit, every e4m3 byte but NaN, alone and in vectors of 32 (normal only, or mixed with
+    zero and subnormal bytes: both routes), shifts across the range `bf16_scale_shift` allows."""
     var wrong = 0
     for k in [-120, -64, -9, -1, 0, 3, 64, 119]:
         if bf16_scale_shift(power_of_two(k)) != k:
@@ -272,6 +273,14 @@ def check_fp8_widening(mut failures: Int):
             var fast = widen_e4m3_bf16[2](byte, k)[0]
             var slow = (widen_e4m3[2](byte) * power_of_two(k)).cast[DType.bfloat16]()[0]
             if bitcast[DType.uint16](fast) != bitcast[DType.uint16](slow):
+                wrong += 1
+            # 32 consecutive bytes (NaN as 0x7E): vectors of normal bytes only and ones mixed with subnormals.
+            var window = SIMD[DType.uint8, 32](0)
+            comptime for i in range(32):
+                var y = (x + i) % 256
+                window[i] = UInt8(0x7E if y & 0x7F == 0x7F else y)
+            var fast_window = bitcast[DType.uint16, 32](widen_e4m3_bf16[32](window, k))
+            if fast_window != bitcast[DType.uint16, 32]((widen_e4m3[32](window) * power_of_two(k)).cast[DType.bfloat16]()):
                 wrong += 1
     if bf16_scale_shift(Float32(0.75)) != NO_SHIFT or bf16_scale_shift(power_of_two(-121)) != NO_SHIFT:
         wrong += 1
