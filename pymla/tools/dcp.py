@@ -29,6 +29,7 @@ from .. import CacheShard, ContextParallel, DecodeOptions, LayerWeights, merge_a
 from .. import plan as make_plan
 from ..__main__ import CommandParser, int_at_least, json_file
 from ..cpu_paths import cpu_model
+from ..distributed import nccl_environment
 from .bench import DTYPES, save_json
 from .scenario import make_case
 from .timing import time_call
@@ -63,7 +64,7 @@ def _median_ms(samples: list[float]) -> float:
 
 def _rank(rank: int, world: int, store: str, config: dict, out: str) -> None:
     """One rank: its shard of the step, timed per phase; rank 0 also times the one-process op."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    nccl_environment()  # NVLink multicast off (were this NCCL)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     context = ContextParallel(interleave=config["interleave"])
     case = _case(config, context.shard)
