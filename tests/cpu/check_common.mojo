@@ -144,5 +144,17 @@ def cpu_has_amx() -> Bool:
         return False
 
 
+def cpu_model() -> String:
+    """The first `model name` of /proc/cpuinfo (what every benchmark prints), or "unknown"."""
+    try:
+        with open("/proc/cpuinfo", "r") as f:
+            for line in f.read().split("\n"):
+                if line.startswith("model name"):
+                    return String(line.split(":", 1)[1].strip())
+    except:
+        pass
+    return "unknown"
+
+
 def amx_runs() -> Bool:
     return HAS_AMX and cpu_has_amx()
