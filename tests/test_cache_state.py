@@ -8,12 +8,14 @@ per-layer step bookkeeping exactly as they were (tests/helpers.py's snapshot).
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import pytest
 import torch
 
 import pymla
+from pymla import host_memory
 from pymla.cache import UNUSED_PAGE
 
 from helpers import assert_cache_unchanged, cache_snapshot
@@ -440,3 +442,38 @@ def test_to_returns_the_cache_and_checks_the_device():
         TypeError,
         "device: expected a torch.device or a device name such as 'cpu' or 'cuda:0', got NoneType",
     )
+
+
+def _anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping of this process holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+THP_MODE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+    reason="this Linux gives no transparent huge pages",
+)
+def test_cpu_cache_blocks_sit_on_huge_pages():
+    """The blocks are advised onto 2 MiB pages before they are zeroed (pymla.host_memory): in
+    Linux's default `madvise` mode, without the advice they stay on 4 KiB pages."""
+    cache = pymla.PagedLatentCache(num_blocks=160, page_size=64, dtype=torch.bfloat16)  # 11.25 MiB
+    nbytes = cache.blocks.numel() * cache.blocks.element_size()
+    assert _anon_huge_bytes(cache.blocks.data_ptr() + nbytes // 2) >= host_memory.HUGE_PAGE
+    assert not cache.blocks.any()
+
+
+def test_host_zeros_are_zeros_of_every_size():
+    for shape in ((3, 5), (2, host_memory.HUGE_PAGE + 7)):
+        t = host_memory.zeros(*shape, dtype=torch.uint8, device=torch.device("cpu"))
+        assert t.shape == shape and t.dtype == torch.uint8 and not t.any()
