@@ -4,7 +4,10 @@ A paged cache's rows are read a page at a time from scattered places; on 4 KiB
 pages each cache page (64 rows x 1152 bytes = 72 KiB) spans 18 translations,
 and the TLB misses cost measurable time. Linux gives an anonymous mapping
 transparent huge pages when asked (``madvise(MADV_HUGEPAGE)``, the only way in
-its default ``madvise`` mode) before the memory is first touched. Measured on a
+its default ``madvise`` mode) before the memory is first touched: a tensor past
+glibc's largest mmap threshold (32 MiB) is a fresh mapping, so every cache of a
+realistic size gets them; a smaller one may reuse heap memory already on 4 KiB
+pages (best effort, like the advice itself). Measured on a
 2-core AMD EPYC (THP mode ``madvise``), the op at 16 heads, batch 8, 16k, page
 64: 16.9-17.3 ms with the cache on huge pages, 17.9-18.8 ms without.
 """

@@ -466,8 +466,9 @@ THP_MODE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 )
 def test_cpu_cache_blocks_sit_on_huge_pages():
     """The blocks are advised onto 2 MiB pages before they are zeroed (pymla.host_memory): in
-    Linux's default `madvise` mode, without the advice they stay on 4 KiB pages."""
-    cache = pymla.PagedLatentCache(num_blocks=160, page_size=64, dtype=torch.bfloat16)  # 11.25 MiB
+    Linux's default `madvise` mode, without the advice they stay on 4 KiB pages. 40.5 MiB: past
+    glibc's largest mmap threshold (32 MiB), so a fresh mapping, not reused heap memory."""
+    cache = pymla.PagedLatentCache(num_blocks=576, page_size=64, dtype=torch.bfloat16)
     nbytes = cache.blocks.numel() * cache.blocks.element_size()
     assert _anon_huge_bytes(cache.blocks.data_ptr() + nbytes // 2) >= host_memory.HUGE_PAGE
     assert not cache.blocks.any()
