@@ -30,7 +30,7 @@ from std.sys.info import CompilationTarget
 from std.utils import IndexList
 
 from ..common import FPtr
-from .simd import sum_lanes_of_16
+from .simd import dpbf16, sum_lanes_of_16
 
 comptime HAS_AVX512_BF16 = CompilationTarget._has_feature["avx512bf16"]()
 """Whether the CPU the op is compiled for (MAX compiles it on the machine that runs it) has the unit."""
@@ -46,12 +46,6 @@ comptime PV_ROWS_TAIL = 4  # rows of the last block (task rows are padded to a m
 comptime NEXT_TILE_PREFETCH = PrefetchOptions().for_read().low_locality().to_data_cache()
 """How the scores prefetch the next tile's key rows: toward L2 (`prefetcht2`); into L1
 (`prefetcht0`) measured slower, the next tile evicting the current one."""
-
-
-@always_inline
-def dpbf16(acc: F32x16, a: BF16x32, b: BF16x32) -> F32x16:
-    """`acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1]`, products exact, sums in float32."""
-    return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", F32x16](acc, a, b)
 
 
 @fieldwise_init
