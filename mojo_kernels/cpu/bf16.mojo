@@ -138,15 +138,23 @@ def stored_column(m: Int) -> Int:
     return 8 * (k // 4) + k % 4 + (4 if m >= 16 else 0)
 
 
+def unpermute_mask() -> IndexList[32]:
+    """`mask[j]`: the offset `m` of a 32-column chunk that holds column `j` (`stored_column(m) == j`)."""
+    var mask = IndexList[32]()
+    for m in range(32):
+        mask[stored_column(m)] = m
+    return mask
+
+
 def unpermute_value_columns(rows: FPtr, num_rows: Int, rank: Int):
-    """Puts the columns of `rows [num_rows, rank]` kept by `accumulate_values_bf16` back in order."""
+    """Puts the columns of `rows [num_rows, rank]` kept by `accumulate_values_bf16` back in order
+    (one two-register shuffle per 32-column chunk)."""
     var main = rank - rank % STEP
     for r in range(num_rows):
         var row = rows.unsafe_offset(r * rank)
         for c in range(0, main, STEP):
             var chunk = row.unsafe_load[width=STEP](c)
-            for m in range(STEP):
-                row.unsafe_store(c + stored_column(m), chunk[m])
+            row.unsafe_store(c, chunk.shuffle[unpermute_mask()](chunk))
 
 
 @always_inline

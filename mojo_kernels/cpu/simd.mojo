@@ -47,6 +47,16 @@ comptime DOT_COLS = 4
 comptime F32Vec = SIMD[DType.float32, F32_WIDTH]
 
 
+def narrow_to_bf16(src: FPtr, dst: Pointer[BFloat16, MutUntrackedOrigin], count: Int):
+    """`dst[i] = bf16(src[i])` for `count` values, vectorized (exact where `src` holds bf16 values)."""
+    comptime W = F32_WIDTH
+    var main = count - count % W
+    for i in range(0, main, W):
+        dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.bfloat16]())
+    for i in range(main, count):
+        dst.unsafe_store(i, src.unsafe_load(i).cast[DType.bfloat16]())
+
+
 @always_inline
 def dpbf16(acc: SIMD[DType.float32, 16], a: SIMD[DType.bfloat16, 32], b: SIMD[DType.bfloat16, 32]) -> SIMD[DType.float32, 16]:
     """`acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1]`, products exact, sums in float32 (`vdpbf16ps`, AVX512-BF16)."""
