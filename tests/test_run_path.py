@@ -143,3 +143,21 @@ def test_run_bumps_the_versions_of_what_it_writes():
     step.run(case.q, case.layer_idx, case.layer_weights(), out=out, attention_out=att)
     after = (out._version, att._version, case.cache.blocks._version)
     assert all(a > b for a, b in zip(after, before, strict=True))
+
+
+def test_only_a_plan_kept_for_later_wraps_its_tensors_with_dlpack_stream_ordering(monkeypatch):
+    """The one-shot call and the torch op's body launch right away on the current stream, whose
+    ordering covers their tensors: no ordered DLPack wrap (bridge.to_max). plan() and
+    LayerWeights, kept for launches later, perhaps on another stream, keep it."""
+    case = make_case(83, num_heads=2, cache_lengths=(5, 3), new_tokens=(1, 1))
+    options = dict(case.options, check_values=False, rerun_layers=True)
+    pymla.mla_decode_branch_fp8(*case.args(), **options)  # compiles; caches the scalar buffers
+    ordered = []
+    to_max = bridge.to_max
+    monkeypatch.setattr(bridge, "to_max", lambda t: ordered.append(t) or to_max(t))
+    pymla.mla_decode_branch_fp8(*case.args(), **options)
+    torch.ops.pymla.mla_decode_branch_fp8(*torch_op_args(case, check_values=False))
+    assert ordered == []
+    pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options())
+    case.layer_weights()
+    assert len(ordered) == 10  # the step's five tensors and the layer's five
