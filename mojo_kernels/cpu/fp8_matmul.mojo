@@ -19,7 +19,7 @@ from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..fp8 import activation_scale, round_to_e4m3, scaled_into_range, widen_e4m3, widen_e4m3_bf16
 from ..spec import BlockShape
 from .bf16 import HAS_AVX512_BF16, STEP, BF16Ptr
-from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, dot_lanes, narrow_to_bf16, run_tasks, scratch, scratch_of, sum_lanes
+from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, cast_copy, dot_lanes, run_tasks, scratch, scratch_of, sum_lanes
 
 comptime WEIGHT_BYTES_PER_TASK = 32768
 """fp8 weight bytes per task (whole rows, at least one): 64 rows of step 6 (K 512), 256 of step 3
@@ -230,7 +230,7 @@ def fp8_batched_matmul[
 
         def bf16_task(g: Int) {var a_q, var a_bf16, var num_rows, var depth}:
             var n = num_rows * depth
-            narrow_to_bf16(a_q.unsafe_offset(g * n), a_bf16.unsafe_offset(g * n), n)
+            cast_copy(a_q.unsafe_offset(g * n), a_bf16.unsafe_offset(g * n), n)
 
         run_tasks(bf16_task, num_groups, count)
 
