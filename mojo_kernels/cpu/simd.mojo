@@ -68,9 +68,9 @@ def dpbf16(acc: SIMD[DType.float32, 16], a: SIMD[DType.bfloat16, 32], b: SIMD[DT
 def dot_lanes[
     rows: Int, cols: Int, elem: DType = DType.float32
 ](
-    a: Pointer[Scalar[elem], MutUntrackedOrigin],
+    a: DPtr[elem],
     a_stride: Int,
-    b: Pointer[Scalar[elem], MutUntrackedOrigin],
+    b: DPtr[elem],
     b_stride: Int,
     depth: Int,
 ) -> Array[F32Vec, rows * cols]:
