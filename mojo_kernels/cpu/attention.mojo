@@ -388,17 +388,15 @@ def attend_partitions[
     the cache's rows in the `fp8_ds_mla` format, when active (`CacheKeys`).
     """
     var keys = CacheKeys[dtype](cache, fp8)
-    var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
-    var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
-        var b = i // tasks_per_request
-        var hg = (i % tasks_per_request) // shape.num_partitions
-        var part = i % shape.num_partitions
-        var h0 = hg * shape.heads_per_group
+    def task(i: Int) {var q_full, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var path}:
+        var which = shape.task(i)
+        var b = which[0]
+        var part = which[2]
+        var h0 = which[1] * shape.heads_per_group
         var h1 = min(h0 + shape.heads_per_group, shape.num_heads)
         var visible = batch.visible(b)  # positions: the mask's
-        var part_keys = partition_keys(part, shape.num_partitions, batch.local_keys(b))  # key slots
+        var part_keys = partition_keys(part, shape.partitions(b), batch.local_keys(b))  # key slots
         var k0 = part_keys[0]
         var k1 = part_keys[1]
         var t0 = batch.start(b)
@@ -449,7 +447,7 @@ def attend_partitions[
         # Hand the rows' state to the merge.
         var out_rows = scratch(rows.out_buf)
         for r in range(rows.num_rows):
-            var row = (part * shape.num_tokens + rows.meta[5 * r + 3]) * shape.num_heads + rows.meta[5 * r + 4]
+            var row = shape.row(b, part, rows.meta[5 * r + 3], rows.meta[5 * r + 4])
             partials.row_max.unsafe_store(row, rows.row_max().unsafe_load(r))
             partials.row_sum.unsafe_store(row, rows.row_sum().unsafe_load(r))
             cast_copy(out_rows.unsafe_offset(r * rank), partials.out.unsafe_offset(row * rank), rank)
@@ -458,4 +456,4 @@ def attend_partitions[
     var total_keys = 0
     for b in range(batch.num_requests):
         total_keys += batch.local_keys(b)
-    run_tasks(task, batch.num_requests * tasks_per_request, total_keys * shape.num_heads * shape.key_dim)
+    run_tasks(task, shape.num_tasks, total_keys * shape.num_heads * shape.key_dim)
