@@ -86,7 +86,15 @@ from .projection import (
     quantize_kernel,
 )
 from .projection_mma import KCHUNK, Fp8Projection, QuantizedRows, ScaleBlocks, StridedRows
-from .schedule import SCHEDULE_THREADS, ScheduleParams, SplitSchedule, schedule_grid, schedule_ints, schedule_kernel
+from .schedule import (
+    MAX_PARTITIONS,
+    SCHEDULE_THREADS,
+    ScheduleParams,
+    SplitSchedule,
+    schedule_grid,
+    schedule_ints,
+    schedule_kernel,
+)
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
@@ -226,7 +234,7 @@ struct AttentionWorkspace(Movable):
     def __init__[dtype: DType](out self, ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan) raises:
         self.rows_per_block = plan.rows_per_block
         self.target = plan.split_target
-        self.forced_partitions = plan.num_partitions  # SPLIT_BY_WORK (0): by the schedule's shares
+        self.forced_partitions = min(plan.num_partitions, MAX_PARTITIONS)  # SPLIT_BY_WORK (0): by the schedule's shares
         self.grid = 0
         if plan.num_partitions != 1 or p.has_lse:  # the LSE comes from the merge
             var slots = attention_slots(p.num_tokens, p.num_heads, p.batch.num_requests, plan.rows_per_block)
