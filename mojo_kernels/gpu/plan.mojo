@@ -17,6 +17,7 @@ from ..common import ceil_div
 from ..problem import DecodeProblem
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_smem_bytes, mma_supported
+from .attention_sm90 import S9_ROWS, sm90_supported
 from .attention_wgmma import WG_ROWS, wgmma_supported
 from .merge import MAX_PARTITIONS
 from .projection import MATMUL_SMEM_FLOATS
@@ -30,6 +31,13 @@ from .steps_fused import tile_cols, tile_rows
 # at 128 heads, half its speed at 16 heads; benchmarks/results/h200-2026-12-03-wgmma/gpu_variants.log).
 comptime WGMMA_SHAPE = (WG_ROWS // MMA_ROWS, 64, 0)
 comptime WGMMA_MIN_HEADS = 64
+# The TMA kernel with a producer warpgroup (attention_sm90.mojo): its 64 rows, 64-key blocks, -1
+# warps per group marks it. Behind a flag, not the op's choice yet: SM90_MIN_HEADS = SM90_OFF
+# (no head count reaches it) until gpu_smoke passes it on the H200 and `gpu_bench variants`
+# shows it ahead; then 0 makes it the default wherever it is supported (it comes first).
+comptime SM90_SHAPE = (S9_ROWS // MMA_ROWS, 64, -1)
+comptime SM90_OFF = 1 << 30
+comptime SM90_MIN_HEADS = SM90_OFF
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
 comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
 # (H200, 16 heads, B128 L32k, step 5: 1798.5 us; (1, 32, 4) 1895 us; (1, 32, 8) 2262 us, and
@@ -38,8 +46,10 @@ comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 
 comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64 == 0
 comptime FMA_SHAPE = (0, 0, 0)  # attention_fma.mojo: float32 FMA, any dtype and size
 # The op takes the first variant its head count reaches whose kernel handles the sizes.
-comptime ATTENTION_VARIANTS = (WGMMA_SHAPE, MMA_MANY_HEADS, MMA_FEW_HEADS, MMA_FEW_HEADS_SMALL_RANK, FMA_SHAPE)
-comptime ATTENTION_MIN_HEADS = (WGMMA_MIN_HEADS, 2 * MMA_ROWS, 0, 0, 0)
+comptime ATTENTION_VARIANTS = (
+    SM90_SHAPE, WGMMA_SHAPE, MMA_MANY_HEADS, MMA_FEW_HEADS, MMA_FEW_HEADS_SMALL_RANK, FMA_SHAPE
+)
+comptime ATTENTION_MIN_HEADS = (SM90_MIN_HEADS, WGMMA_MIN_HEADS, 2 * MMA_ROWS, 0, 0, 0)
 comptime FMA_ATTENTION = len(ATTENTION_VARIANTS) - 1
 
 comptime MMA_REGISTERS = 256  # registers per thread the tensor-core kernels use (ptxas: 208-255)
@@ -76,21 +86,25 @@ struct DeviceLimits(TrivialRegisterPassable):
         )
 
 
-def attention_supported[dtype: DType, v: Tuple[Int, Int, Int]](key_dim: Int, kv_lora_rank: Int) -> Bool:
+def attention_supported[
+    dtype: DType, v: Tuple[Int, Int, Int]
+](key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Bool:
     """Whether the attention kernel of variant `v` handles these sizes (the FMA kernel: always)."""
     comptime if v[0] == 0:
         return True
+    elif v[2] < 0:
+        return sm90_supported[dtype](key_dim, kv_lora_rank, page_size)
     elif v[2] == 0:
         return wgmma_supported[dtype](key_dim, kv_lora_rank)
     else:
         return mma_supported[dtype, v[2]](key_dim, kv_lora_rank)
 
 
-def choose_attention[dtype: DType](num_heads: Int, key_dim: Int, kv_lora_rank: Int) -> Int:
+def choose_attention[dtype: DType](num_heads: Int, key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Int:
     """Index in ATTENTION_VARIANTS of the op's attention kernel."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
         if num_heads >= ATTENTION_MIN_HEADS[i] and attention_supported[dtype, ATTENTION_VARIANTS[i]](
-            key_dim, kv_lora_rank
+            key_dim, kv_lora_rank, page_size
         ):
             return i
     return FMA_ATTENTION
@@ -100,14 +114,16 @@ def attention_rows_per_block(v: Tuple[Int, Int, Int]) -> Int:
     """(token, head) rows one block of variant `v` takes."""
     if v[0] == 0:
         return ATT_ROWS
+    if v[2] < 0:
+        return S9_ROWS
     if v[2] == 0:
         return WG_ROWS
     return v[0] * MMA_ROWS
 
 
 def attention_blocks_per_sm[dtype: DType](v: Tuple[Int, Int, Int], key_dim: Int, limits: DeviceLimits) -> Int:
-    """Blocks of variant `v` one SM holds (FMA: 256 threads at up to 255 registers; wgmma: one)."""
-    if v[0] == 0 or v[2] == 0:
+    """Blocks of variant `v` one SM holds (FMA: 256 threads at up to 255 registers; wgmma, sm90: one)."""
+    if v[0] == 0 or v[2] <= 0:
         return 1
     var threads = v[0] * v[2] * WARP_SIZE
     var smem = attention_mma_smem_bytes[dtype](v[0], v[1], v[2], key_dim)
@@ -179,7 +195,8 @@ struct GpuPlan(TrivialRegisterPassable):
     @staticmethod
     def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
         """The op's plan for `p` on a device of `limits`."""
-        return Self.with_attention(p, limits, choose_attention[dtype](p.num_heads, p.key_dim(), p.kv_lora_rank))
+        var attention = choose_attention[dtype](p.num_heads, p.key_dim(), p.kv_lora_rank, p.cache.page_size)
+        return Self.with_attention(p, limits, attention)
 
     @staticmethod
     def with_attention[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits, attention: Int) -> Self:

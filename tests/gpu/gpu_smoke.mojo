@@ -11,7 +11,7 @@
 #   q_full  concat(fp8mm(q_nope, w_uk), rope(q_rope)) against the blockwise fp8 formula of pymla/quant.py,
 #           with every projection tile and the FMA path pinned by a plan, then the op's plan
 #   raw     attention from the GPU's own q_full and cache (float64 on the CPU), for 1 and several
-#           partitions, and the FMA, small-rank tensor-core and wgmma kernels pinned by a plan
+#           partitions, and the FMA, small-rank tensor-core, wgmma and sm90 (TMA) kernels pinned by a plan
 #   output  output projection of the GPU's raw (CPU fp8mm), then the whole op against the CPU pipeline
 #           with the tolerance of pymla/parity.py
 # Exit status 1 if any check fails.
@@ -26,6 +26,7 @@ from mojo_kernels.gpu.plan import (
     FMA_PATH,
     MMA_FEW_HEADS_SMALL_RANK,
     PROJ_TILES,
+    SM90_SHAPE,
     WGMMA_SHAPE,
     DeviceLimits,
     GpuPlan,
@@ -224,20 +225,27 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         d.attention(ctx, c, fma, q_full_buf, raw_buf)
         ok = check_close("raw (FMA kernel, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         # The tensor-core shape for small kv_lora_rank (the op picks it only when the others do not fit).
-        if attention_supported[dtype, MMA_FEW_HEADS_SMALL_RANK](c.key_dim, c.rank):
+        if attention_supported[dtype, MMA_FEW_HEADS_SMALL_RANK](c.key_dim, c.rank, c.page_size):
             var small = GpuPlan.with_attention(problem, limits, variant_index[MMA_FEW_HEADS_SMALL_RANK]())
             small.num_partitions = 2
             d.attention(ctx, c, small, q_full_buf, raw_buf)
             ok = check_close("raw (tensor cores 1 x 32 x 4, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         else:
             print("  raw: tensor cores 1 x 32 x 4 do not handle these sizes, skipped")
-        # The warpgroup (wgmma) kernel on every case it supports, whatever the head count.
-        if attention_supported[dtype, WGMMA_SHAPE](c.key_dim, c.rank):
-            for parts in [1, 3]:
-                var wg = GpuPlan.with_attention(problem, limits, variant_index[WGMMA_SHAPE]())
-                wg.num_partitions = parts
-                d.attention(ctx, c, wg, q_full_buf, raw_buf)
-                ok = check_close(String("raw (wgmma, ", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+        # The Hopper kernels (wgmma; TMA with a producer warpgroup) on every case they support,
+        # whatever the head count (the sm90 kernel is not the op's choice yet: SM90_MIN_HEADS).
+        comptime HOPPER = (WGMMA_SHAPE, SM90_SHAPE)
+        comptime for h in range(len(HOPPER)):
+            comptime shape = HOPPER[h]
+            var name = String("wgmma") if shape[2] == 0 else String("sm90 TMA")
+            if attention_supported[dtype, shape](c.key_dim, c.rank, c.page_size):
+                for parts in [1, 3]:
+                    var pinned = GpuPlan.with_attention(problem, limits, variant_index[shape]())
+                    pinned.num_partitions = parts
+                    d.attention(ctx, c, pinned, q_full_buf, raw_buf)
+                    ok = check_close(String("raw (", name, ", ", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+            else:
+                print("  raw:", name, "does not handle these sizes, skipped")
         # Restore the op's own raw for the output stage.
         d.attention(ctx, c, plan, q_full_buf, raw_buf)
 
