@@ -100,8 +100,8 @@ comptime S9_VALUE_COLS = 256  # value columns per math warpgroup
 comptime S9_WG = 128
 comptime S9_MATH_THREADS = 2 * S9_WG
 comptime S9_THREADS = 3 * S9_WG  # two math warpgroups, one producer
-comptime S9_PRODUCER_REGS = 40
-comptime S9_MATH_REGS = 232  # 128 x 40 + 256 x 232 <= 65536
+comptime S9_PRODUCER_REGS = 48  # ptxas 13: 40 spilled 44 bytes in the producer loop
+comptime S9_MATH_REGS = 232  # 128 x 48 + 256 x 232 = 65536
 comptime S9_BOX_BYTES = S9_KEYS * S9_BOX_COLS * 2
 comptime S9_BLOCK_BYTES = S9_BOXES * S9_BOX_BYTES
 comptime S9_STAGES = 2
@@ -191,6 +191,13 @@ def tma_load_box(dst: SPtr[UInt8], desc: Int, bar: SPtr[Int64], col: Int, row: I
         constraints="r,l,r,r,r,r,~{memory}",
         has_side_effect=True,
     ](smem_u32(dst), UInt64(desc), Int32(col), Int32(row), Int32(page), smem_u32(bar))
+
+
+@always_inline
+def opaque(x: UInt32) -> UInt32:
+    """`x`, opaque to the optimizer: shared addresses re-derived inside the loop, so the wgmma
+    descriptors built from them are not all hoisted out of it and held in registers."""
+    return inlined_assembly["mov.b32 $0, $1;", UInt32, constraints="=r,r", has_side_effect=True](x)
 
 
 @always_inline
@@ -428,13 +435,14 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
     var t4 = lane % 4
     var ra = 16 * warp + g
     var rb = ra + 8
-    var lo_a = Int(masks.lo.unsafe_load(ra))
-    var hi_a = Int(masks.hi.unsafe_load(ra))
-    var pos_a = Int(masks.pos.unsafe_load(ra))
+    # This thread's two rows: their keys `[lo, hi)` within the partition's span, position, slope (32-bit: registers).
+    var lo_a = max(masks.lo.unsafe_load(ra), Int32(keys.lo))
+    var hi_a = min(masks.hi.unsafe_load(ra), Int32(keys.hi))
+    var pos_a = Float32(masks.pos.unsafe_load(ra))
     var slope_a = masks.slope.unsafe_load(ra)
-    var lo_b = Int(masks.lo.unsafe_load(rb))
-    var hi_b = Int(masks.hi.unsafe_load(rb))
-    var pos_b = Int(masks.pos.unsafe_load(rb))
+    var lo_b = max(masks.lo.unsafe_load(rb), Int32(keys.lo))
+    var hi_b = min(masks.hi.unsafe_load(rb), Int32(keys.hi))
+    var pos_b = Float32(masks.pos.unsafe_load(rb))
     var slope_b = masks.slope.unsafe_load(rb)
     var scale = p.att.scale
     var xmax_s = sm.xmax()
@@ -454,6 +462,8 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
 
         # S = Q K_w^T over the 9 boxes of this warpgroup's block, each started as it lands.
         var s = SIMD[DType.float32, NJ_S * 4](0)
+        var q_it = opaque(q_u)
+        var own_it = opaque(own_u)
         if own:
             wgmma_fence_aligned()
             comptime for box in range(S9_BOXES):
@@ -461,7 +471,7 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
                 comptime for kk in range(S9_BOX_COLS // 16):
                     var off = UInt32(box * S9_BOX_BYTES + kk * 32)
                     s = wgmma_async[64, S9_KEYS, 16, DType.float32, NJ_S * 4, a_type=dtype, b_type=dtype, layout_b="col"](
-                        sw128_desc[dtype](q_u + off, 16, 1024), sw128_desc[dtype](own_u + off, 16, 1024), s
+                        sw128_desc[dtype](q_it + off, 16, 1024), sw128_desc[dtype](own_it + off, 16, 1024), s
                     )
             wgmma_commit_group_sync()
             wgmma_wait_group_sync[0]()
@@ -469,20 +479,20 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
         # Scale, ALiBi and masks; this warpgroup's row maxima, exchanged with the other's.
         var mx_a = neg_inf[DType.float32]()
         var mx_b = neg_inf[DType.float32]()
+        var key0 = Int32(k0) + 2 * Int32(t4)
         comptime for j in range(NJ_S):
             comptime for e in range(4):
-                var key = k0 + 8 * j + 2 * t4 + e % 2
+                var key = key0 + Int32(8 * j + e % 2)
                 var x = s[4 * j + e]
-                var inside = own and key >= keys.lo and key < keys.hi
                 comptime if e < 2:
-                    if inside and key >= lo_a and key < hi_a:
-                        x = x * scale - slope_a * Float32(pos_a - key)
+                    if own and key >= lo_a and key < hi_a:
+                        x = x * scale - slope_a * (pos_a - Float32(key))
                     else:
                         x = neg_inf[DType.float32]()
                     mx_a = max(mx_a, x)
                 else:
-                    if inside and key >= lo_b and key < hi_b:
-                        x = x * scale - slope_b * Float32(pos_b - key)
+                    if own and key >= lo_b and key < hi_b:
+                        x = x * scale - slope_b * (pos_b - Float32(key))
                     else:
                         x = neg_inf[DType.float32]()
                     mx_b = max(mx_b, x)
@@ -533,17 +543,15 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
         named_barrier[S9_MATH_THREADS](BAR_P)  # both P boxes (and zeroed rows) written
 
         # O = O corr + P_0 V_0 + P_1 V_1 on this warpgroup's 256 value columns (boxes 4 wg .. 4 wg + 3).
-        var cv = SIMD[DType.float32, ACC_W](0)
         comptime for j in range(NJ_O):
-            cv[4 * j] = corr_a
-            cv[4 * j + 1] = corr_a
-            cv[4 * j + 2] = corr_b
-            cv[4 * j + 3] = corr_b
-        acc *= cv
+            acc[4 * j] *= corr_a
+            acc[4 * j + 1] *= corr_a
+            acc[4 * j + 2] *= corr_b
+            acc[4 * j + 3] *= corr_b
         wgmma_fence_aligned()
         comptime for st in range(S9_STAGES):
             if keys.valid(i, st):
-                var stage_u = smem_u32(sm.stage(st))
+                var stage_u = opaque(smem_u32(sm.stage(st)))
                 var p_u = stage_u + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
                 var v_u = stage_u + UInt32(4 * wg * S9_BOX_BYTES)
                 comptime for kk in range(S9_KEYS // 16):
