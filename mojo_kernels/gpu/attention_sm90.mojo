@@ -68,7 +68,7 @@ element `4 j + e` is row `16 v + g + 8 (e / 2)`, column `8 j + 2 t + e % 2`.
 
 from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 from std.math import exp
-from std.sys import size_of
+from std.sys import get_defined_int, size_of
 from std.sys._assembly import inlined_assembly
 from std.utils import IndexList, StaticTuple
 from std.utils.numerics import neg_inf
@@ -85,7 +85,7 @@ from max.gpu.host import DeviceBuffer, DeviceContext
 from max.gpu.host.nvidia.tma import TensorMapSwizzle, TMADescriptor, create_tma_descriptor
 from max.gpu.memory import AddressSpace, external_memory, fence_mbarrier_init
 from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
-from max.gpu.sync import mbarrier_arrive, mbarrier_arrive_expect_tx_shared, mbarrier_init, named_barrier
+from max.gpu.sync import mbarrier_arrive, mbarrier_init, named_barrier
 
 from ..paged_cache import PagedLatentRows
 from .attention_block import AttentionBlock, AttentionParams, RowMasks, SPtr, fence_async_proxy
@@ -100,8 +100,14 @@ comptime S9_VALUE_COLS = 256  # value columns per math warpgroup
 comptime S9_WG = 128
 comptime S9_MATH_THREADS = 2 * S9_WG
 comptime S9_THREADS = 3 * S9_WG  # two math warpgroups, one producer
-comptime S9_PRODUCER_REGS = 48  # ptxas 13: 40 spilled 44 bytes in the producer loop
-comptime S9_MATH_REGS = 232  # 128 x 48 + 256 x 232 = 65536
+# Registers per thread at launch: ptxas gives a kernel with `setmaxnreg` the most that `.maxntid`
+# allows (65536 / 384, rounded down to 8: 168), and the block's register pool is that many per
+# thread, not the 65536 of the SM. `setmaxnreg.inc` waits until the pool holds what it asks for,
+# so the math warpgroups' increase must fit in what the producer releases (128 x 48 + 256 x 232
+# = 65536 > 384 x 168 = 64512 hung every block on the H200, 2026-12-05). CUTLASS's split: 40 / 232.
+comptime S9_LAUNCH_REGS = (65536 // S9_THREADS) // 8 * 8
+comptime S9_PRODUCER_REGS = 40
+comptime S9_MATH_REGS = 232
 comptime S9_BOX_BYTES = S9_KEYS * S9_BOX_COLS * 2
 comptime S9_BLOCK_BYTES = S9_BOXES * S9_BOX_BYTES
 comptime S9_STAGES = 2
@@ -109,6 +115,12 @@ comptime S9_STAGES = 2
 comptime BAR_MAX = 1
 comptime BAR_P = 2
 comptime BAR_SUM = 3
+# Debugging builds (`mojo build -D PYMLA_SM90_WATCHDOG_MS=2000`, scripts/build_devbin.sh's smoke
+# binary): an mbarrier wait longer than this many milliseconds traps (the launch fails instead of
+# hanging). No message: a `print` here is a call, for which ptxas drops `setmaxnreg` (C7507) and
+# spills 4 KB, so the debugging build would not run the product's register split. Named barriers
+# and `setmaxnreg.inc` wait in hardware: no watchdog can cover them. 0 (the product): none.
+comptime S9_WATCHDOG_MS = get_defined_int["PYMLA_SM90_WATCHDOG_MS", 0]()
 
 
 def box_rows(page_size: Int) -> Int:
@@ -183,14 +195,23 @@ def smem_u32[T: AnyType](ptr: SPtr[T]) -> UInt32:
 
 
 @always_inline
-def tma_load_box(dst: SPtr[UInt8], desc: Int, bar: SPtr[Int64], col: Int, row: Int, page: Int):
-    """Starts the TMA copy of the box at (page, row, col) into `dst`; completes on `bar`'s transaction count."""
+def tma_load_box(dst: UInt32, desc: Int, bar: UInt32, col: UInt32, row: UInt32, page: UInt32):
+    """Starts the TMA copy of the box at (page, row, col) into shared address `dst`; completes on mbarrier `bar`'s
+    transaction count."""
     inlined_assembly[
         "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [$0], [$1, {$2, $3, $4}], [$5];",
         NoneType,
         constraints="r,l,r,r,r,r,~{memory}",
         has_side_effect=True,
-    ](smem_u32(dst), UInt64(desc), Int32(col), Int32(row), Int32(page), smem_u32(bar))
+    ](dst, UInt64(desc), col, row, page, bar)
+
+
+@always_inline
+def arrive_expect_tx(bar: UInt32, bytes: UInt32):
+    """The producer's arrival on mbarrier `bar`, expecting `bytes` more bytes of TMA copies in this phase."""
+    inlined_assembly[
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", NoneType, constraints="r,r,~{memory}", has_side_effect=True
+    ](bar, bytes)
 
 
 @always_inline
@@ -201,17 +222,48 @@ def opaque(x: UInt32) -> UInt32:
 
 
 @always_inline
+def globaltimer_ns() -> UInt64:
+    """The GPU's global nanosecond timer."""
+    return inlined_assembly["mov.u64 $0, %globaltimer;", UInt64, constraints="=l", has_side_effect=True]()
+
+
+@always_inline
+def try_wait_parity(bar: UInt32, parity: UInt32) -> Bool:
+    """Whether the phase of parity `parity` of the mbarrier at shared address `bar` has completed."""
+    var done = inlined_assembly[
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; selp.u32 $0, 1, 0, p; }",
+        UInt32,
+        constraints="=r,r,r,~{memory}",
+        has_side_effect=True,
+    ](bar, parity)
+    return done != 0
+
+
+@always_inline
+def trap():
+    """Ends the kernel with an error (the launch fails: `illegal instruction` on the host's next sync)."""
+    inlined_assembly["trap;", NoneType, constraints="", has_side_effect=True]()
+
+
+@always_inline
+def mbar_wait_u32(bar: UInt32, parity: UInt32):
+    """Spins until the phase of parity `parity` of the mbarrier at shared address `bar` has completed."""
+    comptime if S9_WATCHDOG_MS > 0:
+        if try_wait_parity(bar, parity):
+            return
+        var t0 = globaltimer_ns()
+        while not try_wait_parity(bar, parity):
+            if globaltimer_ns() - t0 > UInt64(S9_WATCHDOG_MS) * 1_000_000:
+                trap()
+    else:
+        while not try_wait_parity(bar, parity):
+            pass
+
+
+@always_inline
 def mbar_wait(bar: SPtr[Int64], parity: Int):
     """Spins until the phase of parity `parity` of mbarrier `bar` has completed."""
-    while True:
-        var done = inlined_assembly[
-            "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; selp.u32 $0, 1, 0, p; }",
-            UInt32,
-            constraints="=r,r,r,~{memory}",
-            has_side_effect=True,
-        ](smem_u32(bar), UInt32(parity))
-        if done != 0:
-            return
+    mbar_wait_u32(smem_u32(bar), UInt32(parity))
 
 
 @always_inline
@@ -336,25 +388,39 @@ def produce_keys[
     keeps stale rows: masked and zeroed by the math warpgroups). `desc`: the
     generic address of the kernel parameter's TMA descriptor (taken in the
     kernel: a copy of the parameter would not be in parameter space).
+
+    Every box's barrier is armed with the bytes of all its copies before the
+    first copy of the block starts. Runtime loops and 32-bit key arithmetic:
+    this thread runs on `S9_PRODUCER_REGS` registers.
     """
-    var page_size = Int(p.cache.page_size)
-    var rows = box_rows(page_size)
+    var page_size = UInt32(p.cache.page_size)
+    var rows = UInt32(box_rows(Int(p.cache.page_size)))
     var lookup = p.cache.lookup.unsafe_offset(blk.request * Int(p.cache.pages_per_request))
+    var hi = UInt32(keys.hi)
+    var stage0 = smem_u32(sm.stage(0))
+    var full0 = smem_u32(sm.full(0, 0))
+    var empty0 = smem_u32(sm.empty(0))
     for i in range(keys.steps()):
-        comptime for s in range(S9_STAGES):
-            if keys.valid(i, s):
-                # Phase parity: a fresh barrier passes parity 1 at once (step 0 waits for nothing).
-                mbar_wait(sm.empty(s), (i & 1) ^ 1)
-                var k = keys.start(i, s)
-                var parts = min(S9_KEYS, keys.hi - k + rows - 1) // rows
-                comptime for box in range(S9_BOXES):
-                    _ = mbarrier_arrive_expect_tx_shared(sm.full(s, box), Int32(parts * rows * 128))
-                    for q in range(parts):
-                        var key = k + q * rows
-                        tma_load_box(
-                            sm.stage(s).unsafe_offset(box * S9_BOX_BYTES + q * rows * 128), desc, sm.full(s, box),
-                            box * S9_BOX_COLS, key % page_size, Int(lookup.unsafe_load(key // page_size)),
-                        )
+        for s in range(S9_STAGES):
+            if not keys.valid(i, s):
+                continue
+            # Phase parity: a fresh barrier passes parity 1 at once (step 0 waits for nothing).
+            mbar_wait_u32(empty0 + UInt32(8 * s), UInt32((i & 1) ^ 1))
+            var k = UInt32(keys.start(i, s))
+            var parts = min(UInt32(S9_KEYS), hi - k + rows - 1) // rows
+            var dst = stage0 + UInt32(s * S9_BLOCK_BYTES)
+            var full = full0 + UInt32(8 * S9_BOXES * s)
+            for box in range(S9_BOXES):
+                arrive_expect_tx(full + UInt32(8 * box), parts * rows * 128)
+            for q in range(parts):
+                var key = k + q * rows
+                var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
+                var row = key % page_size
+                var at = dst + q * rows * 128
+                for box in range(S9_BOXES):
+                    tma_load_box(
+                        at + UInt32(box * S9_BOX_BYTES), desc, full + UInt32(8 * box), UInt32(box * S9_BOX_COLS), row, page
+                    )
 
 
 @always_inline
@@ -404,6 +470,9 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
     comptime ACC_W = S9_ROWS * S9_VALUE_COLS // S9_WG
     comptime ESZ = size_of[dtype]()
     comptime assert ESZ == 2, "bf16 / f16 boxes: 64 columns = 128 bytes"
+    comptime assert (
+        S9_WG * S9_PRODUCER_REGS + S9_MATH_THREADS * S9_MATH_REGS <= S9_THREADS * S9_LAUNCH_REGS
+    ), "setmaxnreg: the math warpgroups' registers must come from the producer's (else setmaxnreg.inc waits forever)"
 
     var tid = thread_idx.x
     var blk = AttentionBlock.locate[S9_ROWS](p.att)

@@ -2,6 +2,7 @@
 #
 # Run on a machine with an NVIDIA GPU, from the repository root:
 #     mojo run -I . tests/gpu/gpu_smoke.mojo            # the correctness cases
+#     mojo run -I . tests/gpu/gpu_smoke.mojo sm90       # only the sm90 (TMA) kernel's raw checks, every case
 # (timings: tests/gpu/gpu_bench.mojo). Build without a GPU (checks that every kernel compiles
 # for sm_90, emits PTX):
 #     mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/gpu_smoke.mojo -o /tmp/smoke/smoke.s
@@ -16,7 +17,7 @@
 #           with the tolerance of pymla/parity.py
 # Exit status 1 if any check fails.
 
-from std.sys import has_accelerator
+from std.sys import argv, has_accelerator
 
 from max.gpu.host import DeviceContext
 
@@ -158,7 +159,8 @@ def check_cache[dtype: DType](c: Case, got: List[Float32], want: List[Float32]) 
     return report("cache", ok, String("max err ", rel, " x max|ref| (tol ", cache_tolerance[dtype](), "), other elements changed: ", changed))
 
 
-def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> Bool:
+def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c: Case) raises -> Bool:
+    """The checks above on case `c`; `sm90_only`: the sm90 kernel's raw checks alone (then returns)."""
     print(name, "dtype", dtype, "T", c.num_tokens, "H", c.heads, "R", c.rank, "Dr", c.rope, "Dn", c.nope, "Dv", c.v_dim,
           "mask", c.mask_kind, "window", c.window, "score_mod", c.score_mod, "gran", c.gm, c.gn, c.gk)
     var ok = True
@@ -203,7 +205,7 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     # The LSE (float32 [T H], from the partition merge: at least two partitions) with the raw it
     # comes with; float32 scores in another order: pymla/parity.py's F32_SLACK of the scores.
     var lse_buf = ctx.enqueue_create_buffer[DType.float32](max(rows, 1))
-    for parts in [1, 3]:
+    for parts in List[Int]() if sm90_only else [1, 3]:
         var parted = plan
         parted.num_partitions = parts
         d.attention_lse(ctx, c, parted, q_full_buf, raw_buf, lse_buf)
@@ -211,7 +213,7 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         ok = check_close(String("lse (", parts, " partitions)"), download[DType.float32](ctx, lse_buf, rows), lse_from_gpu, Float32(2.0) ** -13) and ok
     var gpu_raw = List[Float32]()
     # 0 = the partitions the op would plan itself (last, so gpu_raw is the op's).
-    for parts in [1, 3, 0]:
+    for parts in List[Int]() if sm90_only else [1, 3, 0]:
         var parted = plan
         if parts > 0:
             parted.num_partitions = parts
@@ -222,10 +224,13 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow).
         var fma = GpuPlan.with_attention(problem, limits, FMA_ATTENTION)
         fma.num_partitions = 2
-        d.attention(ctx, c, fma, q_full_buf, raw_buf)
-        ok = check_close("raw (FMA kernel, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+        if not sm90_only:
+            d.attention(ctx, c, fma, q_full_buf, raw_buf)
+            ok = check_close("raw (FMA kernel, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         # The tensor-core shape for small kv_lora_rank (the op picks it only when the others do not fit).
-        if attention_supported[dtype, MMA_FEW_HEADS_SMALL_RANK](c.key_dim, c.rank, c.page_size):
+        if sm90_only:
+            pass
+        elif attention_supported[dtype, MMA_FEW_HEADS_SMALL_RANK](c.key_dim, c.rank, c.page_size):
             var small = GpuPlan.with_attention(problem, limits, variant_index[MMA_FEW_HEADS_SMALL_RANK]())
             small.num_partitions = 2
             d.attention(ctx, c, small, q_full_buf, raw_buf)
@@ -238,7 +243,9 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         comptime for h in range(len(HOPPER)):
             comptime shape = HOPPER[h]
             var name = String("wgmma") if shape[2] == 0 else String("sm90 TMA")
-            if attention_supported[dtype, shape](c.key_dim, c.rank, c.page_size):
+            if sm90_only and shape[2] == 0:
+                pass
+            elif attention_supported[dtype, shape](c.key_dim, c.rank, c.page_size):
                 for parts in [1, 3]:
                     var pinned = GpuPlan.with_attention(problem, limits, variant_index[shape]())
                     pinned.num_partitions = parts
@@ -246,9 +253,16 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
                     ok = check_close(String("raw (", name, ", ", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
             else:
                 print("  raw:", name, "does not handle these sizes, skipped")
+        if sm90_only:
+            _ = q_full_buf^
+            _ = raw_buf^
+            _ = lse_buf^
+            return ok
         # Restore the op's own raw for the output stage.
         d.attention(ctx, c, plan, q_full_buf, raw_buf)
 
+    if sm90_only:  # float32: no sm90 kernel
+        return ok
     var ref_out_stage = cpu_output(c, gpu_raw)
     for i in range(len(ref_out_stage)):
         ref_out_stage[i] = round_to[dtype](ref_out_stage[i])
@@ -308,43 +322,43 @@ def ints(*values: Int) -> List[Int]:
     return out^
 
 
-def correctness(ctx: DeviceContext) raises -> Bool:
+def correctness(ctx: DeviceContext, sm90_only: Bool) raises -> Bool:
     var ok = True
-    ok = run_case[DType.bfloat16](ctx, "decode bf16", Case.__init__[DType.bfloat16](1, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
-    ok = run_case[DType.float32](ctx, "decode f32", Case.__init__[DType.float32](2, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
-    ok = run_case[DType.float16](ctx, "decode f16 page 1", Case.__init__[DType.float16](3, 8, ints(40, 7), ints(2, 1), page_size=1)) and ok
-    ok = run_case[DType.bfloat16](ctx, "zero-token request", Case.__init__[DType.bfloat16](4, 16, ints(12, 50, 7), ints(2, 0, 1))) and ok
+    ok = run_case[DType.bfloat16](ctx, sm90_only, "decode bf16", Case.__init__[DType.bfloat16](1, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
+    ok = run_case[DType.float32](ctx, sm90_only, "decode f32", Case.__init__[DType.float32](2, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
+    ok = run_case[DType.float16](ctx, sm90_only, "decode f16 page 1", Case.__init__[DType.float16](3, 8, ints(40, 7), ints(2, 1), page_size=1)) and ok
+    ok = run_case[DType.bfloat16](ctx, sm90_only, "zero-token request", Case.__init__[DType.bfloat16](4, 16, ints(12, 50, 7), ints(2, 0, 1))) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "alibi, 3 heads, null mask", Case.__init__[DType.bfloat16](5, 3, ints(20, 33), ints(3, 1), mask_kind=0, score_mod=1)
+        ctx, sm90_only, "alibi, 3 heads, null mask", Case.__init__[DType.bfloat16](5, 3, ints(20, 33), ints(3, 1), mask_kind=0, score_mod=1)
     ) and ok
     ok = run_case[DType.float32](
-        ctx, "sliding window", Case.__init__[DType.float32](6, 16, ints(100, 5), ints(2, 3), mask_kind=2, window=17)
+        ctx, sm90_only, "sliding window", Case.__init__[DType.float32](6, 16, ints(100, 5), ints(2, 3), mask_kind=2, window=17)
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "chunked, per_tensor", Case.__init__[DType.bfloat16](7, 20, ints(70, 9), ints(4, 2), mask_kind=3, window=32, gm=0, gn=0, gk=0)
+        ctx, sm90_only, "chunked, per_tensor", Case.__init__[DType.bfloat16](7, 20, ints(70, 9), ints(4, 2), mask_kind=3, window=32, gm=0, gn=0, gk=0)
     ) and ok
     ok = run_case[DType.float32](
-        ctx, "per_channel, small dims",
+        ctx, sm90_only, "per_channel, small dims",
         Case.__init__[DType.float32](8, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, gm=1, gn=1, gk=0),
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "odd blocks (3, 20, 24)", Case.__init__[DType.bfloat16](9, 6, ints(25, 3), ints(5, 2), gm=3, gn=20, gk=24)
+        ctx, sm90_only, "odd blocks (3, 20, 24)", Case.__init__[DType.bfloat16](9, 6, ints(25, 3), ints(5, 2), gm=3, gn=20, gk=24)
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "long context", Case.__init__[DType.bfloat16](10, 16, ints(4000), ints(2), page_size=64)
+        ctx, sm90_only, "long context", Case.__init__[DType.bfloat16](10, 16, ints(4000), ints(2), page_size=64)
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "128 heads", Case.__init__[DType.bfloat16](11, 128, ints(300, 17), ints(1, 2), page_size=64)
+        ctx, sm90_only, "128 heads", Case.__init__[DType.bfloat16](11, 128, ints(300, 17), ints(1, 2), page_size=64)
     ) and ok
     # Small dims on tensor cores: per-channel K blocks of 64 (q) and 256 (output: two float32x4
     # slots per lane and item in `stage_activations`).
     ok = run_case[DType.bfloat16](
-        ctx, "per_channel, small dims, bf16",
+        ctx, sm90_only, "per_channel, small dims, bf16",
         Case.__init__[DType.bfloat16](13, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, gm=1, gn=1, gk=0),
     ) and ok
     # Several row tiles of every projection tile shape (73 tokens), f16, per-channel scales.
     ok = run_case[DType.float16](
-        ctx, "73 tokens, per_channel", Case.__init__[DType.float16](12, 4, ints(5, 60, 0), ints(33, 40, 0), gm=1, gn=1, gk=0)
+        ctx, sm90_only, "73 tokens, per_channel", Case.__init__[DType.float16](12, 4, ints(5, 60, 0), ints(33, 40, 0), gm=1, gn=1, gk=0)
     ) and ok
     return ok
 
@@ -354,7 +368,11 @@ def main() raises:
         print("gpu_smoke: no GPU in this build (compile with --target-accelerator=sm_90 on a GPU machine)")
         return
     else:
-        var ok = correctness(DeviceContext())
+        var args = argv()
+        var only = String(args[1]) if len(args) > 1 else String("")
+        if only != "" and only != "sm90":
+            raise Error(String("gpu_smoke: unknown argument '", only, "' (none: every check; sm90: the sm90 kernel's alone)"))
+        var ok = correctness(DeviceContext(), only == "sm90")
         print("ALL PASS" if ok else "SOME CHECKS FAILED")
         if not ok:
             raise Error("gpu_smoke failed")
