@@ -54,3 +54,76 @@ def widen_e4m3[w: Int](bytes: SIMD[DType.uint8, w]) -> SIMD[DType.float32, w]:
     var subnormal = (magnitude & 7).cast[DType.float32]() * 0.001953125
     var value = magnitude.lt(8).select(subnormal, normal)
     return bitcast[DType.float32, w](bitcast[DType.uint32, w](value) | ((b & 0x80) << 24))
+
+
+@always_inline
+def bf16_scale_shift(scale: Float32) -> Int:
+    """`k` when `scale = 2^k` and every nonzero `e4m3 * scale` is a normal bfloat16 (`-120 <= k <= 119`),
+    else `NO_SHIFT`: the cases `widen_e4m3_bf16` serves."""
+    var bits = bitcast[DType.uint32](scale)
+    if bits & 0x807FFFFF != 0:  # negative, or not a power of two (or subnormal)
+        return NO_SHIFT
+    var k = Int(bits >> 23) - 127
+    return k if k >= -120 and k <= 119 else NO_SHIFT
+
+
+comptime NO_SHIFT = 1 << 20
+
+
+@always_inline
+def widen_e4m3_bf16[w: Int](bytes: SIMD[DType.uint8, w], k: Int) -> SIMD[DType.bfloat16, w]:
+    """`e4m3 * 2^k` as bfloat16, exactly, in 16-bit integer arithmetic (`k` from `bf16_scale_shift`).
+
+    A normal e4m3 (exponent field `e >= 1`, mantissa `m`) is `1.m * 2^(e - 7)`:
+    the bfloat16 with exponent field `e + 120 + k` and mantissa `m << 4`, that is
+    `(magnitude << 4) + ((120 + k) << 7)`. A subnormal one is `m * 2^-9`, converted
+    through float32 (exact: 3 bits). The sign on top; zero stays zero.
+    """
+    var b = bytes.cast[DType.uint16]()
+    var magnitude = b & 0x7F
+    var normal = (magnitude << 4) + UInt16((120 + k) << 7)
+    var subnormal = bitcast[DType.uint16, w]((magnitude.cast[DType.float32]() * power_of_two(k - 9)).cast[DType.bfloat16]())
+    return bitcast[DType.bfloat16, w](magnitude.lt(8).select(subnormal, normal) | ((b & 0x80) << 8))
+
+
+@always_inline
+def power_of_two(e: Int) -> Float32:
+    """`2^e` as float32, exactly, for `-149 <= e <= 127` (subnormal below -126)."""
+    if e >= -126:
+        return bitcast[DType.float32](UInt32(e + 127) << 23)
+    return bitcast[DType.float32](UInt32(1) << UInt32(e + 149))
+
+
+def cache_block_scale(amax: Float32) -> Float32:
+    """The `fp8_ds_mla` cache's scale of a block of 128 latent values (`pymla/cache_format.py`).
+
+    `2^e` for the smallest integer `e` with `amax <= 448 * 2^e`; 1 when
+    `amax == 0`. With `amax = 1.m * 2^(E - 127)` (float32 fields `E`, `m`):
+    `e = E - 135` when `1.m <= 1.75` (448 = 1.75 * 2^8), else `E - 134`.
+    """
+    if amax == 0:
+        return 1
+    var a = amax
+    var shift = 0
+    if a < Float32(1.1754943508222875e-38):  # subnormal: scale by 2^64 (exact) first
+        a = a * Float32(18446744073709551616.0)
+        shift = 64
+    var bits = bitcast[DType.uint32](a)
+    var exponent = Int((bits >> 23) & 0xFF)
+    var e = exponent - 135 if (bits & 0x7FFFFF) <= 0x600000 else exponent - 134
+    return power_of_two(e - shift)
+
+
+def e4m3_bytes[w: Int](v: SIMD[DType.float32, w]) -> SIMD[DType.uint8, w]:
+    """The e4m3fn bytes of values that are e4m3 values already (`round_to_e4m3`'s results).
+
+    Normal values (`|v| >= 2^-6`): the float32 exponent rebiased by 127 - 7
+    and the top 3 mantissa bits; subnormal values: `|v| / 2^-9`; the sign on top.
+    """
+    var bits = bitcast[DType.uint32, w](v)
+    var sign = (bits >> 24) & 0x80
+    var magnitude = bits & 0x7FFFFFFF
+    var a = bitcast[DType.float32, w](magnitude)
+    var normal = (((magnitude >> 23) - 120) << 3) | ((magnitude >> 20) & 7)
+    var subnormal = (a * 512.0).cast[DType.uint32]()
+    return (sign | a.lt(0.015625).select(subnormal, normal)).cast[DType.uint8]()

@@ -6,7 +6,9 @@ pipeline (`cpu_pipeline.mojo`) or the GPU one (`gpu/pipeline.mojo`); each runs t
 six steps as named stages.
 
 fp8 weights arrive as uint8 (MAX has no fp8 on CPU) and are widened from
-their e4m3 bits exactly (`fp8.mojo`).
+their e4m3 bits exactly (`fp8.mojo`). The cache's blocks are of the op's
+dtype, or uint8 for rows in the `fp8_ds_mla` format (bfloat16 only; CPU only
+for now: the GPU pipeline refuses them).
 """
 
 import extensibility
@@ -16,7 +18,7 @@ from max.gpu.host import DeviceContext
 
 from .cpu.pipeline import mla_decode_branch_fp8_cpu
 from .gpu.pipeline import mla_decode_branch_fp8_gpu
-from .paged_cache import CacheShard, PagedLatentRows, RaggedBatch
+from .paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
 from .problem import DecodeProblem
 from .spec import Granularity, MaskSpec
 
@@ -41,6 +43,7 @@ struct MLADecodeBranchFP8:
     @staticmethod
     def execute[
         dtype: DType,
+        cache_dtype: DType,
         target: StaticString,
     ](
         output: MutableInputTensor[dtype=dtype, rank=3, static_spec=...],
@@ -51,7 +54,7 @@ struct MLADecodeBranchFP8:
         freqs_cis: InputTensor[dtype=dtype, rank=2, static_spec=...],
         kv_norm_gamma: InputTensor[dtype=dtype, rank=1, static_spec=...],
         new_rows: InputTensor[dtype=dtype, rank=2, static_spec=...],
-        kv_blocks: MutableInputTensor[dtype=dtype, rank=6, static_spec=...],
+        kv_blocks: MutableInputTensor[dtype=cache_dtype, rank=6, static_spec=...],
         cache_lengths: InputTensor[dtype=DType.uint32, rank=1, static_spec=...],
         lookup_table: InputTensor[dtype=DType.uint32, rank=2, static_spec=...],
         layer_idx: UInt32,
@@ -74,6 +77,21 @@ struct MLADecodeBranchFP8:
         ctx: DeviceContext,
     ) raises:
         var nope_dim = w_uk.dim_size(2)
+        var blocks = kv_blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var lookup = lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var rows = PagedLatentRows[dtype].create(
+            blocks.unsafe_bitcast[Scalar[dtype]](), lookup, lookup_table.dim_size(1), kv_blocks.dim_size(2),
+            kv_blocks.dim_size(3), kv_blocks.dim_size(5), Int(layer_idx),
+        )
+        var fp8_cache = Fp8LatentRows.absent(rows)
+        comptime if cache_dtype == DType.uint8:
+            comptime assert dtype == DType.bfloat16, "kv_blocks: uint8 (fp8_ds_mla rows) serves bfloat16 ops"
+            fp8_cache = Fp8LatentRows.create(
+                blocks.unsafe_bitcast[UInt8](), lookup, lookup_table.dim_size(1), kv_blocks.dim_size(2),
+                kv_blocks.dim_size(3), kv_blocks.dim_size(5), Int(layer_idx), w_uk.dim_size(1),
+            )
+        else:
+            comptime assert cache_dtype == dtype, "kv_blocks: the op's dtype, or uint8 for fp8_ds_mla rows"
         var problem = DecodeProblem[dtype](
             output.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             output.dim_size(0) > 0,
@@ -86,15 +104,7 @@ struct MLADecodeBranchFP8:
             ),
             freqs_cis.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             kv_norm_gamma.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            PagedLatentRows[dtype].create(
-                kv_blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-                lookup_table.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-                lookup_table.dim_size(1),
-                kv_blocks.dim_size(2),
-                kv_blocks.dim_size(3),
-                kv_blocks.dim_size(5),
-                Int(layer_idx),
-            ),
+            rows,
             q.dim_size(0),
             q.dim_size(1),
             nope_dim,
@@ -117,6 +127,7 @@ struct MLADecodeBranchFP8:
             new_rows.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             new_rows.dim_size(0) > 0,
             Int(first_step) == 6,
+            fp8_cache,
         )
         comptime if target == "gpu":
             mla_decode_branch_fp8_gpu[dtype](problem, ctx)

@@ -1,6 +1,11 @@
-"""Addressing of the paged latent cache `[num_blocks, 1, num_layers, page_size, 1, head_dim]`."""
+"""Addressing of the paged latent cache `[num_blocks, 1, num_layers, page_size, 1, head_dim]`.
 
-from .common import DPtr, U32Ptr
+Rows in the op's dtype (`PagedLatentRows`) or in the `fp8_ds_mla` format
+(`Fp8LatentRows`: `head_dim` bytes per row; `pymla/cache_format.py`).
+"""
+
+from .common import DPtr, FPtr, U32Ptr, U8Ptr
+from .fp8 import NO_SHIFT, bf16_scale_shift, cache_block_scale, e4m3_bytes, round_to_e4m3, widen_e4m3, widen_e4m3_bf16
 
 
 @fieldwise_init
@@ -143,6 +148,126 @@ struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
                 self.layer_offset, self.head_dim, b, pos,
             )
         )
+
+
+comptime FP8_SCALE_BLOCK = 128
+"""Latent values per float32 scale in an `fp8_ds_mla` row."""
+
+
+@fieldwise_init
+struct Fp8LatentRows(TrivialRegisterPassable):
+    """One layer's rows in the `fp8_ds_mla` format (`pymla/cache_format.py`), or none.
+
+    A row is `row_bytes` bytes: `kv_lora_rank` e4m3 latent values, one
+    float32 scale per 128 of them, `rope_dim` bfloat16 rope values. Its
+    values are `e4m3 * scale` and the rope values: exactly bfloat16 values.
+    `active` is False when the cache holds rows in the op's dtype.
+    """
+
+    var bytes: U8Ptr
+    var lookup_table: U32Ptr
+    var pages_per_request: Int
+    var page_size: Int
+    var page_stride: Int
+    var layer_offset: Int
+    var row_bytes: Int
+    var kv_lora_rank: Int
+    var rope_dim: Int
+    var active: Bool
+
+    @staticmethod
+    def absent[dtype: DType](rows: PagedLatentRows[dtype]) -> Self:
+        """No fp8 rows: the cache holds `rows`, in the op's dtype."""
+        return Self(rows.blocks.unsafe_bitcast[UInt8](), rows.lookup_table, 0, 1, 0, 0, 0, 0, 0, False)
+
+    @staticmethod
+    def create(
+        bytes: U8Ptr,
+        lookup_table: U32Ptr,
+        pages_per_request: Int,
+        num_layers: Int,
+        page_size: Int,
+        row_bytes: Int,
+        layer: Int,
+        kv_lora_rank: Int,
+    ) -> Self:
+        var scale_bytes = 4 * (kv_lora_rank // FP8_SCALE_BLOCK)
+        return Self(
+            bytes,
+            lookup_table,
+            pages_per_request,
+            page_size,
+            num_layers * page_size * row_bytes,
+            layer * page_size * row_bytes,
+            row_bytes,
+            kv_lora_rank,
+            (row_bytes - kv_lora_rank - scale_bytes) // 2,
+            True,
+        )
+
+    def row(self, b: Int, pos: Int) -> U8Ptr:
+        """The `row_bytes` bytes of request `b` at sequence position `pos`."""
+        return self.bytes.unsafe_offset(
+            cache_row_offset(
+                self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
+                self.layer_offset, self.row_bytes, b, pos,
+            )
+        )
+
+    def scales(self, row: U8Ptr) -> FPtr:
+        return row.unsafe_offset(self.kv_lora_rank).unsafe_bitcast[Float32]()
+
+    def rope(self, row: U8Ptr) -> DPtr[DType.bfloat16]:
+        return row.unsafe_offset(self.kv_lora_rank + 4 * (self.kv_lora_rank // FP8_SCALE_BLOCK)).unsafe_bitcast[
+            BFloat16
+        ]()
+
+    def dequantize_row[out_dtype: DType](self, b: Int, pos: Int, dst: DPtr[out_dtype]):
+        """`dst[:R + Dr]` = the row's values (`e4m3 * scale`, then the rope part): exact in bfloat16 and float32."""
+        comptime W = 16
+        var row = self.row(b, pos)
+        var scales = self.scales(row)
+        for block in range(self.kv_lora_rank // FP8_SCALE_BLOCK):
+            var s = scales.unsafe_load(block)
+            comptime if out_dtype == DType.bfloat16:
+                var k = bf16_scale_shift(s)
+                if k != NO_SHIFT:  # the scales of the rule: bit arithmetic, 32 values a step
+                    comptime for i in range(0, FP8_SCALE_BLOCK, 2 * W):
+                        var at = block * FP8_SCALE_BLOCK + i
+                        dst.unsafe_store(at, rebind[SIMD[out_dtype, 2 * W]](widen_e4m3_bf16[2 * W](row.unsafe_load[width=2 * W](at), k)))
+                    continue
+            comptime for i in range(0, FP8_SCALE_BLOCK, W):
+                var at = block * FP8_SCALE_BLOCK + i
+                dst.unsafe_store(at, (widen_e4m3[W](row.unsafe_load[width=W](at)) * s).cast[out_dtype]())
+        var rope = self.rope(row)
+        var d = 0
+        while d + W <= self.rope_dim:
+            dst.unsafe_store(self.kv_lora_rank + d, rope.unsafe_load[width=W](d).cast[out_dtype]())
+            d += W
+        while d < self.rope_dim:
+            dst.unsafe_store(self.kv_lora_rank + d, rope.unsafe_load(d).cast[out_dtype]())
+            d += 1
+
+    def store_row[src_dtype: DType](self, b: Int, pos: Int, src: DPtr[src_dtype]):
+        """Quantizes `src[:R + Dr]` (bfloat16 values) into the row: per 128 latent values the scale
+        `fp8.cache_block_scale(amax)` and `e4m3_rne(x / scale)` (exact division, no saturation); the rope part as bfloat16.
+        """
+        comptime W = 16
+        var row = self.row(b, pos)
+        var scales = self.scales(row)
+        for block in range(self.kv_lora_rank // FP8_SCALE_BLOCK):
+            var base = block * FP8_SCALE_BLOCK
+            var amax = SIMD[DType.float32, W](0)
+            comptime for i in range(0, FP8_SCALE_BLOCK, W):
+                amax = max(amax, abs(src.unsafe_load[width=W](base + i).cast[DType.float32]()))
+            var s = cache_block_scale(amax.reduce_max())
+            scales.unsafe_store(block, s)
+            comptime for i in range(0, FP8_SCALE_BLOCK, W):
+                var x = src.unsafe_load[width=W](base + i).cast[DType.float32]()
+                row.unsafe_store(base + i, e4m3_bytes[W](round_to_e4m3[W](x / s)))
+        var rope = self.rope(row)
+        for d in range(self.rope_dim):
+            rope.unsafe_store(d, src.unsafe_load(self.kv_lora_rank + d).cast[DType.bfloat16]())
 
 
 @always_inline

@@ -1,7 +1,7 @@
 """One op call's inputs as raw pointers, sizes and options: what both targets consume."""
 
 from .common import DPtr, FPtr, U8Ptr
-from .paged_cache import PagedLatentRows, RaggedBatch
+from .paged_cache import Fp8LatentRows, PagedLatentRows, RaggedBatch
 from .spec import Granularity, MaskSpec
 
 
@@ -50,6 +50,7 @@ struct DecodeProblem[dtype: DType](TrivialRegisterPassable):
     var new_rows: DPtr[Self.dtype]  # [T, kv_lora_rank + rope_dim]: raw new cache rows, when given
     var has_new_rows: Bool
     var project_only: Bool  # step 6 alone, from `attention_output` (first_step 6)
+    var fp8_cache: Fp8LatentRows  # the layer's rows in the fp8_ds_mla format, when active (then not `cache`)
 
     def key_dim(self) -> Int:
         """Width of a cache row: the keys; values are its first `kv_lora_rank`."""

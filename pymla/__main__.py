@@ -25,6 +25,10 @@ COMMANDS = {
     "overhead": ("overhead", "host overhead per run() over MAX's execute on prepared buffers"),
     "step": ("overhead", "one 61-layer decode step: wall time vs the sum of its kernel times"),
     "dcp": ("dcp", "context-parallel decode over N CPU processes: ms and bytes per layer"),
+    "accuracy": (
+        "accuracy",
+        "fp8_ds_mla cache: relative error vs the float32 reference, per shape",
+    ),
 }
 RUNNERS = {
     "demo": "run",
@@ -32,6 +36,7 @@ RUNNERS = {
     "overhead": "run_overhead",
     "step": "run_step",
     "dcp": "run",
+    "accuracy": "run",
 }
 
 

@@ -31,6 +31,10 @@ ACTIVATION = "activation"
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+CACHE = "cache"
+"""Dtype marker: the cache blocks' dtype: the op's, or uint8 for rows in the
+``fp8_ds_mla`` format (:mod:`pymla.cache_format`; with a bfloat16 op)."""
+
 
 class _Named(enum.IntEnum):
     """An enum of kernel codes whose names (lower case) are the public spelling."""
@@ -150,6 +154,8 @@ class Arg:
         """The torch dtypes the public tensor may have."""
         if self.dtype == ACTIVATION:
             return ACTIVATION_DTYPES
+        if self.dtype == CACHE:
+            return (*ACTIVATION_DTYPES, torch.uint8)
         return _TORCH_DTYPES[self.dtype]
 
 
@@ -190,7 +196,7 @@ ARGS: tuple[Arg, ...] = (
     Arg(
         "kv_blocks",
         ("num_blocks", 1, "num_layers", "page_size", 1, "cache_head_dim"),
-        _A,
+        CACHE,
         _S,
         mutable=True,
     ),

@@ -4,7 +4,12 @@ Storage
 -------
 ``blocks [num_blocks, 1, num_layers, page_size, 1, head_dim]`` holds one
 latent row (``kv_lora_rank`` latent values then ``qk_rope_head_dim`` rope
-values, 576 for DeepSeek-V3) per token, per layer. Request ``b``'s token at
+values, 576 for DeepSeek-V3) per token, per layer. With
+``cache_format="fp8_ds_mla"`` (bfloat16 only) the blocks are ``uint8`` and a
+row is 656 bytes (``kv_lora_rank`` e4m3 values, one float32 scale per 128 of
+them, ``qk_rope_head_dim`` bfloat16 values; :mod:`pymla.cache_format`): rows
+written to it are quantized by that module's rule, rows read from it
+(:meth:`PagedLatentCache.rows`) are their exact bfloat16 values. Request ``b``'s token at
 position ``p`` of layer ``l`` lives in
 ``blocks[lookup_table[b, p // page_size], 0, l, p % page_size, 0, :]``.
 
@@ -50,6 +55,16 @@ from __future__ import annotations
 import torch
 
 from .args import ACTIVATION_DTYPES
+from .cache_format import (
+    FP8_DS_MLA,
+    FP8_STORAGE,
+    FP8_VALUE_DTYPE,
+    SCALE_BLOCK,
+    dequantize_rows,
+    parse_cache_format,
+    row_width,
+    write_rows,
+)
 from .options import as_bool, as_device, as_int
 from .shard import CacheShard
 from .validate import as_tensor
@@ -89,6 +104,9 @@ class PagedLatentCache:
         page_size: tokens per page (any int >= 1).
         num_layers: layers stored per page (an int >= 1).
         dtype: element type: torch.bfloat16, torch.float16 or torch.float32 (the op's q dtype).
+        cache_format: ``"dtype"`` (rows of ``dtype`` values) or ``"fp8_ds_mla"``
+            (656-byte fp8 rows, ``dtype`` bfloat16 and ``kv_lora_rank`` a
+            multiple of 128; :mod:`pymla.cache_format`).
         kv_lora_rank: latent width of a row (512 for DeepSeek-V3; an int >= 1).
         qk_rope_head_dim: rope width of a row (64 for DeepSeek-V3; an even int >= 2).
         device: where the tensors live (a torch.device or its name).
@@ -115,6 +133,7 @@ class PagedLatentCache:
         shuffle_pages: bool = False,
         generator: torch.Generator | None = None,
         shard: CacheShard | None = None,
+        cache_format: str = "dtype",
     ) -> None:
         if shard is None:
             shard = CacheShard()
@@ -136,12 +155,28 @@ class PagedLatentCache:
             expected = ", ".join(str(d) for d in ACTIVATION_DTYPES)
             got = dtype if isinstance(dtype, torch.dtype) else type(dtype).__name__
             raise TypeError(f"dtype: expected one of {expected}, got {got}")
+        self.cache_format = parse_cache_format(cache_format)
+        if self.cache_format == FP8_DS_MLA:
+            if dtype != FP8_VALUE_DTYPE:
+                raise TypeError(
+                    f"dtype: expected {FP8_VALUE_DTYPE} with cache_format 'fp8_ds_mla' (its rows "
+                    f"read back as bfloat16 values), got {dtype}"
+                )
+            if self.kv_lora_rank % SCALE_BLOCK:
+                raise ValueError(
+                    f"kv_lora_rank: expected a multiple of {SCALE_BLOCK} with cache_format "
+                    f"'fp8_ds_mla' (one float32 scale per {SCALE_BLOCK} latent values), got "
+                    f"{self.kv_lora_rank}"
+                )
         device = as_device("device", device)
         shuffle_pages = as_bool("shuffle_pages", shuffle_pages)
         generator = _generator(generator)
         self.head_dim = self.kv_lora_rank + self.qk_rope_head_dim
+        self._dtype = dtype
+        width = row_width(self.cache_format, self.kv_lora_rank, self.qk_rope_head_dim)
+        storage = FP8_STORAGE if self.cache_format == FP8_DS_MLA else dtype
         self.blocks = torch.zeros(
-            num_blocks, 1, num_layers, page_size, 1, self.head_dim, dtype=dtype, device=device
+            num_blocks, 1, num_layers, page_size, 1, width, dtype=storage, device=device
         )
         self.device = self.blocks.device
         order = (
@@ -173,7 +208,8 @@ class PagedLatentCache:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.blocks.dtype
+        """The dtype of the rows' values and of the op that uses the cache (bfloat16 for fp8 rows)."""
+        return self._dtype
 
     def _request(self, request: object) -> int:
         request = as_int("request", request)
@@ -336,7 +372,7 @@ class PagedLatentCache:
         page_ids, slots, owned = self._slots(request, start, start + rows.shape[0])
         if not self.shard.whole:
             rows = rows[owned.to(rows.device)]
-        self.blocks[page_ids, 0, layer, slots, 0, :] = rows
+        write_rows(self.blocks, (page_ids, 0, layer, slots, 0), rows, self.kv_lora_rank)
 
     def _slots(
         self, request: int, start: int, stop: int
@@ -356,9 +392,21 @@ class PagedLatentCache:
     ) -> torch.Tensor:
         """A copy of the request's rows at positions ``start .. stop - 1`` (default: all written).
 
+        ``[n, kv_lora_rank + qk_rope_head_dim]`` in :attr:`dtype`: for an
+        ``fp8_ds_mla`` cache the rows' exact bfloat16 values (e4m3 times the
+        scale; :meth:`stored_rows` has their bytes).
         ``0 <= start <= stop <= length(request) + pending(request)``. A
         shard's cache returns the rows of the positions it holds, in order.
         """
+        stored = self.stored_rows(request, layer, start, stop)
+        if self.cache_format == FP8_DS_MLA:
+            return dequantize_rows(stored, self.kv_lora_rank).to(self.dtype)
+        return stored
+
+    def stored_rows(
+        self, request: int, layer: int, start: int = 0, stop: int | None = None
+    ) -> torch.Tensor:
+        """As :meth:`rows`, but as stored: ``[n, blocks.shape[-1]]``, the 656 bytes of fp8 rows."""
         request, layer = self._request(request), self._layer(layer)
         written = self._lengths[request] + self._pending[request]
         start = as_int("start", start)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from max.dtype import DType
 from max.graph import BufferType, BufferValue, DeviceRef, Graph, TensorType, TensorValue, ops
 
-from .args import ACTIVATION, ARGS, INPUT_NAMES, Mask, ScoreMod
+from .args import ACTIVATION, ARGS, CACHE, INPUT_NAMES, Mask, ScoreMod
 from .cpu_paths import configure_cpu_target
 from .quant import ScaleGranularity
 
@@ -96,14 +96,17 @@ def kernels_path() -> pathlib.Path:
 
 @dataclass(frozen=True)
 class OpConfig:
-    """What a compiled op is specialized on: its device and dtype.
+    """What a compiled op is specialized on: its device, dtype and the cache blocks' dtype.
 
     Everything else (sizes, scale granularity, mask, score_mod, scalars) is a
     runtime input, so one compiled model serves every configuration.
+    ``cache_dtype`` None: the blocks are of ``dtype``; ``DType.uint8``: rows
+    in the ``fp8_ds_mla`` format (:mod:`pymla.cache_format`).
     """
 
     dtype: DType
     device: DeviceRef
+    cache_dtype: DType | None = None
 
 
 def mask_code(mask: str | Mask) -> int:
@@ -227,14 +230,20 @@ def mla_decode_branch_fp8_graph(
     return ops.buffer_load(result) if out is None else None
 
 
-def input_types(dtype: DType, device: DeviceRef) -> Sequence[TensorType | BufferType]:
+def input_types(
+    dtype: DType, device: DeviceRef, cache_dtype: DType | None = None
+) -> Sequence[TensorType | BufferType]:
     """Graph inputs (:data:`pymla.args.ARGS`) with symbolic sizes: one model serves every shape.
 
-    Scalars live on the host; the tensors the op writes are buffers.
+    Scalars live on the host; the tensors the op writes are buffers. The cache
+    blocks are of ``cache_dtype`` (None: ``dtype``; uint8: ``fp8_ds_mla`` rows).
     """
     types = []
     for a in ARGS:
-        dt = dtype if a.dtype == ACTIVATION else a.dtype
+        if a.dtype == CACHE:
+            dt = dtype if cache_dtype is None else cache_dtype
+        else:
+            dt = dtype if a.dtype == ACTIVATION else a.dtype
         if a.is_scalar:
             types.append(TensorType(dt, [], DeviceRef.CPU()))
         else:
@@ -250,7 +259,7 @@ def build_graph(config: OpConfig) -> Graph:
     """
     with Graph(
         "pymla_mla_decode_branch_fp8",
-        input_types=input_types(config.dtype, config.device),
+        input_types=input_types(config.dtype, config.device, config.cache_dtype),
         custom_extensions=[kernels_path()],
     ) as graph:
         args = dict(zip(INPUT_NAMES, graph.inputs, strict=True))

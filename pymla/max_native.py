@@ -49,6 +49,13 @@ How MAX's arguments map to pymla's op (:func:`pymla.graph.mla_decode_branch_fp8_
   Declare the weights ``uint8`` (graph inputs, or ``Weight(..., DType.uint8)``
   loaded from the checkpoint's e4m3 bytes; from torch ``w.view(torch.uint8)``).
   An fp8-typed value raises ``TypeError`` saying so.
+* ``cache_format="fp8_ds_mla"`` (pymla extension; :mod:`pymla.cache_format`):
+  the cache holds 656-byte fp8 rows, as FlashMLA's sparse kernel and vLLM's
+  ``fp8_ds_mla`` cache. Declare ``kv_params`` with ``dtype=DType.uint8`` and
+  ``head_dim`` the row's bytes (656 for DeepSeek-V3); ``q`` and ``kv`` are
+  bfloat16 and the op quantizes the new rows itself. CPU only for now (a GPU
+  device raises ``NotImplementedError``). MAX 26.7's own quantized cache
+  (``kv_scales``, separate scales) is another layout and stays refused.
 * ``freqs_cis`` and ``kv_norm_gamma`` of another float dtype than ``q`` are
   cast to ``q``'s dtype in the graph (pymla's op reads them in its dtype).
 * Sparse attention arguments (``sparse_indices`` and the index/sink options)
@@ -78,6 +85,7 @@ from max.dtype import DType
 from max.graph import BufferValue, DeviceRef, TensorValue, Value, ops
 
 from .args import WINDOWED_MASKS, ScoreMod
+from .cache_format import FP8_DS_MLA, parse_cache_format
 from .graph import mla_decode_branch_fp8_graph
 from .quant import PER_CHANNEL, PER_TENSOR, ScaleGranularity
 
@@ -237,12 +245,15 @@ def mla_decode_graph(
     selection_lag: int = 0,
     score_mod: str = "no_pos",
     local_window_size: int | None = None,
+    cache_format: str = "dtype",
 ) -> TensorValue:
     """MAX's ``mla_decode_graph`` on pymla's op: returns ``[T, H, v_head_dim]`` in q's dtype.
 
     Arguments as in ``max.nn.kernels.mla_decode_graph`` (module docstring for
-    the mapping); ``score_mod`` and ``local_window_size`` are pymla's extensions.
+    the mapping); ``score_mod``, ``local_window_size`` and ``cache_format``
+    are pymla's extensions.
     """
+    cache_format = parse_cache_format(cache_format)
     _check_sparse(
         {
             "sparse_indices": sparse_indices,
@@ -272,7 +283,17 @@ def mla_decode_graph(
     q, kv = _tensor(q), _tensor(kv)
     if q.rank != 3 or kv.rank != 2:
         raise ValueError(f"expected q of rank 3 and kv of rank 2, got {q.rank} and {kv.rank}")
-    if kv_params.dtype != q.dtype or kv.dtype != q.dtype:
+    if cache_format == FP8_DS_MLA:
+        if q.dtype != DType.bfloat16 or kv.dtype != q.dtype or kv_params.dtype != DType.uint8:
+            raise ValueError(
+                "cache_format: 'fp8_ds_mla' expects a bfloat16 q and kv and kv_params of dtype "
+                f"uint8 (656-byte rows), got q {q.dtype}, kv {kv.dtype}, kv_params {kv_params.dtype}"
+            )
+        if q.device != DeviceRef.CPU():
+            raise NotImplementedError(
+                f"cache_format: 'fp8_ds_mla' is not yet on the GPU (CPU only), got q on {q.device}"
+            )
+    elif kv_params.dtype != q.dtype or kv.dtype != q.dtype:
         raise NotImplementedError(
             f"the cache ({kv_params.dtype}) and kv ({kv.dtype}) must have q's dtype ({q.dtype}): "
             "pymla's op has no quantized (fp8) KV cache"

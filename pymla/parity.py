@@ -52,6 +52,22 @@ float32 keeps the step-6 bound (nothing is rounded).
 Rotated and normalized cache rows must agree within one ulp of dtype
 (``CACHE_TOLERANCE``; float32: 2^-20 for the different order of the RMSNorm sum).
 
+**fp8_ds_mla cache rows** (:mod:`pymla.cache_format`). e4m3 carries 4
+significant bits: its unit roundoff is ``2^-4`` and one step is at most
+``2^-3`` of a value's binade. Op and reference quantize by the same rule
+from the bfloat16 row of step 2, so they store the same bytes unless that
+bfloat16 rounding went the other way (the one-ulp case above, about
+``2^-14`` per element): then the e4m3 value may move by one step, and when
+the flipped value is the block's largest, the scale may double. Either way
+each latent value stays within one step at the block's top,
+``FP8_CACHE_STEP = 2^-3`` of the block's ``amax``; the rope part, bfloat16,
+keeps ``CACHE_TOLERANCE``. And at least ``BULK_FRACTION`` of the new rows'
+bytes must be identical from ``BULK_MIN_ROWS`` rows on. Steps 5 and 6 keep
+every bound above unchanged: the reference reads the same dequantized keys,
+which are exactly bfloat16 values (the module :mod:`pymla.cache_format` says why).
+Against the op with a bfloat16 cache (no quantization) nothing is bounded:
+``python -m pymla accuracy`` measures that difference.
+
 **The LSE of step 5** (``lse`` of the op vs the reference's), per row: both
 take ``max_j s_j + log(sum_j exp(s_j - max))`` of float32 scores and sum the
 unrounded float32 exponentials, in any dtype. The scores are sums of
@@ -93,6 +109,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .cache_format import SCALE_BLOCK, dequantize_rows
+
 PRECISION = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
 ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-21}
 F32_SLACK = 2**-16
@@ -103,6 +121,7 @@ BULK_FRACTION = 0.95
 BULK_MIN_ROWS = 64
 LSE_FLIPS = 2
 CACHE_TOLERANCE = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}
+FP8_CACHE_STEP = 2**-3
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -338,13 +357,50 @@ class CacheReport:
 
 
 def compare_cache(
-    before: torch.Tensor, after: torch.Tensor, reference: torch.Tensor, updated: torch.Tensor
+    before: torch.Tensor,
+    after: torch.Tensor,
+    reference: torch.Tensor,
+    updated: torch.Tensor,
+    kv_lora_rank: int | None = None,
 ) -> CacheReport:
-    """Cache blocks after the op vs after the reference; ``updated`` masks the new rows."""
+    """Cache blocks after the op vs after the reference; ``updated`` masks the new rows.
+
+    ``uint8`` blocks hold ``fp8_ds_mla`` rows of ``kv_lora_rank`` latent
+    values: compared by :func:`compare_fp8_rows`.
+    """
+    identical = torch.equal(after[~updated].view(torch.uint8), before[~updated].view(torch.uint8))
+    if after.dtype == torch.uint8:
+        ratio, exact = compare_fp8_rows(after[updated], reference[updated], kv_lora_rank)
+        rows_ok = int(updated.sum()) < BULK_MIN_ROWS or exact >= BULK_FRACTION
+        return CacheReport(int(updated.sum()), ratio if rows_ok else math.inf, 1.0, identical)
     rows, ref_rows = after[updated].float(), reference[updated].float()
     top = ref_rows.abs().max().item() if ref_rows.numel() else 0.0
     err = (rows - ref_rows).abs().max().item() if rows.numel() else 0.0
-    identical = torch.equal(after[~updated].view(torch.uint8), before[~updated].view(torch.uint8))
     return CacheReport(
         int(updated.sum()), err / top if top else err, CACHE_TOLERANCE[after.dtype], identical
     )
+
+
+def compare_fp8_rows(rows: torch.Tensor, reference: torch.Tensor, kv_lora_rank: int) -> tuple:
+    """``fp8_ds_mla`` rows ``[n, bytes]`` vs the reference's: (largest error / bound, share of equal bytes).
+
+    Bounds (module docstring): ``FP8_CACHE_STEP`` of the block's ``amax``
+    per latent value, ``CACHE_TOLERANCE[bfloat16]`` of max|rope| per rope value.
+    """
+    if not rows.numel():
+        return 0.0, 1.0
+    got, ref = dequantize_rows(rows, kv_lora_rank), dequantize_rows(reference, kv_lora_rank)
+    latent = ref[:, :kv_lora_rank].unflatten(-1, (-1, SCALE_BLOCK))
+    amax = latent.abs().amax(dim=-1, keepdim=True).expand_as(latent).flatten(-2)
+    rope_top = ref[:, kv_lora_rank:].abs().max()
+    bound = torch.cat(
+        [
+            FP8_CACHE_STEP * amax,
+            torch.full_like(ref[:, kv_lora_rank:], CACHE_TOLERANCE[torch.bfloat16] * rope_top),
+        ],
+        dim=-1,
+    )
+    ratio = (got - ref).abs() / (bound + 1e-30)
+    ratio = torch.where(torch.isnan(ratio), torch.full_like(ratio, math.inf), ratio)
+    exact = (rows == reference).float().mean().item()
+    return float(ratio.max()), exact

@@ -33,6 +33,7 @@ from . import validate as v
 from .args import ALL_STEPS, STEP_6_ONLY, KVCacheTensors, call_torch_op
 from .buffers import run_buffers, step_template
 from .cache import PagedLatentCache
+from .cache_format import format_of, kv_lora_rank_of, value_dtype
 from .options import DecodeOptions, as_int
 from .step_checks import cache_tensors as cache_tensors  # re-exported: pymla.plan.cache_tensors
 from .step_checks import check_step
@@ -66,10 +67,14 @@ class DecodePlan:
         self.options = options
         self.num_tokens = num_tokens
         self.needs_new_rows = new_rows
-        self.dtype = kv.blocks.dtype
+        self.dtype = value_dtype(kv.blocks)  # the op's (bfloat16 for fp8_ds_mla rows)
+        self.cache_dtype = kv.blocks.dtype
+        self.cache_format = format_of(kv.blocks)  # "dtype" or "fp8_ds_mla" (uint8 blocks)
         self.device = kv.blocks.device
         self.rope_dim = dim_or_zero(freqs_cis, 1)
-        self.kv_lora_rank = dim_or_zero(kv.blocks, 5) - self.rope_dim
+        self.kv_lora_rank = (
+            kv_lora_rank_of(kv.blocks, self.rope_dim) or 0 if kv.blocks.dim() == 6 else 0
+        )
         self.num_layers = dim_or_zero(kv.blocks, 2)
         # The torch op's check_values when this plan is traced by torch.compile: False for
         # plan() (it checked, or was told not to); the one-shot call's when it made the plan.
@@ -349,7 +354,7 @@ class DecodePlan:
 
     def _make_launcher(self):
         if self.model is None:
-            self.model = runtime.model_for(self.dtype, self.device)
+            self.model = runtime.model_for(self.dtype, self.device, self.cache_dtype)
         self._launch_fn = runtime.launcher(self.model, self.device)
         return self._launch_fn
 

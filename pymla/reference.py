@@ -27,6 +27,14 @@ rounded to ``D`` for ``P V`` while their sum stays float32.
    and to the rope part ``row[R:]`` of each new token's cache row, stored as ``rnd(y)``.
 2. RMSNorm of the latent part of each new token's cache row, stored as
    ``rnd(row[:R] / sqrt(mean(row[:R]^2) + epsilon) * gamma)``.
+   A cache in the ``fp8_ds_mla`` format (op dtype bfloat16) then stores the
+   row quantized: per 128 latent values a power-of-two float32 scale
+   ``2^ceil(log2(amax / 448))`` (1 for ``amax = 0``) and the e4m3 values
+   ``e4m3_rne(x / scale)``; the rope part stays bfloat16. Reading a row
+   (as a new row's input in step 1 and 2, and as ``K[j]``, ``V[j]`` in
+   step 5) gives ``e4m3 * scale``, exactly a bfloat16 value: step 5 is the
+   bfloat16 computation on these values (:mod:`pymla.cache_format`
+   has the layout, the rule and why the values are exact).
 3. q_nope projection, an fp8 batched matmul over heads:
    ``qn[t, h, :] = rnd(fp8mm(q[t, h, :Dn], w_uk[h]))`` with
    ``fp8mm(a, w)[n] = sum_k dq(a)[k] * dq(w)[n, k]``, where ``a`` is quantized
@@ -73,6 +81,7 @@ from typing import NamedTuple
 import torch
 
 from .args import MASKS, SCORE_MODS, KVCacheTensors
+from .cache_format import read_rows, value_dtype, write_rows
 from .quant import ScaleGranularity, fp8_batched_matmul
 from .shard import CacheShard
 
@@ -200,7 +209,6 @@ def store_new_rows(
 
     On a shard's cache, the rows of the positions it holds, at their local slots.
     """
-    dtype = cache.blocks.dtype
     rank = kv_norm_gamma.shape[0]
     shard = CacheShard() if shard is None else shard
     for b in range(len(batch.offsets) - 1):
@@ -209,13 +217,13 @@ def store_new_rows(
         pos = all_pos[owned]
         idx = _row_index(cache, b, shard.local_count(pos), layer_idx)
         if new_rows is None:
-            rows = cache.blocks[idx].to(torch.float32)
+            rows = read_rows(cache.blocks, idx, rank)
         else:
             given = new_rows[batch.offsets[b] : batch.offsets[b + 1]]
             rows = given[owned.to(given.device)].to(torch.float32, copy=True)
         rows[:, rank:] = rope_interleaved(rows[:, rank:], freqs_cis[pos])
         rows[:, :rank] = rms_norm(rows[:, :rank], kv_norm_gamma, epsilon)
-        cache.blocks[idx] = rows.to(dtype)
+        write_rows(cache.blocks, idx, rows, rank)
 
 
 def build_q_full(
@@ -261,7 +269,7 @@ def attend(
     ``key_range``: the mask's rule (:func:`key_range`); tests pass a wrong
     one. ``shard``: the positions ``cache`` holds (module docstring).
     """
-    dtype = cache.blocks.dtype
+    dtype = value_dtype(cache.blocks)
     shard = CacheShard() if shard is None else shard
     num_tokens, num_heads, _ = q_full.shape
     slopes = (alibi_slopes(num_heads) if score_mod == "alibi_pos" else torch.zeros(num_heads)).to(
@@ -276,7 +284,7 @@ def attend(
         start, stop = batch.offsets[b], batch.offsets[b + 1]
         visible = batch.lengths[b] + stop - start
         slots = torch.arange(shard.local_count(visible))
-        keys = cache.blocks[_row_index(cache, b, slots, layer_idx)].to(torch.float32)
+        keys = read_rows(cache.blocks, _row_index(cache, b, slots, layer_idx), rank)
         key_pos = shard.position(slots).to(torch.float32).to(q_full.device)
         for t in range(start, stop):
             p = batch.lengths[b] + t - start

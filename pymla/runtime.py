@@ -68,31 +68,30 @@ def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
         model = _models.get(config)
         if model is not None:
             return model
+        what = config.dtype.name + ("" if config.cache_dtype is None else ", fp8_ds_mla cache")
         log.info(
             "pymla: compiling mla_decode_branch_fp8 for %s, %s (first call in this process: "
             "about 20 s, a few seconds from MAX's disk cache)",
             device,
-            config.dtype.name,
+            what,
         )
         entries = _max_cache_entries()
         start = time.perf_counter()
         model = sess.load(build_graph(config))
         seconds = time.perf_counter() - start
-        what = "compiled" if _max_cache_entries() != entries else "loaded from MAX's cache"
-        log.info(
-            "pymla: mla_decode_branch_fp8 for %s, %s %s in %.1f s",
-            device,
-            config.dtype.name,
-            what,
-            seconds,
-        )
+        how = "compiled" if _max_cache_entries() != entries else "loaded from MAX's cache"
+        log.info("pymla: mla_decode_branch_fp8 for %s, %s %s in %.1f s", device, what, how, seconds)
         _models[config] = model
         return model
 
 
-def model_for(dtype: torch.dtype, device: torch.device) -> engine.Model:
+def model_for(
+    dtype: torch.dtype, device: torch.device, cache_dtype: torch.dtype | None = None
+) -> engine.Model:
+    """The compiled op for ``dtype`` on ``device``; ``cache_dtype`` uint8: ``fp8_ds_mla`` cache rows."""
+    cache = None if cache_dtype in (None, dtype) else bridge.max_dtype(cache_dtype)
     # Looked up through the module so a test can replace compiled_model.
-    return compiled_model(OpConfig(bridge.max_dtype(dtype), device_ref(device)), device)
+    return compiled_model(OpConfig(bridge.max_dtype(dtype), device_ref(device), cache), device)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -14,6 +14,7 @@ from . import validate as v
 from . import value_checks
 from .args import BY_NAME, KVCacheTensors
 from .cache import PagedLatentCache
+from .cache_format import FP8_STORAGE, fp8_kv_lora_rank
 from .options import DecodeOptions, as_bool
 
 
@@ -65,10 +66,15 @@ def check_step(
     }
     for name, t in tensors.items():
         arg = BY_NAME[name]
-        v.check_tensor(name, t, rank=arg.rank, dtypes=arg.torch_dtypes())
+        note = " (fp8_ds_mla rows)" if name == "kv_blocks" else ""
+        v.check_tensor(name, t, rank=arg.rank, dtypes=arg.torch_dtypes(), dtype_note=note)
     device = v._agree_attr("device", tensors, ValueError)
     v.check_shard_device(options.shard, options.score_mod, device)
-    v._agree_attr("dtype", {"freqs_cis": freqs_cis, "kv_blocks": kv.blocks}, TypeError)
+    fp8_cache = kv.blocks.dtype == FP8_STORAGE  # rows in the fp8_ds_mla format
+    if fp8_cache:
+        v.check_cache_format(kv.blocks, freqs_cis.dtype, device)
+    else:
+        v._agree_attr("dtype", {"freqs_cis": freqs_cis, "kv_blocks": kv.blocks}, TypeError)
     rope_dim = freqs_cis.shape[1]
     if rope_dim < 2 or rope_dim % 2:
         raise ValueError(
@@ -81,6 +87,12 @@ def check_step(
         (None, 1, None, None, 1, None),
         "[num_blocks, 1, num_layers, page_size, 1, kv_lora_rank + qk_rope_head_dim]",
     )
+    if fp8_cache and fp8_kv_lora_rank(kv.blocks.shape[5], rope_dim) is None:
+        raise ValueError(
+            f"kv_blocks: expected fp8_ds_mla rows of kv_lora_rank + kv_lora_rank / 32 + 2 * "
+            f"qk_rope_head_dim {rope_dim} bytes, kv_lora_rank a multiple of 128, in dim 5, "
+            f"got {kv.blocks.shape[5]}"
+        )
     if kv.blocks.shape[5] <= rope_dim:
         raise ValueError(
             f"kv_blocks: expected kv_lora_rank + qk_rope_head_dim {rope_dim} > {rope_dim} in dim 5, "

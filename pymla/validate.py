@@ -21,6 +21,7 @@ import torch
 
 from . import value_checks  # called through the module, where a test patches the checks
 from .args import BY_NAME, Mask, ScoreMod
+from .cache_format import FP8_STORAGE, FP8_VALUE_DTYPE, SCALE_BLOCK, fp8_row_bytes
 from .options import _join, as_int, check_options
 from .quant import PRESETS, ScaleGranularity, scale_shape
 
@@ -201,6 +202,39 @@ def _check_scales(
 # ---------------------------------------------------------------- the op
 
 
+def check_cache_format(kv_blocks: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """``uint8`` blocks (``fp8_ds_mla`` rows) serve a bfloat16 op, on the CPU only for now."""
+    if kv_blocks.dtype != FP8_STORAGE:
+        return
+    if dtype != FP8_VALUE_DTYPE:
+        raise TypeError(
+            f"kv_blocks: expected dtype {dtype} (q's), or uint8 fp8_ds_mla rows with a "
+            f"{FP8_VALUE_DTYPE} q, got uint8 with {dtype}"
+        )
+    if device.type != "cpu":
+        raise ValueError(
+            f"kv_blocks: expected a cache in q's dtype on {device} (the fp8_ds_mla cache format "
+            "is not yet on the GPU: CPU only), got uint8 fp8_ds_mla rows"
+        )
+
+
+def check_fp8_row_width(kv_blocks: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> None:
+    """The last dim of ``fp8_ds_mla`` blocks: ``R + 4 R / 128 + 2 Dr`` bytes, ``R`` a multiple of 128."""
+    if kv_lora_rank % SCALE_BLOCK:
+        raise ValueError(
+            f"kv_blocks: expected kv_lora_rank a multiple of {SCALE_BLOCK} for uint8 fp8_ds_mla "
+            f"rows (one float32 scale per {SCALE_BLOCK} latent values), got kv_lora_rank "
+            f"{kv_lora_rank} (of w_uk)"
+        )
+    expected = fp8_row_bytes(kv_lora_rank, rope_dim)
+    if kv_blocks.shape[5] != expected:
+        raise ValueError(
+            f"kv_blocks: expected size {expected} in dim 5 (fp8_ds_mla row bytes: kv_lora_rank "
+            f"{kv_lora_rank} + 4 * {kv_lora_rank // SCALE_BLOCK} scale bytes + 2 * "
+            f"qk_rope_head_dim {rope_dim}), got {kv_blocks.shape[5]} (shape {_shape(kv_blocks)})"
+        )
+
+
 def check_shard_device(shard, score_mod: ScoreMod | str, device: torch.device) -> None:
     """A shard of the cache with ALiBi runs on the CPU only (the GPU kernels take slots for positions)."""
     if shard is None or shard.whole or device.type == "cpu":
@@ -283,13 +317,15 @@ def check_inputs(
         )
     }
     for name, (t, rank, dtypes) in inputs.items():
-        check_tensor(name, t, rank=rank, dtypes=dtypes)
+        note = " (fp8_ds_mla rows)" if name == "kv_blocks" else ""
+        check_tensor(name, t, rank=rank, dtypes=dtypes, dtype_note=note)
     dev = _agree_attr("device", {name: t for name, (t, _, _) in inputs.items()}, ValueError)
+    fp8_cache = kv_blocks.dtype == FP8_STORAGE  # rows in the fp8_ds_mla format
+    valued = {"q": q, "freqs_cis": freqs_cis, "kv_norm_gamma": kv_norm_gamma}
     dtype = _agree_attr(
-        "dtype",
-        {"q": q, "freqs_cis": freqs_cis, "kv_norm_gamma": kv_norm_gamma, "kv_blocks": kv_blocks},
-        TypeError,
+        "dtype", valued if fp8_cache else {**valued, "kv_blocks": kv_blocks}, TypeError
     )
+    check_cache_format(kv_blocks, dtype, dev)
 
     # Sizes shared between arguments.
     num_tokens = q.shape[0]
@@ -308,7 +344,19 @@ def check_inputs(
         "qk_rope_head_dim",
         [
             _Size("freqs_cis", freqs_cis, 1),
-            _Size("kv_blocks", kv_blocks, 5, kv_lora_rank, f"kv_lora_rank {kv_lora_rank} + {{}}"),
+            *(
+                ()
+                if fp8_cache
+                else [
+                    _Size(
+                        "kv_blocks",
+                        kv_blocks,
+                        5,
+                        kv_lora_rank,
+                        f"kv_lora_rank {kv_lora_rank} + {{}}",
+                    )
+                ]
+            ),
             _Size("q", q, 2, nope_dim, f"w_uk's qk_nope_head_dim {nope_dim} + {{}}"),
         ],
     )
@@ -342,9 +390,11 @@ def check_inputs(
     check_shape(
         "kv_blocks",
         kv_blocks,
-        (None, 1, None, None, 1, kv_lora_rank + rope_dim),
+        (None, 1, None, None, 1, None if fp8_cache else kv_lora_rank + rope_dim),
         "[num_blocks, 1, num_layers, page_size, 1, kv_lora_rank + qk_rope_head_dim]",
     )
+    if fp8_cache:
+        check_fp8_row_width(kv_blocks, kv_lora_rank, rope_dim)
     _at_least("kv_blocks", kv_blocks, 3, "page_size")
     num_blocks, _, num_layers, page_size, _, _ = _shape(kv_blocks)
     if not 0 <= layer_idx < num_layers:

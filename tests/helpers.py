@@ -185,7 +185,9 @@ def check_parity(case: Case, target: str = "cpu", *, via_new_rows: bool = False)
     assert report6.passed, f"step 6 given the op's attention output: {report6.describe()}"
     assert_output_close(out, stages.out)
     updated = case.new_rows_mask()
-    cache_report = compare_cache(before, case.cache.blocks, ref_blocks, updated)
+    cache_report = compare_cache(
+        before, case.cache.blocks, ref_blocks, updated, case.cache.kv_lora_rank
+    )
     assert cache_report.passed, f"cache: {cache_report.describe()}"
     if updated.any():
         assert not torch.equal(case.cache.blocks[updated], before[updated]), (

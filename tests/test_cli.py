@@ -86,6 +86,14 @@ BAD_OPTIONS = {
         ("--warmup", "-1", "expected an integer >= 0, got '-1'"),
         ("--json", str(ROOT), "expected a file in an existing folder, got"),
     ],
+    "accuracy": [
+        ("--heads", "0", "expected an integer >= 1, got '0'"),
+        ("--contexts", "x", "expected an integer >= 1, got 'x'"),
+        ("--batch", "0", "expected an integer >= 1, got '0'"),
+        ("--new-tokens", "0", "expected an integer >= 1, got '0'"),
+        ("--seed", "x", "invalid int value: 'x'"),
+        ("--json", str(ROOT), "expected a file in an existing folder, got"),
+    ],
 }
 
 
@@ -304,3 +312,16 @@ def test_bench_keeps_existing_results_without_force(tmp_path, capsys):
         capsys, "bench", f"argument --output-dir: {existing} exists: pass --force"
     )
     assert existing.read_text() == "{}"
+
+
+def test_accuracy_measures_the_fp8_cache_against_both(tmp_path, capsys):
+    """The fp8 cache's errors: those of e4m3 (unit roundoff 2^-4), well above bf16's (2^-8)."""
+    path = tmp_path / "acc.json"
+    argv = ["accuracy", "--heads", "4", "--contexts", "60", "--batch", "1", "--json", str(path)]
+    assert main(argv) == 0
+    assert "CPU: " in capsys.readouterr().out
+    (shape,) = json.loads(path.read_text())["shapes"]
+    att = shape["attention"]
+    assert 2**-8 < shape["cache_latent_fp8_vs_bf16"] < 2**-4
+    assert att["bf16_vs_f32_reference"] < 2**-6 < att["fp8_vs_f32_reference"] < 2**-3
+    assert att["fp8_vs_bf16_op"] > 4 * att["bf16_vs_f32_reference"]

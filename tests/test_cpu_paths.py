@@ -180,7 +180,10 @@ def test_amx_tile_layouts(tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     lines = result.stdout.splitlines()
     assert lines[-1] == "amx_check: 0 failed", lines[-5:]
-    assert sum(line.startswith("PASS amx-emulated") for line in lines) >= 30
+    # every case with the values packed and with the values read in place
+    assert sum(line.startswith("PASS amx-emulated packed") for line in lines) >= 30
+    assert sum(line.startswith("PASS amx-emulated in-place") for line in lines) >= 30
     assert sum(line.startswith("PASS amx-emulated projection") for line in lines) >= 9  # steps 3, 6
     if "amx" in kernel_cpu_paths() and "amx_tile" in cpu_flags():
-        assert sum(line.startswith("PASS amx ") for line in lines) >= 30
+        assert sum(line.startswith("PASS amx packed") for line in lines) >= 30
+        assert sum(line.startswith("PASS amx in-place") for line in lines) >= 30

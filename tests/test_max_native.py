@@ -74,10 +74,11 @@ def quant_config(
     )
 
 
-def kv_params(page_size: int = 16) -> MLAKVCacheParams:
+def kv_params(page_size: int = 16, fp8: bool = False) -> MLAKVCacheParams:
+    """MAX's cache parameters; ``fp8``: 656-byte ``fp8_ds_mla`` rows (uint8)."""
     return MLAKVCacheParams(
-        dtype=DType.bfloat16,
-        head_dim=576,
+        dtype=DType.uint8 if fp8 else DType.bfloat16,
+        head_dim=656 if fp8 else 576,
         num_layers=LAYERS,
         devices=[CPU_REF],
         page_size=page_size,
@@ -102,9 +103,12 @@ def op_input_types() -> list[TensorType]:
     ]
 
 
-def drop_in_graph(name: str, **overrides) -> Graph:
-    """A graph calling the drop-in with MAX's arguments (``overrides`` replace some; a callable gets the inputs)."""
-    params = kv_params()
+def drop_in_graph(name: str, fp8: bool = False, **overrides) -> Graph:
+    """A graph calling the drop-in with MAX's arguments (``overrides`` replace some; a callable gets the inputs).
+
+    ``fp8``: the cache in the ``fp8_ds_mla`` format (``cache_format`` passed).
+    """
+    params = kv_params(fp8=fp8)
     kv_types, _ = tree.flatten(params.get_symbolic_inputs())
     with Graph(
         name,
@@ -135,6 +139,7 @@ def drop_in_graph(name: str, **overrides) -> Graph:
             w_uk_scale=w_uk_scale,
             w_uv_scale=w_uv_scale,
             quant_config=quant_config(),
+            **({"cache_format": "fp8_ds_mla"} if fp8 else {}),
         )
         args.update({k: v(graph) if callable(v) else v for k, v in overrides.items()})
         graph.output(pymla.graph.mla_decode_graph(**args))
@@ -147,7 +152,7 @@ def model():
     return InferenceSession(devices=[CPU()]).load(drop_in_graph("max_native_decode"))
 
 
-def run(model, case, rows: torch.Tensor) -> torch.Tensor:
+def run(model, case, rows: torch.Tensor, fp8: bool = False) -> torch.Tensor:
     w = case.weights
     tensors = [
         case.q,
@@ -161,7 +166,7 @@ def run(model, case, rows: torch.Tensor) -> torch.Tensor:
         w["w_uv_scale"],
         torch.tensor(case.layer_idx, dtype=torch.uint32),
     ]
-    kv_buffers, _ = tree.flatten(runtime_kv_inputs(case.cache, kv_params()))
+    kv_buffers, _ = tree.flatten(runtime_kv_inputs(case.cache, kv_params(fp8=fp8)))
     (out,) = model.execute(*(Buffer.from_dlpack(t) for t in tensors), *kv_buffers)
     return torch.from_dlpack(out)
 
@@ -196,6 +201,35 @@ def test_drop_in_matches_reference(model, seed, cache_lengths, new_tokens):
     assert cache_report.passed, cache_report.describe()
     assert cache_report.rows_updated == sum(new_tokens)
     assert not torch.equal(case.cache.blocks[updated], before[updated])
+
+
+def test_drop_in_with_fp8_cache():
+    """``cache_format="fp8_ds_mla"``: MAX's cache types of uint8 656-byte rows, the new rows through
+    ``kv`` quantized by the op: output and cache bytes vs the reference (pymla.parity)."""
+    model = InferenceSession(devices=[CPU()]).load(drop_in_graph("max_native_fp8", fp8=True))
+    case = make_case(
+        5,
+        num_heads=HEADS,
+        num_layers=LAYERS,
+        cache_lengths=(5, 40, 0),
+        new_tokens=(1, 2, 3),
+        cache_format="fp8_ds_mla",
+    )
+    case.options.update(scale=SCALE, epsilon=EPSILON)
+    rows = case.take_new_rows(seed=105)
+    before = case.cache.blocks.clone()
+    stages, ref_blocks = reference_stages(case, new_rows=rows)
+    out = run(model, case, rows, fp8=True)
+    report = compare_output(out, stages.out)
+    assert report.passed, report.describe()
+    updated = case.new_rows_mask()
+    cache_report = compare_cache(before, case.cache.blocks, ref_blocks, updated, 512)
+    assert cache_report.passed and cache_report.rows_updated == 6, cache_report.describe()
+
+
+def test_fp8_cache_format_needs_uint8_params():
+    with pytest.raises(ValueError, match="^cache_format: 'fp8_ds_mla' expects a bfloat16 q"):
+        drop_in_graph("max_native_fp8_bad", cache_format="fp8_ds_mla")
 
 
 def test_mask_variants():

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pymla
-from pymla.args import ACTIVATION, ARGS, Mask, ScoreMod
+from pymla.args import ACTIVATION, ARGS, CACHE, Mask, ScoreMod
 from pymla.reference import rope_freqs_cis
 
 from helpers import assert_cache_unchanged, cache_snapshot, make_case
@@ -60,7 +60,8 @@ def test_argument_table_is_the_mojo_signature():
             continue
         assert kind.startswith("MutableInputTensor" if arg.mutable else "InputTensor["), name
         assert f"rank={arg.rank}" in kind, name
-        expected = "dtype=dtype" if arg.dtype == ACTIVATION else f"dtype=DType.{arg.dtype.name}"
+        expected = {ACTIVATION: "dtype=dtype", CACHE: "dtype=cache_dtype"}.get(arg.dtype)
+        expected = expected or f"dtype=DType.{arg.dtype.name}"
         assert expected in kind, name
 
 

@@ -222,7 +222,7 @@ WRONG_DTYPES = [
     ("q", torch.int32, ACT),
     ("freqs_cis", torch.float64, ACT),
     ("kv_norm_gamma", torch.int64, ACT),
-    ("kv_blocks", torch.float8_e4m3fn, ACT),
+    ("kv_blocks", torch.float8_e4m3fn, f"{ACT} or torch.uint8 (fp8_ds_mla rows)"),
     ("input_row_offsets", torch.int64, "torch.uint32"),
     ("input_row_offsets", torch.int32, "torch.uint32"),
     ("cache_lengths", torch.int64, "torch.uint32"),

@@ -18,13 +18,20 @@ FMA blocks (every dtype, every CPU); or, for bfloat16 caches on CPUs with
 AVX512-BF16, `vdpbf16ps` on the cache rows in place (`cpu/bf16.mojo`),
 `BF16_KEY_TILE` keys per tile, the next tile's rows prefetched while one is
 scored; or, on CPUs with AMX, `tdpbf16ps` on 16-key tiles loaded in place
-from the cache (`cpu/amx.mojo`), `AMX_KEY_TILE` keys per tile, rows padded
+from the cache (`cpu/amx_attention.mojo`), `AMX_KEY_TILE` keys per tile, rows padded
 to 16. All sum the same products in float32.
 
 This file holds the three tile paths and the task loop (`attend_partitions`);
 a task's rows and their online softmax are `cpu/online_softmax.mojo`.
 Partitions are merged with their log-sum-exp at the end (`cpu/merge.mojo`),
-which also gives each row's LSE (the op's optional `lse`). With a shard of the cache
+which also gives each row's LSE (the op's optional `lse`).
+
+An `fp8_ds_mla` cache (`Fp8LatentRows`) is read through `CacheKeys`: the f32
+path dequantizes its keys straight into the float32 tile, the AVX512-BF16
+path into a bfloat16 staging tile (two, alternating, as the next tile is
+prepared while one is scored), the AMX path into its 16-key staging blocks
+(`key_block`); the values are exact bfloat16 values, so the products are
+those of a bfloat16 cache holding them. With a shard of the cache
 (`RaggedBatch.shard`, context-parallel decode) keys are the shard's slots:
 the partitions split its slots, the mask's position ranges map to slot
 ranges, and ALiBi takes each slot's sequence position.
@@ -33,21 +40,20 @@ ranges, and ALiBi takes each slot's sequence position.
 from std.math import min
 
 from ..common import DPtr, FPtr, ceil_div
-from ..paged_cache import CacheShard, PagedLatentRows, RaggedBatch, partition_keys
+from ..paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch, partition_keys
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
-from .amx import (
+from .amx import TILE_DEPTH, TILE_ROWS, AmxTiles, TileUnit, untracked_bf16
+from .amx_attention import (
     AMX_KEY_TILE,
-    TILE_DEPTH,
-    TILE_ROWS,
+    KEY_BLOCKS,
+    VALUES_IN_PLACE_MAX_ROW_BLOCKS,
     AmxScratch,
-    AmxTiles,
     KeyRows,
-    TileUnit,
     accumulate_values_amx,
     gather_keys,
+    interleave_value_columns,
     pack_queries,
     tile_scores_amx,
-    untracked_bf16,
 )
 from .bf16 import (
     BF16Ptr,
@@ -66,17 +72,47 @@ comptime PATH_F32 = 0
 comptime PATH_AVX512BF16 = 1
 """bf16 products on the AVX512-BF16 unit (`cpu/bf16.mojo`), bfloat16 caches."""
 comptime PATH_AMX = 2
-"""bf16 products on AMX tiles (`cpu/amx.mojo`), bfloat16 caches."""
+"""bf16 products on AMX tiles (`cpu/amx_attention.mojo`), bfloat16 caches."""
+
+
+@fieldwise_init
+struct CacheKeys[dtype: DType](TrivialRegisterPassable):
+    """Where a task reads its keys: the cache rows of `dtype` in place, or `fp8_ds_mla` rows
+    (when `fp8.active`), dequantized exactly (`Fp8LatentRows.dequantize_row`)."""
+
+    var rows: PagedLatentRows[Self.dtype]
+    var fp8: Fp8LatentRows
+
+    def tile[tile: Int](self, b: Int, j0: Int, k_hi: Int, staging: BF16Ptr, key_dim: Int) -> Array[BF16Ptr, tile]:
+        """`tile_rows` of keys `j0 ..`: in place, or fp8 rows dequantized into `staging [tile, key_dim]`."""
+        if not self.fp8.active:
+            return tile_rows[Self.dtype, tile](self.rows, b, j0, k_hi)
+        var count = max(min(tile, k_hi - j0), 1)
+        for c in range(count):
+            self.fp8.dequantize_row[DType.bfloat16](b, j0 + c, staging.unsafe_offset(c * key_dim))
+        var keys = Array[BF16Ptr, tile](fill=staging.unsafe_offset((count - 1) * key_dim))
+        for c in range(count):
+            keys[c] = staging.unsafe_offset(c * key_dim)
+        return keys^
+
+    def stored_row(self, b: Int, j: Int) -> BF16Ptr:
+        """Where key slot `j`'s stored row starts (bf16 row, or fp8 bytes): what to prefetch."""
+        if self.fp8.active:
+            return self.fp8.row(b, j).unsafe_bitcast[BFloat16]()
+        return self.rows.row(b, j).unsafe_bitcast[BFloat16]()
 
 
 def load_key_tile[
     dtype: DType
-](cache: PagedLatentRows[dtype], b: Int, j0: Int, j1: Int, tile: FPtr, key_dim: Int):
+](keys: CacheKeys[dtype], b: Int, j0: Int, j1: Int, tile: FPtr, key_dim: Int):
     """Widens cache rows `j0 .. j1 - 1` of request `b` into the first rows of `tile [KEY_TILE, key_dim]`."""
     comptime W = F32_WIDTH
     for j in range(j0, j1):
-        var src = cache.row(b, j)
         var dst = tile.unsafe_offset((j - j0) * key_dim)
+        if keys.fp8.active:
+            keys.fp8.dequantize_row[DType.float32](b, j, dst)
+            continue
+        var src = keys.rows.row(b, j)
         var k = 0
         while k + W <= key_dim:
             dst.unsafe_store(k, src.unsafe_load[width=W](k).cast[DType.float32]())
@@ -146,7 +182,7 @@ def accumulate_values(probs: FPtr, tile: FPtr, acc_out: FPtr, correction: FPtr, 
 def attend_tiles_f32[
     dtype: DType
 ](
-    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
     """The task's keys `k_lo .. k_hi - 1`, tile by tile, widened to float32 once per tile."""
@@ -155,7 +191,7 @@ def attend_tiles_f32[
     var j0 = k_lo
     while j0 < k_hi:
         var j1 = min(j0 + KEY_TILE, k_hi)
-        load_key_tile[dtype](cache, b, j0, j1, tile, key_dim)
+        load_key_tile[dtype](keys, b, j0, j1, tile, key_dim)
         tile_scores(scratch(rows.q_buf), tile, scratch(rows.scores_buf), rows.padded, key_dim)
         softmax_update[dtype, KEY_TILE](rows, j0, j1 - j0, scale, shard)
         accumulate_values(
@@ -178,13 +214,14 @@ def tile_rows[
 def attend_tiles_bf16[
     dtype: DType
 ](
-    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
     """The task's keys tile by tile on the AVX512-BF16 unit, reading the bf16 cache rows in place.
 
     Keys past the tile's end point at its last key: their probabilities are 0.
-    While a tile is scored, the next tile's rows are prefetched.
+    While a tile is scored, the next tile's rows are prefetched (fp8 rows:
+    dequantized into the other of two staging tiles).
     """
     comptime tile = BF16_KEY_TILE
     if k_lo >= k_hi:
@@ -196,12 +233,16 @@ def attend_tiles_bf16[
     var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var probs_buf = List[BFloat16](length=rows.padded * tile, fill=0)
     var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var first = tile_rows[dtype, tile](cache, b, k_lo, k_hi)
+    var staging_buf = List[BFloat16](length=2 * tile * key_dim if keys.fp8.active else 0, fill=0)
+    var staging = staging_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var slot = 0
+    var first = keys.tile[tile](b, k_lo, k_hi, staging, key_dim)
     var scoring = TileScores[tile](q, first.copy(), first^, scratch(rows.scores_buf), key_dim)
     var j0 = k_lo
     while j0 < k_hi:
         var j1 = min(j0 + tile, k_hi)
-        scoring.next_keys = tile_rows[dtype, tile](cache, b, min(j1, k_hi - 1), k_hi)
+        slot = 1 - slot
+        scoring.next_keys = keys.tile[tile](b, min(j1, k_hi - 1), k_hi, staging.unsafe_offset(slot * tile * key_dim), key_dim)
         tile_scores_bf16(scoring, rows.padded)
         softmax_update[dtype, tile](rows, j0, j1 - j0, scale, shard)
         accumulate_values_bf16[tile](
@@ -212,20 +253,47 @@ def attend_tiles_bf16[
     _ = q_buf^
     unpermute_value_columns(scratch(rows.out_buf), rows.num_rows, rank)
     _ = probs_buf^
+    _ = staging_buf^
 
 
-def key_half(
-    cache: PagedLatentRows[DType.bfloat16], b: Int, j0: Int, k_lo: Int, k_hi: Int, staging: BF16Ptr, key_dim: Int, padded_dim: Int
+def key_block[
+    dtype: DType
+](
+    keys: CacheKeys[dtype],
+    b: Int,
+    j0: Int,
+    k_lo: Int,
+    k_hi: Int,
+    staging: BF16Ptr,
+    key_dim: Int,
+    padded_dim: Int,
+    whole: Bool,
 ) -> KeyRows:
-    """Keys `j0 .. j0 + 15` of request `b` for a tile load: in place when they lie in one page and the
-    key dim is whole depth steps, else gathered into `staging` (zeros for keys outside `[k_lo, k_hi)`).
+    """Keys `j0 .. j0 + 15` of request `b` for a tile load: bfloat16 rows in place when they lie in one
+    page and the key dim is whole depth steps, else copied into `staging [16, padded_dim]` (fp8 rows
+    dequantized; zeros for keys outside `[k_lo, k_hi)` and past `key_dim`).
 
-    Keys of an in-place half outside `[k_lo, k_hi)` are rows of the same page: their scores are masked.
+    Keys of an in-place block outside `[k_lo, k_hi)` are rows of the same page: their scores are
+    masked, but their values may hold any bits; with `whole` (values read in place too) such a block
+    is copied.
     """
     var first = max(j0, k_lo)
-    if first >= min(j0 + TILE_ROWS, k_hi):
+    var last = min(j0 + TILE_ROWS, k_hi)
+    if first >= last:
         return KeyRows(staging, padded_dim)  # no key of the task: every score masked, every value zero
-    if key_dim == padded_dim and j0 // cache.page_size == (j0 + TILE_ROWS - 1) // cache.page_size:
+    if keys.fp8.active:
+        for j in range(TILE_ROWS):
+            var dst = staging.unsafe_offset(j * padded_dim)
+            if j0 + j >= first and j0 + j < last:
+                keys.fp8.dequantize_row[DType.bfloat16](b, j0 + j, dst)  # past key_dim: zeros, never written
+            else:
+                for d in range(key_dim):
+                    dst.unsafe_store(d, BFloat16(0))
+        return KeyRows(staging, padded_dim)
+    var cache = rebind[PagedLatentRows[DType.bfloat16]](keys.rows)
+    var all_valid = first == j0 and last == j0 + TILE_ROWS
+    var one_page = j0 // cache.page_size == (j0 + TILE_ROWS - 1) // cache.page_size
+    if key_dim == padded_dim and one_page and (all_valid or not whole):
         return KeyRows(cache.row(b, j0), key_dim)
     var rows = Array[BF16Ptr, TILE_ROWS](fill=cache.row(b, first))
     var valid = Array[Bool, TILE_ROWS](fill=False)
@@ -237,51 +305,54 @@ def key_half(
 
 
 def attend_tiles_amx[
-    dtype: DType, tiles: TileUnit
+    dtype: DType, tiles: TileUnit, in_place_max_row_blocks: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
 ](
-    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
-    """The task's keys on AMX tiles (`cpu/amx.mojo`), 32-key tiles aligned to multiples of 32 slots.
+    """The task's keys on AMX tiles (`cpu/amx_attention.mojo`), key tiles aligned to multiples of AMX_KEY_TILE slots.
 
-    `rows.padded` is a multiple of 16.
+    `rows.padded` is a multiple of 16. Values are read in place up to
+    `in_place_max_row_blocks` row blocks, else packed once per key tile.
     """
     comptime assert dtype == DType.bfloat16, "the AMX path serves bfloat16 caches"
     comptime tile = AMX_KEY_TILE
     if k_lo >= k_hi:
         return
-    var bf16_cache = rebind[PagedLatentRows[DType.bfloat16]](cache)
     var buffers = AmxScratch(rows.padded, key_dim, rank)
     var steps = buffers.steps
     var padded_dim = steps * TILE_DEPTH
+    var in_place = rows.padded // TILE_ROWS <= in_place_max_row_blocks
     var q_packed = untracked_bf16(buffers.q_packed)
-    var staging = untracked_bf16(buffers.staging)
     var out = scratch(buffers.out)
     pack_queries(scratch(rows.q_buf), q_packed, rows.padded, key_dim, steps)
     var unit = tiles()
     unit.start()
     var j0 = k_lo - k_lo % tile
     while j0 < k_hi:
-        var keys = Array[KeyRows, 2](fill=KeyRows(staging, padded_dim))
-        comptime for h in range(2):
-            keys[h] = key_half(
-                bf16_cache, b, j0 + h * TILE_ROWS, k_lo, k_hi, staging.unsafe_offset(h * TILE_ROWS * padded_dim),
-                key_dim, padded_dim,
+        var blocks = Array[KeyRows, KEY_BLOCKS](fill=KeyRows(q_packed, padded_dim))
+        comptime for kb in range(KEY_BLOCKS):
+            blocks[kb] = key_block(
+                keys, b, j0 + kb * TILE_ROWS, k_lo, k_hi, buffers.staging_block(kb), key_dim, padded_dim, in_place
             )
         var valid = Array[Bool, tile](fill=False)
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
-        var next_keys = tile_rows[DType.bfloat16, tile](bf16_cache, b, min(j0 + tile, k_hi - 1), k_hi)
+        var next_keys = Array[BF16Ptr, tile](fill=q_packed)
+        comptime for j in range(tile):
+            next_keys[j] = keys.stored_row(b, min(j0 + tile + j, k_hi - 1))
         tile_scores_amx(
-            unit, keys, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
+            unit, blocks, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
         )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
         accumulate_values_amx(
-            unit, scratch(rows.scores_buf), untracked_bf16(buffers.probs), keys, valid,
-            untracked_bf16(buffers.v_packed), out, buffers.out_stride, rows.correction(), rows.padded, rank,
+            unit, scratch(rows.scores_buf), untracked_bf16(buffers.probs), blocks, valid,
+            untracked_bf16(buffers.v_packed), out, buffers.out_stride, rows.correction(), rows.padded, rank, in_place,
         )
         j0 += tile
     unit.stop()
+    if in_place:
+        interleave_value_columns(out, rows.num_rows, buffers.out_stride, rank)
     var out_rows = scratch(rows.out_buf)
     for r in range(rows.num_rows):
         for c in range(rank):
@@ -290,7 +361,7 @@ def attend_tiles_amx[
 
 
 def attend_partitions[
-    dtype: DType, tiles: TileUnit = AmxTiles
+    dtype: DType, tiles: TileUnit = AmxTiles, in_place_max_row_blocks: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
 ](
     q_full: DPtr[dtype],
     cache: PagedLatentRows[dtype],
@@ -301,18 +372,21 @@ def attend_partitions[
     score_mod: Int,
     partials: PartialResults,
     path: Int,
+    fp8: Fp8LatentRows,
 ) raises:
     """Runs every (request, head group, key partition) task into `partials`.
 
     `path` (PATH_*, chosen by `cpu_pipeline.attention_path`) takes the
-    AVX512-BF16 products (`cpu/bf16.mojo`) or the AMX tiles (`cpu/amx.mojo`,
+    AVX512-BF16 products (`cpu/bf16.mojo`) or the AMX tiles (`cpu/amx_attention.mojo`,
     through `tiles`: the unit, or the emulation of `tests/cpu/amx_check.mojo`)
-    for a bfloat16 cache; otherwise keys are widened to float32.
+    for a bfloat16 cache; otherwise keys are widened to float32. `fp8`:
+    the cache's rows in the `fp8_ds_mla` format, when active (`CacheKeys`).
     """
+    var keys = CacheKeys[dtype](cache, fp8)
     var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
     var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var cache, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
+    def task(i: Int) {var q_full, var cache, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
         var b = i // tasks_per_request
         var hg = (i % tasks_per_request) // shape.num_partitions
         var part = i % shape.num_partitions
@@ -359,14 +433,16 @@ def attend_partitions[
         var done = False
         comptime if dtype == DType.bfloat16:
             if path == PATH_AMX:
-                attend_tiles_amx[dtype, tiles](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
+                attend_tiles_amx[dtype, tiles, in_place_max_row_blocks](
+                    rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank
+                )
                 done = True
         comptime if dtype == DType.bfloat16 and HAS_AVX512_BF16:
             if path == PATH_AVX512BF16:
-                attend_tiles_bf16[dtype](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
+                attend_tiles_bf16[dtype](rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
                 done = True
         if not done:
-            attend_tiles_f32[dtype](rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
+            attend_tiles_f32[dtype](rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
 
         # Hand the rows' state to the merge.
         var out_rows = scratch(rows.out_buf)
@@ -380,7 +456,7 @@ def attend_partitions[
                 dst.unsafe_store(c, src.unsafe_load(c))
         _ = rows^
 
-    var keys = 0
+    var total_keys = 0
     for b in range(batch.num_requests):
-        keys += batch.local_keys(b)
-    run_tasks(task, batch.num_requests * tasks_per_request, keys * shape.num_heads * shape.key_dim)
+        total_keys += batch.local_keys(b)
+    run_tasks(task, batch.num_requests * tasks_per_request, total_keys * shape.num_heads * shape.key_dim)

@@ -13,7 +13,7 @@ from std.utils.numerics import neg_inf
 
 from ..common import FPtr, ceil_div
 from ..paged_cache import CacheShard
-from .amx import AMX_KEY_TILE
+from .amx_attention import AMX_KEY_TILE
 from .simd import DOT_ROWS, F32_WIDTH, scratch
 
 comptime KEY_TILE = F32_WIDTH  # keys per tile of the float32 path: one score vector per row

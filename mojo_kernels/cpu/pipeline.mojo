@@ -22,7 +22,7 @@ from .bf16 import HAS_AVX512_BF16
 from .amx_matmul import fp8_projection, projection_on_amx
 from .fp8_matmul import StridedMatrices
 from .merge import AttentionShape, PartialResults, merge_partitions
-from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
+from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows, rotate_normalize_and_quantize_new_rows
 from .simd import scratch, scratch_of
 
 comptime MIN_KEYS_PER_PARTITION = 256
@@ -157,15 +157,23 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     var key_dim = p.key_dim()
 
     # Steps 1 and 2 on the cache: the new rows (from `new_rows` when given), rotated and
-    # normalized in place.
-    if p.has_new_rows:
-        copy_new_rows_into_cache[dtype](p)
-    rotate_and_normalize_new_rows[dtype](
-        p.cache, p.batch, p.freqs_cis, p.kv_norm_gamma, p.epsilon, p.kv_lora_rank, p.rope_dim
-    )
+    # normalized in place; an fp8_ds_mla cache stores them quantized.
+    if p.fp8_cache.active:
+        rotate_normalize_and_quantize_new_rows[dtype](
+            p.fp8_cache, p.batch, p.freqs_cis, p.kv_norm_gamma, p.epsilon, p.new_rows, p.has_new_rows
+        )
+    else:
+        if p.has_new_rows:
+            copy_new_rows_into_cache[dtype](p)
+        rotate_and_normalize_new_rows[dtype](
+            p.cache, p.batch, p.freqs_cis, p.kv_norm_gamma, p.epsilon, p.kv_lora_rank, p.rope_dim
+        )
 
     # Steps 1, 3 and 4 on q: q_full = concat(q_nope @ w_uk, rope(q_rope)), in dtype.
-    var q_full_buf = List[Scalar[dtype]](length=p.num_tokens * p.num_heads * key_dim, fill=0)
+    # The per-call buffers below are written whole before they are read (q_full by steps 1 and 3, the
+    # partials by every task, raw by the merge): no zero fill, whose page faults would all land in this
+    # thread (at 128 heads the partials are 16 MiB).
+    var q_full_buf = List[Scalar[dtype]](unsafe_uninit_length=p.num_tokens * p.num_heads * key_dim)
     var q_full = scratch_of(q_full_buf)
     rope_queries_into_q_full[dtype](
         p.q, p.batch, p.freqs_cis, q_full, p.num_heads, p.nope_dim, p.rope_dim, p.kv_lora_rank
@@ -178,16 +186,16 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     # Step 5: attention, split into partitions, then merged.
     var shape = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
     var rows = shape.num_partitions * p.num_tokens * p.num_heads
-    var part_out_buf = List[Float32](length=rows * p.kv_lora_rank, fill=0)
-    var part_max_buf = List[Float32](length=rows, fill=0)
-    var part_sum_buf = List[Float32](length=rows, fill=0)
+    var part_out_buf = List[Float32](unsafe_uninit_length=rows * p.kv_lora_rank)
+    var part_max_buf = List[Float32](unsafe_uninit_length=rows)
+    var part_sum_buf = List[Float32](unsafe_uninit_length=rows)
     var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
     attend_partitions[dtype](
-        q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, path
+        q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, path, p.fp8_cache
     )
     # The attention output, in dtype: into `attention_output` when the caller wants it.
     var raw_buf = List[Scalar[dtype]](
-        length=0 if p.has_attention_output else p.num_tokens * p.num_heads * p.kv_lora_rank, fill=0
+        unsafe_uninit_length=0 if p.has_attention_output else p.num_tokens * p.num_heads * p.kv_lora_rank
     )
     var raw = p.attention_output if p.has_attention_output else scratch_of(raw_buf)
     merge_partitions[dtype](partials, shape, raw, p.lse, p.has_lse)

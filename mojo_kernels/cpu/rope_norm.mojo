@@ -1,9 +1,14 @@
-"""Steps 1, 2 and 4: RoPE on q and on the new cache rows, RMSNorm of their latent part."""
+"""Steps 1, 2 and 4: RoPE on q and on the new cache rows, RMSNorm of their latent part.
+
+An `fp8_ds_mla` cache gets its new rows through a bfloat16 staging row:
+read (from `new_rows`, or the cache row's values), normalized and rotated
+there as in place, then quantized into the cache row (`Fp8LatentRows.store_row`).
+"""
 
 from std.math import sqrt
 
 from ..common import DPtr
-from ..paged_cache import PagedLatentRows, RaggedBatch
+from ..paged_cache import Fp8LatentRows, PagedLatentRows, RaggedBatch
 from ..spec import rope_pair
 from .simd import F32_WIDTH, run_tasks
 
@@ -88,6 +93,49 @@ def rotate_and_normalize_new_rows[
 
     var rows = batch.stop(num_requests - 1) - batch.start(0) if num_requests > 0 else 0
     run_tasks(request_task, num_requests, rows * (kv_lora_rank + rope_dim))
+
+
+def rotate_normalize_and_quantize_new_rows[
+    dtype: DType
+](
+    cache: Fp8LatentRows,
+    batch: RaggedBatch,
+    freqs_cis: DPtr[dtype],
+    gamma: DPtr[dtype],
+    epsilon: Float32,
+    new_rows: DPtr[dtype],
+    has_new_rows: Bool,
+) raises:
+    """Steps 1 and 2 for an `fp8_ds_mla` cache: each new token's row (from `new_rows` when given,
+    else the cache row's values), normalized and rotated in a `dtype` (bfloat16) staging row, quantized into the cache.
+    """
+    var num_requests = batch.num_requests
+    var rank = cache.kv_lora_rank
+    var rope_dim = cache.rope_dim
+    var width = rank + rope_dim
+
+    def request_task(b: Int) {var cache, var batch, var freqs_cis, var gamma, var epsilon, var new_rows, var has_new_rows, var rank, var rope_dim, var width}:
+        var staging_buf = List[Scalar[dtype]](length=width, fill=0)
+        var row = staging_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        for t in range(batch.start(b), batch.stop(b)):
+            var pos = batch.position(b, t)
+            if not batch.shard.owns(pos):
+                continue
+            var slot = batch.shard.local_count(pos)
+            if has_new_rows:
+                for d in range(width):
+                    row.unsafe_store(d, new_rows.unsafe_load(t * width + d))
+            else:
+                cache.dequantize_row[dtype](b, slot, row)
+            rms_norm_in_place[dtype](row, gamma, rank, epsilon)
+            rope_interleaved[dtype, dtype, dtype](
+                row.unsafe_offset(rank), freqs_cis.unsafe_offset(pos * rope_dim), row.unsafe_offset(rank), rope_dim
+            )
+            cache.store_row[dtype](b, slot, row)
+        _ = staging_buf^
+
+    var rows = batch.stop(num_requests - 1) - batch.start(0) if num_requests > 0 else 0
+    run_tasks(request_task, num_requests, rows * width)
 
 
 def rope_queries_into_q_full[

@@ -90,6 +90,7 @@ from max.gpu.sync import mbarrier_arrive, mbarrier_init, named_barrier
 from ..paged_cache import PagedLatentRows
 from .attention_block import AttentionBlock, AttentionParams, RowMasks, SPtr, fence_async_proxy
 from .attention_wgmma import quad_max, quad_sum
+from .pdl import allow_dependents, wait_for_producers
 
 comptime S9_ROWS = 64  # rows per block: the M of one wgmma
 comptime S9_KEYS = 64  # keys per block: one TMA box's rows
@@ -474,6 +475,10 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
         S9_WG * S9_PRODUCER_REGS + S9_MATH_THREADS * S9_MATH_REGS <= S9_THREADS * S9_LAUNCH_REGS
     ), "setmaxnreg: the math warpgroups' registers must come from the producer's (else setmaxnreg.inc waits forever)"
 
+    # With PDL (pdl.mojo) every thread waits for the q step (q_full, the new cache rows) at once,
+    # before the role split: the producer's TMA copies and load_q read what it wrote.
+    wait_for_producers()
+    allow_dependents()
     var tid = thread_idx.x
     var blk = AttentionBlock.locate[S9_ROWS](p.att)
     if not blk.has_rows():

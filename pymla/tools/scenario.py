@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import PagedLatentCache
+from ..cache_format import stored
 from ..quant import ScaleGranularity, make_mla_weights
 from ..reference import (
     KVCacheTensors,
@@ -88,22 +89,14 @@ class Case:
         if not self.cache.shard.whole:
             raise ValueError("take_new_rows: expected a case on the whole cache, got a shard")
         mask = self.new_rows_mask()
-        rows = (
-            torch.stack(
-                [
-                    self.cache.blocks[page, 0, self.layer_idx, pos % self.cache.page_size, 0]
-                    for page, pos in (
-                        (self.cache.pages_of(b)[pos // self.cache.page_size], pos)
-                        for b, pos in self.new_positions()
-                    )
-                ]
-            )
-            if mask.any()
-            else self.cache.blocks.new_empty(0, self.cache.blocks.shape[-1])
+        cache = self.cache
+        rows = torch.cat(
+            [cache.rows(b, self.layer_idx, pos, pos + 1) for b, pos in self.new_positions()]
+            + [torch.empty(0, cache.head_dim, dtype=cache.dtype, device=cache.device)]
         )
         g = torch.Generator().manual_seed(seed)
-        noise = torch.randn(self.cache.blocks[mask].shape, generator=g)
-        self.cache.blocks[mask] = noise.to(self.cache.blocks.dtype)
+        noise = torch.randn(int(mask.sum()), cache.head_dim, generator=g)
+        cache.blocks[mask] = stored(noise, cache.blocks, cache.kv_lora_rank)
         return rows.clone()
 
     def new_positions(self) -> list[tuple[int, int]]:
@@ -137,6 +130,7 @@ def make_case(
     extra_rows: int = 7,
     freqs: str = "random",
     shard: CacheShard | None = None,
+    cache_format: str = "dtype",
 ) -> Case:
     """A fresh random case: every value is drawn from ``seed``, none is zero.
 
@@ -145,7 +139,8 @@ def make_case(
     the case's cache holds that shard's positions (context-parallel decode);
     every value drawn is the same as without it, so the shards of a seed
     split the whole cache of that seed (same pool size, page order and
-    rows), and ``options`` carries the shard.
+    rows), and ``options`` carries the shard. ``cache_format``: the cache's
+    (:mod:`pymla.cache_format`; ``"fp8_ds_mla"`` with bfloat16).
     """
     g = torch.Generator().manual_seed(seed)
     granularity = ScaleGranularity.parse(granularity)
@@ -161,9 +156,11 @@ def make_case(
         shuffle_pages=True,
         generator=g,
         shard=shard,
+        cache_format=cache_format,
     )
     # Every slot of the pool holds random data, so a read or write of a wrong row shows.
-    cache.blocks.copy_(torch.randn(cache.blocks.shape, generator=g).to(dtype))
+    noise = torch.randn((*cache.blocks.shape[:-1], cache.head_dim), generator=g)
+    cache.blocks.copy_(stored(noise, cache.blocks, kv_lora_rank))
     for length in cache_lengths:
         b = cache.add_request()
         cache.fill(b, length, generator=g)

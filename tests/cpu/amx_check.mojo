@@ -22,18 +22,22 @@
 # time goes). Steps 3 and 6 on tiles (cpu/amx_matmul.mojo): checks and timings in
 # projection_check.mojo; the tile emulation in check_common.mojo. Exit status 1 if any check fails.
 
+from std.memory import bitcast
 from std.os import setenv
 from std.sys import argv, num_physical_cores
 from std.sys.info import CompilationTarget
 from std.time import perf_counter_ns
 
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, ceil_div
+from mojo_kernels.fp8 import NO_SHIFT, bf16_scale_shift, power_of_two, widen_e4m3, widen_e4m3_bf16
 from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, TileUnit, amx_permitted
+from mojo_kernels.cpu.amx_attention import VALUES_IN_PLACE_MAX_ROW_BLOCKS
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
 from mojo_kernels.cpu.merge import AttentionShape, PartialResults, merge_partitions
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention
-from mojo_kernels.paged_cache import CacheShard, PagedLatentRows, RaggedBatch
+from mojo_kernels.cpu.simd import run_tasks
+from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
 
@@ -44,6 +48,8 @@ comptime TOLERANCE: Float32 = 0.02
 """Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
 
 comptime BF16 = DType.bfloat16
+comptime ALWAYS = 1 << 20
+"""`in_place_max` that reads values in place at any row count."""
 
 
 struct Case(Movable):
@@ -62,6 +68,8 @@ struct Case(Movable):
     var rank: Int
     var mask: MaskSpec
     var name: String
+    var fp8_bytes: List[UInt8]  # the cache quantized to `fp8_ds_mla` rows (`quantize_to_fp8`)
+    var use_fp8: Bool
 
     def __init__(
         out self,
@@ -82,6 +90,8 @@ struct Case(Movable):
         self.key_dim = key_dim
         self.rank = rank
         self.mask = mask
+        self.fp8_bytes = List[UInt8]()
+        self.use_fp8 = False
         self.offsets = List[UInt32](length=n + 1, fill=0)
         self.cache_lengths = List[UInt32](length=n, fill=0)
         var longest = 1
@@ -142,6 +152,29 @@ struct Case(Movable):
             self.pages_per_request, 1, self.page_size, self.key_dim, 0,
         )
 
+    def fp8_row_bytes(self) -> Int:
+        return self.rank + 4 * (self.rank // 128) + 2 * (self.key_dim - self.rank)
+
+    def fp8_rows(mut self) -> Fp8LatentRows:
+        """The cache as `fp8_ds_mla` rows when `use_fp8`, else none (rows in bf16)."""
+        if not self.use_fp8:
+            return Fp8LatentRows.absent(self.cache())
+        return Fp8LatentRows.create(
+            self.fp8_bytes.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.lookup.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.pages_per_request, 1, self.page_size, self.fp8_row_bytes(), 0, self.rank,
+        )
+
+    def quantize_to_fp8(mut self):
+        """Fills `fp8_bytes` with every slot's row quantized (the rule of `Fp8LatentRows.store_row`)."""
+        self.fp8_bytes = List[UInt8](length=len(self.blocks) // self.key_dim * self.fp8_row_bytes(), fill=0)
+        self.use_fp8 = True
+        var rows = self.fp8_rows()
+        var cache = self.cache()
+        for b in range(len(self.cache_lengths)):
+            for pos in range(self.pages_per_request * self.page_size):
+                rows.store_row[BF16](b, pos, cache.row(b, pos))
+
     def shape(mut self, partitions: Int) -> AttentionShape:
         """`partitions` 0: the op's own plan (every core); else that many key partitions."""
         var plan = plan_attention(self.batch(), self.num_tokens, self.num_heads, self.rank, self.key_dim)
@@ -149,8 +182,13 @@ struct Case(Movable):
             plan.num_partitions = partitions
         return plan
 
-    def attend[tiles: TileUnit](mut self, path: Int, partitions: Int) raises -> List[BFloat16]:
-        """`attend_partitions` + `merge_partitions` on `path`: the attention output `[T, H, rank]`."""
+    def attend[
+        tiles: TileUnit, in_place_max: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
+    ](mut self, path: Int, partitions: Int) raises -> List[BFloat16]:
+        """`attend_partitions` + `merge_partitions` on `path`: the attention output `[T, H, rank]`.
+
+        `in_place_max`: the AMX path reads values in place up to that many row blocks (0: always packed).
+        """
         var shape = self.shape(partitions)
         var rows = shape.num_partitions * self.num_tokens * self.num_heads
         var out = List[Float32](length=max(rows * self.rank, 1), fill=Float32.MAX)
@@ -163,8 +201,8 @@ struct Case(Movable):
         )
         var raw = List[BFloat16](length=max(self.num_tokens * self.num_heads * self.rank, 1), fill=0)
         var q = self.q_full.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        attend_partitions[BF16, tiles](
-            q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path
+        attend_partitions[BF16, tiles, in_place_max](
+            q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path, self.fp8_rows(),
         )
         merge_partitions[BF16](
             partials, shape, raw.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), row_sum.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False
@@ -197,22 +235,95 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
     var expected = c.attend[AmxTiles](PATH_F32, partitions)
     comptime if HAS_AVX512_BF16:
         check(name, "avx512bf16", expected, c.attend[AmxTiles](PATH_AVX512BF16, partitions), failures)
-    check(name, "amx-emulated", expected, c.attend[EmulatedTiles](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated packed", expected, c.attend[EmulatedTiles, 0](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated in-place", expected, c.attend[EmulatedTiles, ALWAYS](PATH_AMX, partitions), failures)
     if amx_runs():
-        check(name, "amx", expected, c.attend[AmxTiles](PATH_AMX, partitions), failures)
+        check(name, "amx packed", expected, c.attend[AmxTiles, 0](PATH_AMX, partitions), failures)
+        check(name, "amx in-place", expected, c.attend[AmxTiles, ALWAYS](PATH_AMX, partitions), failures)
+    if c.rank % 128 != 0:
+        return  # no fp8_ds_mla rows: 128-value scale blocks
+    # The same keys as fp8_ds_mla rows: every path dequantizes them to the same bf16 values.
+    c.quantize_to_fp8()
+    var expected_fp8 = c.attend[AmxTiles](PATH_F32, partitions)
+    comptime if HAS_AVX512_BF16:
+        check(name, "fp8 avx512bf16", expected_fp8, c.attend[AmxTiles](PATH_AVX512BF16, partitions), failures)
+    check(name, "fp8 amx-emulated packed", expected_fp8, c.attend[EmulatedTiles, 0](PATH_AMX, partitions), failures)
+    check(
+        name, "fp8 amx-emulated in-place", expected_fp8, c.attend[EmulatedTiles, ALWAYS](PATH_AMX, partitions), failures
+    )
+    if amx_runs():
+        check(name, "fp8 amx", expected_fp8, c.attend[AmxTiles](PATH_AMX, partitions), failures)
+    c.use_fp8 = False
+
+
+def check_fp8_widening(mut failures: Int):
+    """`widen_e4m3_bf16` (the bf16 route of fp8 key reads) against `widen_e4m3 * 2^k` rounded to bf16:
+    bit for bit, every e4m3 byte but NaN, shifts across the range `bf16_scale_shift` allows."""
+    var wrong = 0
+    for k in [-120, -64, -9, -1, 0, 3, 64, 119]:
+        if bf16_scale_shift(power_of_two(k)) != k:
+            wrong += 1
+        for x in range(256):
+            if x & 0x7F == 0x7F:
+                continue
+            var byte = SIMD[DType.uint8, 2](UInt8(x))
+            var fast = widen_e4m3_bf16[2](byte, k)[0]
+            var slow = (widen_e4m3[2](byte) * power_of_two(k)).cast[DType.bfloat16]()[0]
+            if bitcast[DType.uint16](fast) != bitcast[DType.uint16](slow):
+                wrong += 1
+    if bf16_scale_shift(Float32(0.75)) != NO_SHIFT or bf16_scale_shift(power_of_two(-121)) != NO_SHIFT:
+        wrong += 1
+    if wrong:
+        failures += 1
+    print("PASS" if wrong == 0 else "FAIL", "fp8 widening to bf16:", wrong, "mismatches")
 
 
 def mask(kind: Int, window: Int = 0) -> MaskSpec:
     return MaskSpec(kind, window)
 
 
-def time_path[tiles: TileUnit](mut c: Case, path: Int, iters: Int) raises -> Float64:
-    _ = c.attend[tiles](path, 0)  # warm-up
+def time_path[
+    tiles: TileUnit, in_place_max: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
+](mut c: Case, path: Int, iters: Int) raises -> Float64:
+    _ = c.attend[tiles, in_place_max](path, 0)  # warm-up
     var best = Float64(1e30)
     for _ in range(iters):
         var t0 = perf_counter_ns()
-        _ = c.attend[tiles](path, 0)
+        _ = c.attend[tiles, in_place_max](path, 0)
         best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
+    return best
+
+
+def time_hot_cache(mut c: Case, iters: Int) raises -> Float64:
+    """The AMX path with every page table entry pointing at 4 pages (in L2): the time without memory traffic."""
+    var saved = c.lookup.copy()
+    for i in range(len(c.lookup)):
+        c.lookup[i] = saved[i % 4]
+    var best = time_path[AmxTiles](c, PATH_AMX, iters)
+    c.lookup = saved^
+    return best
+
+
+def read_cache_ms(mut c: Case, iters: Int) raises -> Float64:
+    """Best time to read every byte of the cache once on every core (64-byte vector sums): step 5's memory floor."""
+    var words = c.blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[UInt64]()
+    var total = len(c.blocks) // 4 // 8  # 64-byte vectors
+    var chunks = num_physical_cores() * 4
+    var sums = List[UInt64](length=chunks, fill=0)
+    var out = sums.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+    def work(i: Int) {var words, var total, var chunks, var out}:
+        var acc = SIMD[DType.uint64, 8](0)
+        for k in range(total * i // chunks, total * (i + 1) // chunks):
+            acc += words.unsafe_load[width=8](k * 8)
+        out.unsafe_store(i, acc.reduce_add())
+
+    var best = Float64(1e30)
+    for _ in range(iters + 1):
+        var t0 = perf_counter_ns()
+        run_tasks(work, chunks, total * 64)
+        best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
+    _ = sums^
     return best
 
 
@@ -263,6 +374,7 @@ struct OpInputs(Movable):
             self.w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False,  # no lse
             untracked(self.raw), False,  # no new_rows
             False,  # all six steps
+            Fp8LatentRows.absent(c.cache()),  # rows in bf16
         )
 
 
@@ -308,6 +420,7 @@ def main() raises:
     var tails = Case(seed + 2, 5, 16, [37, 0, 70], [3, 1, 2], mask(MASK_CAUSAL), key_dim=114, rank=100)
     check_case(tails, 0, failures)
     check_case(tails, 2, failures)
+    check_fp8_widening(failures)
     check_projections(failures)
     print("amx_check:", failures, "failed")
     if not quick:
@@ -321,7 +434,10 @@ def main() raises:
             comptime if HAS_AVX512_BF16:
                 line += String(", avx512bf16 ", time_path[AmxTiles](c, PATH_AVX512BF16, 5), " ms")
             if amx_runs():
-                line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms")
+                line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms (values packed ")
+                line += String(time_path[AmxTiles, 0](c, PATH_AMX, 5), " ms, in place ")
+                line += String(time_path[AmxTiles, ALWAYS](c, PATH_AMX, 5), " ms; hot cache ")
+                line += String(time_hot_cache(c, 5), " ms; reading the cache once ", read_cache_ms(c, 5), " ms)")
                 var err = max_error(c.attend[AmxTiles](PATH_F32, 0), c.attend[AmxTiles](PATH_AMX, 0))
                 line += String(" (amx vs f32 max|err| ", err, "; without tdpbf16ps ")
                 line += String(time_path[AmxWithoutDots](c, PATH_AMX, 5), " ms, without tile instructions ")
@@ -329,6 +445,16 @@ def main() raises:
                 if not (err <= TOLERANCE):
                     failures += 1
             print(line)
+            # The same keys as fp8_ds_mla rows (656 bytes instead of 1152).
+            c.quantize_to_fp8()
+            var fp8_line = String("timing: same shape, fp8_ds_mla cache:")
+            comptime if HAS_AVX512_BF16:
+                fp8_line += String(" avx512bf16 ", time_path[AmxTiles](c, PATH_AVX512BF16, 5), " ms")
+            if amx_runs():
+                fp8_line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms")
+            print(fp8_line)
+            c.use_fp8 = False
+            c.fp8_bytes = List[UInt8]()
             var inputs = OpInputs(c, 16384 + 1)
             var op_line = String("timing: whole CPU op, same shape:")
             op_line += String(" f32 ", time_op(c, inputs, "f32", 3), " ms")

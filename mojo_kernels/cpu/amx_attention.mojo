@@ -1,0 +1,436 @@
+"""Step 5's two products on AMX tiles (`cpu/amx.mojo`), for bfloat16 caches.
+
+A key tile is AMX_KEY_TILE keys: KEY_BLOCKS blocks of 16 keys, each a
+`tileloadd` of 16 cache rows in place (the row stride is the cache's) when
+the block lies in one page, else gathered into a staging buffer
+(`gather_keys`; zeros for keys outside the task).
+
+* Scores, transposed: `S^T [keys x rows] = K Q^T`. The `a` tiles are a key
+  block's 16 keys by 32 values, the `b` tiles the task's query rows in pairs
+  (`pack_queries`, once per task). Four accumulators per pass
+  (`score_group`): one row block against four key blocks, or two row blocks
+  against two; the accumulators are stored and transposed into the
+  `[rows x keys]` scores the shared softmax update reads.
+* `O = O * correction + P V`, in one of two layouts (`ValueLayout`):
+  - values in place (`VALUES_IN_PLACE`, few row blocks): the `b` tiles are
+    the key blocks themselves, 16 keys by 32 value columns. A `b` row is then
+    a key, not a pair of keys, so each key block feeds two `a` tiles: the
+    probabilities in the even bf16 slots (zeros in the odd ones) give the even
+    value columns, in the odd slots the odd columns (`split_probabilities`).
+    Twice the `tdpbf16ps` of the packed layout, but no copy of the values:
+    at 16 heads the cache's bytes are the bound, not the unit.
+  - values packed (many row blocks): the tile's value rows interleaved in key
+    pairs once per key tile (`pack_values`), shared by every row block; the
+    `a` tiles are the probabilities, 16 rows by 32 keys.
+  Either way `values_2x2` keeps four accumulators, loaded from `O` and stored
+  back once per key tile, and takes a left and a right tile pair per depth
+  piece (a key block in place, 32 keys packed).
+
+Probabilities are rounded to bf16 for P V (the op's rounding point). Keys
+outside the task's range are masked by the softmax update; their value rows
+are zeros (packed as zeros, or gathered: a slot past the request's tokens
+may hold any bits, and `0 * NaN` is NaN).
+"""
+
+from std.math import min
+from std.memory import bitcast
+from std.sys import prefetch
+
+from ..common import FPtr, ceil_div
+from .amx import (
+    TILE_BYTES,
+    TILE_DEPTH,
+    TILE_ELEMENTS,
+    TILE_PAIRS,
+    TILE_ROWS,
+    BytePtr,
+    TileUnit,
+    as_bytes,
+    f32_bytes,
+    transpose_into_scores,
+    untracked_bf16,
+)
+from .bf16 import NEXT_TILE_PREFETCH, BF16Ptr
+
+comptime KEY_BLOCKS = 4
+"""16-key blocks per key tile: the softmax bookkeeping and each `O` tile's load and store once per tile."""
+comptime AMX_KEY_TILE = KEY_BLOCKS * TILE_ROWS
+comptime PACKED_PIECES = AMX_KEY_TILE // TILE_DEPTH
+"""Depth steps of P V per key tile with values packed (32 keys each)."""
+comptime VALUES_IN_PLACE_MAX_ROW_BLOCKS = 2
+"""Up to this many 16-row blocks a task reads the values in place; more share one packed copy."""
+
+
+@fieldwise_init
+struct KeyRows(TrivialRegisterPassable):
+    """16 key rows: row `j` at `base + j * stride` (bf16 elements)."""
+
+    var base: BF16Ptr
+    var stride: Int
+
+    @always_inline
+    def tile(self, element: Int) -> BytePtr:
+        """The 64 bytes of each row from `element` on, as one tile's source."""
+        return as_bytes(self.base, element)
+
+    @always_inline
+    def stride_bytes(self) -> Int:
+        return 2 * self.stride
+
+
+def pack_queries(q: FPtr, packed: BF16Ptr, padded_rows: Int, key_dim: Int, steps: Int):
+    """The right operands of the scores, per 16-row block `rb` and depth step `s` (zeros past `key_dim`):
+
+    `packed[((rb * steps + s) * 16 + p) * 32 + 2 n + i] = q[16 rb + n, 32 s + 2 p + i]`;
+    `q [padded_rows, key_dim]` holds bf16 values in float32 (exact). Each 32-value step of a
+    row is 16 bf16 pairs, one 32-bit word each, written down column `n` of the block.
+    """
+    var words = packed.unsafe_bitcast[UInt32]()
+    for rb in range(padded_rows // TILE_ROWS):
+        for n in range(TILE_ROWS):
+            var row = q.unsafe_offset((rb * TILE_ROWS + n) * key_dim)
+            for s in range(steps):
+                var step = SIMD[DType.float32, TILE_DEPTH](0)
+                if (s + 1) * TILE_DEPTH <= key_dim:
+                    step = row.unsafe_load[width=TILE_DEPTH](s * TILE_DEPTH)
+                else:
+                    for k in range(key_dim - s * TILE_DEPTH):
+                        step[k] = row.unsafe_load(s * TILE_DEPTH + k)
+                var pairs = bitcast[DType.uint32, TILE_PAIRS](step.cast[DType.bfloat16]())
+                var block = words.unsafe_offset((rb * steps + s) * TILE_ELEMENTS // 2)
+                comptime for p in range(TILE_PAIRS):
+                    block.unsafe_store(p * TILE_ROWS + n, pairs[p])
+
+
+def gather_keys(
+    rows: Array[BF16Ptr, TILE_ROWS], valid: Array[Bool, TILE_ROWS], staging: BF16Ptr, key_dim: Int, padded_dim: Int
+) -> KeyRows:
+    """Copies the valid key rows into `staging [16, padded_dim]`; zeros elsewhere (invalid keys, past `key_dim`)."""
+    for j in range(TILE_ROWS):
+        var dst = staging.unsafe_offset(j * padded_dim)
+        for d in range(padded_dim):
+            dst.unsafe_store(d, rows[j].unsafe_load(d) if valid[j] and d < key_dim else BFloat16(0))
+    return KeyRows(staging, padded_dim)
+
+
+comptime PAD = TILE_BYTES
+"""Bytes added to the row stride of the packed values and of O: at rank 512 their rows would be
+2 KiB apart, so a tile's 16 rows would fall into two sets of the L1 cache."""
+
+
+def packed_values_stride(rank_main: Int) -> Int:
+    """Elements between the rows of `pack_values`' output."""
+    return 2 * rank_main + PAD // 2
+
+
+def pack_values(keys: Array[KeyRows, KEY_BLOCKS], valid: Array[Bool, AMX_KEY_TILE], packed: BF16Ptr, rank_main: Int):
+    """The right operands of P V: `packed[p * stride + 2 c + i] = V[2 p + i, c]` for `c < rank_main`.
+
+    `V[j]` is key `j` of the tile (row `j % 16` of `keys[j // 16]`), zeros for keys not `valid`;
+    `stride = packed_values_stride(rank_main)`. Depth piece `d`, column block `cb` is then the
+    64 bytes at `packed + 16 d stride + 32 cb`, rows `2 stride` bytes apart.
+    """
+    comptime W = 16
+    var stride = packed_values_stride(rank_main)
+    for p in range(AMX_KEY_TILE // 2):
+        var dst = packed.unsafe_offset(p * stride)
+        var j = 2 * p
+        var block = keys[j // TILE_ROWS]
+        var a = block.base.unsafe_offset((j % TILE_ROWS) * block.stride)
+        var b = block.base.unsafe_offset((j % TILE_ROWS + 1) * block.stride)
+        var a_on = valid[j]
+        var b_on = valid[j + 1]
+        for c in range(0, rank_main, W):
+            var va = a.unsafe_load[width=W](c) if a_on else SIMD[DType.bfloat16, W](0)
+            var vb = b.unsafe_load[width=W](c) if b_on else SIMD[DType.bfloat16, W](0)
+            dst.unsafe_store(2 * c, va.interleave(vb))
+
+
+@always_inline
+def score_group[
+    T: TileUnit, RB: Int, KB: Int
+](
+    mut unit: T,
+    keys: Array[KeyRows, KEY_BLOCKS],
+    kb0: Int,
+    rb0: Int,
+    next_keys: Array[BF16Ptr, AMX_KEY_TILE],
+    prefetch_next: Bool,
+    q_packed: BF16Ptr,
+    scores: FPtr,
+    acc: FPtr,
+    steps: Int,
+):
+    """Scores of row blocks `rb0 ..< rb0 + RB` against key blocks `kb0 ..< kb0 + KB` (`RB * KB = 4` accumulators).
+
+    Registers: accumulator `i KB + k` (tiles 0-3); with one row block the
+    query tile is 4 and the key blocks take 5, 6, 7, 5; with two, keys 4, 5
+    and queries 6, 7. With `prefetch_next`, depth step `s` also prefetches
+    64-byte line `s` of the next tile's rows of these key blocks: pages are
+    scattered, so the hardware prefetcher cannot run ahead across them.
+    """
+    comptime assert RB * KB == 4
+    comptime for a in range(4):
+        unit.zero[a]()
+    for s in range(steps):
+        if prefetch_next:
+            comptime for j in range(KB * TILE_ROWS):
+                prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
+        comptime for i in range(RB):
+            comptime q_reg = 4 if RB == 1 else 6 + i
+            unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
+        comptime for k in range(KB):
+            comptime k_reg = 5 + k % 3 if RB == 1 else 4 + k
+            unit.load[k_reg](keys[kb0 + k].tile(s * TILE_DEPTH), keys[kb0 + k].stride_bytes())
+            comptime for i in range(RB):
+                comptime q_reg = 4 if RB == 1 else 6 + i
+                unit.dot[i * KB + k, k_reg, q_reg]()
+    comptime for i in range(RB):
+        comptime for k in range(KB):
+            unit.store[i * KB + k](f32_bytes(acc, (i * KB + k) * 256), TILE_BYTES)
+            transpose_into_scores(
+                acc.unsafe_offset((i * KB + k) * 256), scores, (rb0 + i) * TILE_ROWS, (kb0 + k) * TILE_ROWS,
+                AMX_KEY_TILE,
+            )
+
+
+def tile_scores_amx[
+    T: TileUnit
+](
+    mut unit: T,
+    keys: Array[KeyRows, KEY_BLOCKS],
+    next_keys: Array[BF16Ptr, AMX_KEY_TILE],
+    q_packed: BF16Ptr,
+    scores: FPtr,
+    acc: FPtr,
+    padded_rows: Int,
+    steps: Int,
+):
+    """`scores [rows, AMX_KEY_TILE]` of the tile's key blocks against the packed queries; `acc [4 x 256]` is scratch.
+
+    Row blocks in pairs against pairs of key blocks; a last (or only) row
+    block against all four. The passes of the first row blocks prefetch
+    the next tile (`next_keys`).
+    """
+    comptime assert KEY_BLOCKS == 4
+    var row_blocks = padded_rows // TILE_ROWS
+    var rb = 0
+    while rb + 1 < row_blocks:
+        comptime for kb0 in range(0, KEY_BLOCKS, 2):
+            score_group[T, 2, 2](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+        rb += 2
+    if rb < row_blocks:
+        score_group[T, 1, 4](unit, keys, 0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+
+
+@fieldwise_init
+struct ValueLayout(TrivialRegisterPassable):
+    """Where `values_2x2` finds its tiles for one group of four accumulators (offsets in bytes).
+
+    Left tile `i` of depth piece `d`: `left + i * left_step + d * left_piece`,
+    rows `left_stride` apart. Right tile `j` of piece `d` for column block
+    `c`: `values[d].tile(32 (c + j))`. Accumulator `(i, j)`:
+    `out + i * out_step + (c + j) * out_block`, rows `out_stride` apart.
+    """
+
+    var left: BytePtr
+    var left_step: Int
+    var left_piece: Int
+    var left_stride: Int
+    var out: BytePtr
+    var out_step: Int
+    var out_block: Int
+    var out_stride: Int
+    var lefts: Int  # 1 or 2 left tiles (row blocks, or parities)
+    var pieces: Int
+
+
+@always_inline
+def values_2x2[
+    T: TileUnit
+](mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], c: Int, rights: Int):
+    """Accumulators `(i, j)`, `i < layout.lefts`, `j < rights`, += left `i` x right `j` over the depth pieces.
+
+    Registers: accumulator `2 i + j` (tiles 0-3), left tiles 4 and 5, right tiles 6 and 7.
+    """
+    var two_left = layout.lefts == 2
+    var two_right = rights == 2
+    var o = layout.out.unsafe_offset(c * layout.out_block)
+    var places = Array[BytePtr, 4](fill=o)
+    places[1] = o.unsafe_offset(layout.out_block)
+    places[2] = o.unsafe_offset(layout.out_step)
+    places[3] = places[2].unsafe_offset(layout.out_block)
+    var live = Array[Bool, 4](fill=True)
+    live[1] = two_right
+    live[2] = two_left
+    live[3] = two_left and two_right
+    move_accumulators[T, False](unit, places, live, layout.out_stride)
+    for d in range(layout.pieces):
+        var left = layout.left.unsafe_offset(d * layout.left_piece)
+        var v = values[d]
+        unit.load[4](left, layout.left_stride)
+        unit.load[6](v.tile(TILE_DEPTH * c), v.stride_bytes())
+        unit.dot[0, 4, 6]()
+        if two_right:
+            unit.load[7](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
+            unit.dot[1, 4, 7]()
+        if two_left:
+            unit.load[5](left.unsafe_offset(layout.left_step), layout.left_stride)
+            unit.dot[2, 5, 6]()
+            if two_right:
+                unit.dot[3, 5, 7]()
+    move_accumulators[T, True](unit, places, live, layout.out_stride)
+
+
+@always_inline
+def move_accumulators[
+    T: TileUnit, store: Bool
+](mut unit: T, places: Array[BytePtr, 4], live: Array[Bool, 4], stride: Int):
+    """Loads (or stores) accumulator tiles 0-3 that are `live` from (to) `places[a]`, rows `stride` bytes apart."""
+    comptime for a in range(4):
+        if live[a]:
+            comptime if store:
+                unit.store[a](places[a], stride)
+            else:
+                unit.load[a](places[a], stride)
+
+
+comptime SPLIT_ROW_WORDS = KEY_BLOCKS * 2 * TILE_PAIRS
+"""32-bit words per row of `split_probabilities`' output: per key block, an even and an odd tile row."""
+
+
+def split_probabilities(probs: FPtr, words: Pointer[UInt32, MutUntrackedOrigin], padded_rows: Int):
+    """The left tiles of P V with values in place: row `r`, key block `kb`, parity `e`, word `p` holds
+    `P[r, 16 kb + p]` (bf16) in its low half for `e = 0` (the even slot), in its high half for `e = 1`.
+
+    At `words + r * SPLIT_ROW_WORDS + (2 kb + e) * 16`; the other half is zero.
+    """
+    for r in range(padded_rows):
+        var row = words.unsafe_offset(r * SPLIT_ROW_WORDS)
+        comptime for kb in range(KEY_BLOCKS):
+            var p = probs.unsafe_load[width=TILE_ROWS](r * AMX_KEY_TILE + kb * TILE_ROWS).cast[DType.bfloat16]()
+            var low = bitcast[DType.uint16, TILE_ROWS](p).cast[DType.uint32]()
+            row.unsafe_store((2 * kb) * TILE_PAIRS, low)
+            row.unsafe_store((2 * kb + 1) * TILE_PAIRS, low << 16)
+
+
+def interleave_value_columns(rows: FPtr, num_rows: Int, row_stride: Int, rank: Int):
+    """Puts the columns of the in-place layout back in order: each 32-column block holds its 16 even
+    columns, then its 16 odd ones (one accumulator per parity)."""
+    for r in range(num_rows):
+        var row = rows.unsafe_offset(r * row_stride)
+        for c in range(0, rank - rank % TILE_DEPTH, TILE_DEPTH):
+            var even = row.unsafe_load[width=TILE_PAIRS](c)
+            var odd = row.unsafe_load[width=TILE_PAIRS](c + TILE_PAIRS)
+            row.unsafe_store(c, even.interleave(odd))
+
+
+def accumulate_values_amx[
+    T: TileUnit
+](
+    mut unit: T,
+    probs: FPtr,
+    scratch: BF16Ptr,
+    keys: Array[KeyRows, KEY_BLOCKS],
+    valid: Array[Bool, AMX_KEY_TILE],
+    v_packed: BF16Ptr,
+    acc_out: FPtr,
+    out_stride: Int,
+    correction: FPtr,
+    padded_rows: Int,
+    rank: Int,
+    in_place: Bool,
+):
+    """`acc_out[r] = acc_out[r] * correction[r] + sum_j probs[r, j] V[j, :rank]` over the tile's keys.
+
+    `acc_out` rows are `out_stride` floats apart (`AmxScratch.out_stride`);
+    with `in_place` the columns of each 32-column block are kept as 16 even
+    then 16 odd (`interleave_value_columns` restores them once per task).
+    `probs [rows, AMX_KEY_TILE]` hold bf16 values in float32 (the probabilities
+    rounded for P V); `scratch` (`AmxScratch.probs`) and `v_packed` are scratch.
+    With `in_place` the key blocks must hold zeros for keys not `valid`.
+    Columns past the last whole right tile are summed in float32 here.
+    """
+    comptime W = 16
+    for r in range(padded_rows):
+        var corr = correction.unsafe_load(r)
+        if corr != 1:
+            var row = acc_out.unsafe_offset(r * out_stride)
+            var c = 0
+            while c + W <= rank:
+                row.unsafe_store(c, row.unsafe_load[width=W](c) * corr)
+                c += W
+            while c < rank:
+                row.unsafe_store(c, row.unsafe_load(c) * corr)
+                c += 1
+    var row_blocks = padded_rows // TILE_ROWS
+    var out_bytes = out_stride * 4
+    var block = TILE_DEPTH if in_place else TILE_PAIRS  # value columns per right tile
+    var rank_main = rank - rank % block
+    var blocks = rank_main // block
+    var values = keys.copy()
+    if in_place:
+        split_probabilities(probs, scratch.unsafe_bitcast[UInt32](), padded_rows)
+        for rb in range(row_blocks):
+            var layout = ValueLayout(
+                as_bytes(scratch, rb * TILE_ROWS * 2 * SPLIT_ROW_WORDS), TILE_BYTES, 2 * TILE_BYTES,
+                4 * SPLIT_ROW_WORDS, f32_bytes(acc_out, rb * TILE_ROWS * out_stride), TILE_BYTES,
+                TILE_DEPTH * 4, out_bytes, 2, KEY_BLOCKS,
+            )
+            for c in range(0, blocks, 2):
+                values_2x2(unit, layout, values, c, min(2, blocks - c))
+    else:
+        for r in range(padded_rows):
+            scratch.unsafe_store(
+                r * AMX_KEY_TILE, probs.unsafe_load[width=AMX_KEY_TILE](r * AMX_KEY_TILE).cast[DType.bfloat16]()
+            )
+        pack_values(keys, valid, v_packed, rank_main)
+        var v_stride = packed_values_stride(rank_main)
+        comptime for d in range(PACKED_PIECES):
+            values[d] = KeyRows(v_packed.unsafe_offset(TILE_PAIRS * d * v_stride), v_stride)
+        for rb in range(0, row_blocks, 2):
+            var layout = ValueLayout(
+                as_bytes(scratch, rb * TILE_ROWS * AMX_KEY_TILE), TILE_ROWS * AMX_KEY_TILE * 2, TILE_DEPTH * 2,
+                AMX_KEY_TILE * 2, f32_bytes(acc_out, rb * TILE_ROWS * out_stride), TILE_ROWS * out_bytes,
+                TILE_PAIRS * 4, out_bytes, min(2, row_blocks - rb), PACKED_PIECES,
+            )
+            for c in range(0, blocks, 2):
+                values_2x2(unit, layout, values, c, min(2, blocks - c))
+    # Columns past the last whole right tile (a kv_lora_rank that is not a multiple of 16 or 32).
+    for r in range(padded_rows):
+        for c in range(rank_main, rank):
+            var acc = acc_out.unsafe_load(r * out_stride + c)
+            for j in range(AMX_KEY_TILE):
+                if valid[j]:
+                    var kb = keys[j // TILE_ROWS]
+                    var v = kb.base.unsafe_load((j % TILE_ROWS) * kb.stride + c).cast[DType.float32]()
+                    acc += probs.unsafe_load(r * AMX_KEY_TILE + j) * v
+            acc_out.unsafe_store(r * out_stride + c, acc)
+
+
+struct AmxScratch(Movable):
+    """A task's buffers for the AMX path: packed queries, staging for gathered keys, packed values, P, S^T,
+    and O with padded rows."""
+
+    var q_packed: List[BFloat16]  # [row blocks, steps, 16, 32]
+    var staging: List[BFloat16]  # [KEY_BLOCKS, 16, steps * 32]
+    var v_packed: List[BFloat16]  # [AMX_KEY_TILE / 2, packed_values_stride]
+    var probs: List[BFloat16]  # [padded rows, AMX_KEY_TILE] packed, [padded rows, SPLIT_ROW_WORDS] words in place
+    var acc: List[Float32]  # [4, 16, 16]
+    var out: List[Float32]  # [padded rows, out_stride]
+    var steps: Int
+    var out_stride: Int
+
+    def __init__(out self, padded_rows: Int, key_dim: Int, rank: Int):
+        self.steps = ceil_div(key_dim, TILE_DEPTH)
+        var padded_dim = self.steps * TILE_DEPTH
+        self.q_packed = List[BFloat16](length=padded_rows * padded_dim, fill=0)
+        self.staging = List[BFloat16](length=KEY_BLOCKS * TILE_ROWS * padded_dim, fill=0)
+        self.v_packed = List[BFloat16](length=(AMX_KEY_TILE // 2) * packed_values_stride(rank), fill=0)
+        self.out_stride = rank + PAD // 4
+        self.out = List[Float32](length=padded_rows * self.out_stride, fill=0)
+        self.probs = List[BFloat16](length=padded_rows * max(AMX_KEY_TILE, 2 * SPLIT_ROW_WORDS), fill=0)
+        self.acc = List[Float32](length=4 * TILE_ROWS * TILE_ROWS, fill=0)
+
+    def staging_block(mut self, kb: Int) -> BF16Ptr:
+        return untracked_bf16(self.staging).unsafe_offset(kb * TILE_ROWS * self.steps * TILE_DEPTH)
