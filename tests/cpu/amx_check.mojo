@@ -6,6 +6,8 @@
 #     /tmp/amx_check            # correctness: every case on the emulated tiles, and on the AMX unit
 #                               # where the CPU has it; then timings where the CPU has AMX
 #     /tmp/amx_check quick      # correctness only
+#     /tmp/amx_check overhead   # the AMX path with no tile instruction, 16 heads, on any CPU:
+#                               # `perf record /tmp/amx_check overhead` shows where the rest goes
 #
 # Each case (random bf16 caches, NaN in every slot past a request's tokens; page sizes 1/16/64/128 and one of 24, heads 1/16/128, ragged requests incl. ones with
 # no new token and ones with an empty cache, causal / sliding-window / no mask, 1 or several key
@@ -397,6 +399,12 @@ def time_op(mut c: Case, mut inputs: OpInputs, path: String, iters: Int) raises 
 
 def main() raises:
     var quick = len(argv()) > 1 and argv()[1] == "quick"
+    if len(argv()) > 1 and argv()[1] == "overhead":
+        # The AMX path's work outside the unit (no tile instruction: `NoTiles`), on any CPU: a
+        # target for a profiler (`perf record`), batch 8, 16k, page 64, 16 heads.
+        var c = Case(99, 16, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+        print("overhead: AMX path without tile instructions, 16 heads:", time_path[NoTiles](c, PATH_AMX, 20), "ms")
+        return
     print("amx_check: compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
     if amx_runs() and not amx_permitted():
