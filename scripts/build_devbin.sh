@@ -6,7 +6,8 @@
 # The smoke binary has attention_sm90's mbarrier watchdog (a wait over 2 s traps instead of
 # hanging); the bench binary, like the op, has none. Where ptxas is installed, checks that the
 # sm90 kernel starts with the registers its setmaxnreg budget assumes (S9_LAUNCH_REGS) and prints
-# its registers and spills.
+# its registers, spills and ptxas's wgmma serialization notes (C75xx; the smoke binary, with the
+# watchdog, spills and serializes: time the bench binary).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mojo=${MOJO:-.venv/bin/mojo}
@@ -20,7 +21,7 @@ for name in smoke bench; do
 done
 if command -v ptxas >/dev/null; then
   for ptx in .devbin/*_attention_sm9*.ptx; do
-    info=$(ptxas -arch=sm_90a -v "$ptx" -o /dev/null 2>&1 | grep -E "Used|spill|C7507" | tr -s ' \n' ' ')
+    info=$(ptxas -arch=sm_90a -v "$ptx" -o /dev/null 2>&1 | grep -E "Used|spill|C75" | tr -s ' \n' ' ')
     echo "$(basename "$ptx"): $info"
     if ! grep -q "Used 168 registers" <<<"$info" || grep -q C7507 <<<"$info"; then
       echo "attention_sm90: not 168 registers at launch (S9_LAUNCH_REGS: setmaxnreg would hang) or setmaxnreg dropped (C7507)" >&2

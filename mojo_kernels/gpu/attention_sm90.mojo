@@ -52,7 +52,9 @@ This kernel takes the first three of those (the biggest expected wins):
   (`empty`) as soon as its P V is done.
 * Keys outside the block's span (the first and last blocks of a partition)
   are masked in the scores and their value rows zeroed before P V (a stale
-  row could hold NaN).
+  row could hold NaN); a last step with one block zeros stage 1 and its
+  probabilities, so P V runs on both stages in every step (no `if` around
+  a wgmma: ptxas would serialize them all, C7520).
 
 Not yet (the next steps if the device shows the tensor cores idle through the
 softmax): the seesaw schedule (P of the own block kept in registers as the A
@@ -539,9 +541,11 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
         var q_it = opaque(q_u)
         var own_it = opaque(own_u)
         if own:
-            wgmma_fence_aligned()
             comptime for box in range(S9_BOXES):
                 mbar_wait(sm.full(wg, box), phase)
+                # A fence after every wait: ptxas takes the wait's spin loop for a divergent path and,
+                # without one, serializes every wgmma of the kernel (C7520).
+                wgmma_fence_aligned()
                 comptime for kk in range(S9_BOX_COLS // 16):
                     var off = UInt32(box * S9_BOX_BYTES + kk * 32)
                     s = wgmma_async[64, S9_KEYS, 16, DType.float32, NJ_S * 4, a_type=dtype, b_type=dtype, layout_b="col"](
@@ -604,14 +608,16 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
             var pb = exp(SIMD[DType.float32, 2](s[4 * j + 2], s[4 * j + 3]) - sh_b)
             ps_a += pa.reduce_add()
             ps_b += pb.reduce_add()
-            if own:
-                var at_a = ra * 128 + ((j ^ (ra % 8)) * 16) + 4 * t4
-                var at_b = rb * 128 + ((j ^ (rb % 8)) * 16) + 4 * t4
-                p_box.unsafe_offset(at_a).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=4](0, pa.cast[dtype]())
-                p_box.unsafe_offset(at_b).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=4](0, pb.cast[dtype]())
+            var at_a = ra * 128 + ((j ^ (ra % 8)) * 16) + 4 * t4
+            var at_b = rb * 128 + ((j ^ (rb % 8)) * 16) + 4 * t4
+            p_box.unsafe_offset(at_a).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=4](0, pa.cast[dtype]())
+            p_box.unsafe_offset(at_b).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=4](0, pb.cast[dtype]())
         l_a = l_a * corr_a + ps_a
         l_b = l_b * corr_b + ps_b
-        if own and keys.partial(i, wg):
+        # Without a block of its own (stage 1 of a last step with one block: `partial`, every key
+        # outside) the warpgroup wrote zero probabilities above and zeros its stage's values here,
+        # so both stages' P V run unconditionally (an `if` around them serializes every wgmma, C7520).
+        if keys.partial(i, wg):
             zero_outside_values(sm, keys, i, wg, wt)
         fence_async_proxy()
         named_barrier[S9_MATH_THREADS](BAR_P)  # both P boxes (and zeroed rows) written
@@ -624,18 +630,17 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
             acc[4 * j + 3] *= corr_b
         wgmma_fence_aligned()
         comptime for st in range(S9_STAGES):
-            if keys.valid(i, st):
-                var stage_u = opaque(smem_u32(sm.stage(st)))
-                var p_u = stage_u + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
-                var v_u = stage_u + UInt32(4 * wg * S9_BOX_BYTES)
-                comptime for kk in range(S9_KEYS // 16):
-                    acc = wgmma_async[
-                        64, S9_VALUE_COLS, 16, DType.float32, ACC_W, a_type=dtype, b_type=dtype, layout_b="row"
-                    ](
-                        sw128_desc[dtype](p_u + UInt32(kk * 32), 16, 1024),
-                        sw128_desc[dtype](v_u + UInt32(kk * 16 * 128), S9_BOX_BYTES, 1024),
-                        acc,
-                    )
+            var stage_u = opaque(smem_u32(sm.stage(st)))
+            var p_u = stage_u + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
+            var v_u = stage_u + UInt32(4 * wg * S9_BOX_BYTES)
+            comptime for kk in range(S9_KEYS // 16):
+                acc = wgmma_async[
+                    64, S9_VALUE_COLS, 16, DType.float32, ACC_W, a_type=dtype, b_type=dtype, layout_b="row"
+                ](
+                    sw128_desc[dtype](p_u + UInt32(kk * 32), 16, 1024),
+                    sw128_desc[dtype](v_u + UInt32(kk * 16 * 128), S9_BOX_BYTES, 1024),
+                    acc,
+                )
             wgmma_commit_group_sync()
         # Stage 0's group done: release it while stage 1's runs.
         wgmma_wait_group_sync[1]()
