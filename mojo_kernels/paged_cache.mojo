@@ -92,20 +92,42 @@ struct RaggedBatch(TrivialRegisterPassable):
         return (self.shard.local_count(lo), self.shard.local_count(hi))
 
 
-@always_inline
-def cache_row_offset(
-    lookup: U32Ptr,
-    pages_per_request: Int,
-    page_size: Int,
-    page_stride: Int,
-    layer_offset: Int,
-    key_dim: Int,
-    b: Int,
-    pos: Int,
-) -> Int:
-    """Element offset in the cache blocks of request `b`'s row at position `pos`."""
-    var page = Int(lookup.unsafe_load(b * pages_per_request + pos // page_size))
-    return page * page_stride + layer_offset + (pos % page_size) * key_dim
+@fieldwise_init
+struct PageTable(TrivialRegisterPassable):
+    """Where one layer's rows sit in the paged blocks: request `b`'s position `pos` is row
+    `pos % page_size` of page `lookup[b * pages_per_request + pos // page_size]`; rows are
+    `row_width` elements apart, pages `page_stride`, the layer at `layer_offset` in a page."""
+
+    var lookup: U32Ptr
+    var pages_per_request: Int
+    var page_size: Int
+    var page_stride: Int
+    var layer_offset: Int
+    var row_width: Int
+
+    @always_inline
+    def row_offset(self, b: Int, pos: Int) -> Int:
+        """Element offset in the blocks of request `b`'s row at position `pos`."""
+        var page = Int(self.lookup.unsafe_load(b * self.pages_per_request + pos // self.page_size))
+        return page * self.page_stride + self.layer_offset + (pos % self.page_size) * self.row_width
+
+    @always_inline
+    def tile_offsets[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[Int, tile]:
+        """`row_offset` of positions `j0 .. j0 + tile - 1`, positions past `last` at `last`'s row
+        (`j0 <= last`): one page table lookup per page, the rows of a page `row_width` apart."""
+        var offset = self.row_offset(b, j0)
+        var left = self.page_size - j0 % self.page_size  # rows of j0's page from j0 on
+        var offsets = Array[Int, tile](fill=offset)
+        comptime for c in range(1, tile):
+            if j0 + c <= last:
+                left -= 1
+                if left == 0:
+                    offset = self.row_offset(b, j0 + c)
+                    left = self.page_size
+                else:
+                    offset += self.row_width
+            offsets[c] = offset
+        return offsets^
 
 
 @fieldwise_init
@@ -140,14 +162,22 @@ struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
             head_dim,
         )
 
+    def pages(self) -> PageTable:
+        return PageTable(
+            self.lookup_table, self.pages_per_request, self.page_size, self.page_stride, self.layer_offset, self.head_dim
+        )
+
     def row(self, b: Int, pos: Int) -> DPtr[Self.dtype]:
         """The `head_dim` values of request `b` at sequence position `pos`."""
-        return self.blocks.unsafe_offset(
-            cache_row_offset(
-                self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
-                self.layer_offset, self.head_dim, b, pos,
-            )
-        )
+        return self.blocks.unsafe_offset(self.pages().row_offset(b, pos))
+
+    def tile_rows[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[DPtr[Self.dtype], tile]:
+        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`PageTable.tile_offsets`)."""
+        var offsets = self.pages().tile_offsets[tile](b, min(j0, last), last)
+        var rows = Array[DPtr[Self.dtype], tile](fill=self.blocks)
+        comptime for c in range(tile):
+            rows[c] = self.blocks.unsafe_offset(offsets[c])
+        return rows^
 
 
 comptime FP8_SCALE_BLOCK = 128
@@ -205,14 +235,22 @@ struct Fp8LatentRows(TrivialRegisterPassable):
             True,
         )
 
+    def pages(self) -> PageTable:
+        return PageTable(
+            self.lookup_table, self.pages_per_request, self.page_size, self.page_stride, self.layer_offset, self.row_bytes
+        )
+
     def row(self, b: Int, pos: Int) -> U8Ptr:
         """The `row_bytes` bytes of request `b` at sequence position `pos`."""
-        return self.bytes.unsafe_offset(
-            cache_row_offset(
-                self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
-                self.layer_offset, self.row_bytes, b, pos,
-            )
-        )
+        return self.bytes.unsafe_offset(self.pages().row_offset(b, pos))
+
+    def tile_rows[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[U8Ptr, tile]:
+        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`PageTable.tile_offsets`)."""
+        var offsets = self.pages().tile_offsets[tile](b, min(j0, last), last)
+        var rows = Array[U8Ptr, tile](fill=self.bytes)
+        comptime for c in range(tile):
+            rows[c] = self.bytes.unsafe_offset(offsets[c])
+        return rows^
 
     def scales(self, row: U8Ptr) -> FPtr:
         return row.unsafe_offset(self.kv_lora_rank).unsafe_bitcast[Float32]()
@@ -224,8 +262,23 @@ struct Fp8LatentRows(TrivialRegisterPassable):
 
     def dequantize_row[out_dtype: DType](self, b: Int, pos: Int, dst: DPtr[out_dtype]):
         """`dst[:R + Dr]` = the row's values (`e4m3 * scale`, then the rope part): exact in bfloat16 and float32."""
+        self.dequantize(self.row(b, pos), dst)
+
+    def dequantize_rows[out_dtype: DType](self, b: Int, pos: Int, count: Int, dst: DPtr[out_dtype], dst_stride: Int):
+        """`dequantize_row` of positions `pos .. pos + count - 1` into rows `dst_stride` apart: one page
+        table lookup per page they span (rows within a page are `row_bytes` apart)."""
+        var p = pos
+        while p < pos + count:
+            var row = self.row(b, p)
+            var run = min(self.page_size - p % self.page_size, pos + count - p)
+            for i in range(run):
+                self.dequantize(row.unsafe_offset(i * self.row_bytes), dst.unsafe_offset((p - pos + i) * dst_stride))
+            p += run
+
+    @always_inline
+    def dequantize[out_dtype: DType](self, row: U8Ptr, dst: DPtr[out_dtype]):
+        """`dst[:R + Dr]` = the values of the row at `row`."""
         comptime W = 16
-        var row = self.row(b, pos)
         var scales = self.scales(row)
         for block in range(self.kv_lora_rank // FP8_SCALE_BLOCK):
             var s = scales.unsafe_load(block)

@@ -38,6 +38,9 @@ from std.sys import prefetch
 
 from ..common import FPtr, ceil_div
 from .amx import (
+    ACC,
+    LEFT,
+    RIGHT,
     TILE_BYTES,
     TILE_DEPTH,
     TILE_ELEMENTS,
@@ -57,8 +60,22 @@ comptime KEY_BLOCKS = 4
 comptime AMX_KEY_TILE = KEY_BLOCKS * TILE_ROWS
 comptime PACKED_PIECES = AMX_KEY_TILE // TILE_DEPTH
 """Depth steps of P V per key tile with values packed (32 keys each)."""
-comptime VALUES_IN_PLACE_MAX_ROW_BLOCKS = 2
-"""Up to this many 16-row blocks a task reads the values in place; more share one packed copy."""
+
+
+@fieldwise_init
+struct AmxTuning(TrivialRegisterPassable):
+    """The AMX path's tuning choices (data, measured by `tests/cpu/amx_check.mojo`)."""
+
+    var values_in_place_max_row_blocks: Int
+    """Up to this many 16-row blocks a task reads the values in place; more share one packed copy."""
+    var prefetch_line_stride: Int
+    """The score passes prefetch every this-many-th 64-byte line of the next tile's rows (1: every
+    line, 2: every other, the L2's adjacent-line prefetcher fetching the pair; 0: none, the
+    hardware prefetchers alone)."""
+
+
+comptime AMX_TUNING = AmxTuning(values_in_place_max_row_blocks=2, prefetch_line_stride=1)
+"""The op's AMX tuning."""
 
 
 @fieldwise_init
@@ -148,7 +165,7 @@ def pack_values(keys: Array[KeyRows, KEY_BLOCKS], valid: Array[Bool, AMX_KEY_TIL
 
 @always_inline
 def score_group[
-    T: TileUnit, RB: Int, KB: Int
+    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -166,16 +183,18 @@ def score_group[
     Registers: accumulator `i KB + k` (tiles 0-3); with one row block the
     query tile is 4 and the key blocks take 5, 6, 7, 5; with two, keys 4, 5
     and queries 6, 7. With `prefetch_next`, depth step `s` also prefetches
-    64-byte line `s` of the next tile's rows of these key blocks: pages are
-    scattered, so the hardware prefetcher cannot run ahead across them.
+    64-byte line `s` of the next tile's rows of these key blocks (every
+    `prefetch_line_stride`-th line, `AmxTuning`): pages are scattered, so the
+    hardware prefetcher cannot run ahead across them.
     """
     comptime assert RB * KB == 4
     comptime for a in range(4):
-        unit.zero[a]()
+        unit.zero[ACC + a]()
     for s in range(steps):
-        if prefetch_next:
-            comptime for j in range(KB * TILE_ROWS):
-                prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
+        comptime if prefetch_line_stride > 0:
+            if prefetch_next and s % prefetch_line_stride == 0:
+                comptime for j in range(KB * TILE_ROWS):
+                    prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
         comptime for i in range(RB):
             comptime q_reg = 4 if RB == 1 else 6 + i
             unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
@@ -184,10 +203,10 @@ def score_group[
             unit.load[k_reg](keys[kb0 + k].tile(s * TILE_DEPTH), keys[kb0 + k].stride_bytes())
             comptime for i in range(RB):
                 comptime q_reg = 4 if RB == 1 else 6 + i
-                unit.dot[i * KB + k, k_reg, q_reg]()
+                unit.dot[ACC + i * KB + k, k_reg, q_reg]()
     comptime for i in range(RB):
         comptime for k in range(KB):
-            unit.store[i * KB + k](f32_bytes(acc, (i * KB + k) * 256), TILE_BYTES)
+            unit.store[ACC + i * KB + k](f32_bytes(acc, (i * KB + k) * 256), TILE_BYTES)
             transpose_into_scores(
                 acc.unsafe_offset((i * KB + k) * 256), scores, (rb0 + i) * TILE_ROWS, (kb0 + k) * TILE_ROWS,
                 AMX_KEY_TILE,
@@ -195,7 +214,7 @@ def score_group[
 
 
 def tile_scores_amx[
-    T: TileUnit
+    T: TileUnit, prefetch_line_stride: Int
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -209,18 +228,19 @@ def tile_scores_amx[
     """`scores [rows, AMX_KEY_TILE]` of the tile's key blocks against the packed queries; `acc [4 x 256]` is scratch.
 
     Row blocks in pairs against pairs of key blocks; a last (or only) row
-    block against all four. The passes of the first row blocks prefetch
-    the next tile (`next_keys`).
+    block against four key blocks at a time. The passes of the first row
+    blocks prefetch the next tile (`next_keys`).
     """
-    comptime assert KEY_BLOCKS == 4
+    comptime assert KEY_BLOCKS % 4 == 0
     var row_blocks = padded_rows // TILE_ROWS
     var rb = 0
     while rb + 1 < row_blocks:
         comptime for kb0 in range(0, KEY_BLOCKS, 2):
-            score_group[T, 2, 2](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+            score_group[T, 2, 2, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
         rb += 2
     if rb < row_blocks:
-        score_group[T, 1, 4](unit, keys, 0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+        comptime for kb0 in range(0, KEY_BLOCKS, 4):
+            score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
 
 
 @fieldwise_init
@@ -251,7 +271,7 @@ def values_2x2[
 ](mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], c: Int, rights: Int):
     """Accumulators `(i, j)`, `i < layout.lefts`, `j < rights`, += left `i` x right `j` over the depth pieces.
 
-    Registers: accumulator `2 i + j` (tiles 0-3), left tiles 4 and 5, right tiles 6 and 7.
+    Registers: accumulator `ACC + 2 i + j`, left tiles `LEFT + i`, right tiles `RIGHT + j` (`cpu/amx.mojo`).
     """
     var two_left = layout.lefts == 2
     var two_right = rights == 2
@@ -268,17 +288,17 @@ def values_2x2[
     for d in range(layout.pieces):
         var left = layout.left.unsafe_offset(d * layout.left_piece)
         var v = values[d]
-        unit.load[4](left, layout.left_stride)
-        unit.load[6](v.tile(TILE_DEPTH * c), v.stride_bytes())
-        unit.dot[0, 4, 6]()
+        unit.load[LEFT](left, layout.left_stride)
+        unit.load[RIGHT](v.tile(TILE_DEPTH * c), v.stride_bytes())
+        unit.dot[ACC, LEFT, RIGHT]()
         if two_right:
-            unit.load[7](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
-            unit.dot[1, 4, 7]()
+            unit.load[RIGHT + 1](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
+            unit.dot[ACC + 1, LEFT, RIGHT + 1]()
         if two_left:
-            unit.load[5](left.unsafe_offset(layout.left_step), layout.left_stride)
-            unit.dot[2, 5, 6]()
+            unit.load[LEFT + 1](left.unsafe_offset(layout.left_step), layout.left_stride)
+            unit.dot[ACC + 2, LEFT + 1, RIGHT]()
             if two_right:
-                unit.dot[3, 5, 7]()
+                unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
     move_accumulators[T, True](unit, places, live, layout.out_stride)
 
 
@@ -286,13 +306,13 @@ def values_2x2[
 def move_accumulators[
     T: TileUnit, store: Bool
 ](mut unit: T, places: Array[BytePtr, 4], live: Array[Bool, 4], stride: Int):
-    """Loads (or stores) accumulator tiles 0-3 that are `live` from (to) `places[a]`, rows `stride` bytes apart."""
+    """Loads (or stores) accumulator tiles `ACC + a` that are `live` from (to) `places[a]`, rows `stride` bytes apart."""
     comptime for a in range(4):
         if live[a]:
             comptime if store:
-                unit.store[a](places[a], stride)
+                unit.store[ACC + a](places[a], stride)
             else:
-                unit.load[a](places[a], stride)
+                unit.load[ACC + a](places[a], stride)
 
 
 comptime SPLIT_ROW_WORDS = KEY_BLOCKS * 2 * TILE_PAIRS
