@@ -42,23 +42,22 @@ This kernel takes the first three of those (the biggest expected wins):
   swizzle) is one TMA copy; smaller pages (8, 16, 32) take 64 / page_size
   copies per column box. Each column box completes its own mbarrier
   (`full`). Two stages (shared memory: Q 72 KiB + 2 x 72 KiB).
-* Step i takes blocks 2i (stage 0) and 2i + 1 (stage 1). Math warpgroup w:
-  `S = Q K_w^T` (m64 n64 k16, started as each box lands); mask, scale and
-  ALiBi; the row max exchanged with the other warpgroup (one named barrier);
-  its probabilities rounded to dtype into box 8 of its own stage (the rope
-  columns, which P V does not read); a second named barrier; then
-  `O_w = O_w corr + P_0 V_0[:, w] + P_1 V_1[:, w]` (m64 n256 k16, V read
-  MN-major from boxes 4w..4w+3), each stage released to the producer
-  (`empty`) as soon as its P V is done.
+* Block b sits in stage b % 2, so the producer copies block b + 1 while the
+  math warpgroups work on block b. Both warpgroups share the block: warpgroup
+  w scores keys 32w..32w+31 (`S = Q K^T`, m64 n32 k16, started as each box
+  lands); mask, scale and ALiBi; the row max exchanged with the other
+  warpgroup (one named barrier); its probabilities rounded to dtype into its
+  32 columns of box 8 (the rope columns, which P V does not read); a second
+  named barrier; then `O_w = O_w corr + P V[:, w]` over all 64 keys
+  (m64 n256 k16, V read MN-major from boxes 4w..4w+3), and the stage is
+  released to the producer (`empty`).
 * Keys outside the block's span (the first and last blocks of a partition)
   are masked in the scores and their value rows zeroed before P V (a stale
-  row could hold NaN); a last step with one block zeros stage 1 and its
-  probabilities, so P V runs on both stages in every step (no `if` around
-  a wgmma: ptxas would serialize them all, C7520).
+  row could hold NaN; each warpgroup zeros the rows of its 32 keys).
 
 Not yet (the next steps if the device shows the tensor cores idle through the
-softmax): the seesaw schedule (P of the own block kept in registers as the A
-operand of `wgmma`), releasing the value halves of a stage separately.
+softmax): the seesaw schedule (P kept in registers as the A operand of
+`wgmma`, the warpgroups half a block apart).
 
 Shared memory (1024-byte aligned: the swizzle atoms): `q_s` 9 boxes of
 [64 rows][64 columns] (128-byte swizzle: 16-byte chunk `c` of row `r` at
@@ -344,7 +343,7 @@ struct SmemPlan(TrivialRegisterPassable):
 
 @fieldwise_init
 struct KeyBlocks(TrivialRegisterPassable):
-    """The partition's keys `[lo, hi)` in 64-key blocks aligned to 64 slots from `first`; step `i` takes blocks 2i, 2i + 1."""
+    """The partition's keys `[lo, hi)` in 64-key blocks aligned to 64 slots from `first`; block `b` in stage `b % 2`."""
 
     var lo: Int
     var hi: Int
@@ -356,26 +355,20 @@ struct KeyBlocks(TrivialRegisterPassable):
         return Self(span[0], span[1], (span[0] // S9_KEYS) * S9_KEYS)
 
     @always_inline
-    def steps(self) -> Int:
+    def count(self) -> Int:
         if self.hi <= self.lo:
             return 0
-        var blocks = (self.hi - self.first + S9_KEYS - 1) // S9_KEYS
-        return (blocks + 1) // 2
+        return (self.hi - self.first + S9_KEYS - 1) // S9_KEYS
 
     @always_inline
-    def start(self, step: Int, s: Int) -> Int:
-        """First key of stage `s`'s block in step `step`."""
-        return self.first + (2 * step + s) * S9_KEYS
+    def start(self, b: Int) -> Int:
+        """First key of block `b`."""
+        return self.first + b * S9_KEYS
 
     @always_inline
-    def valid(self, step: Int, s: Int) -> Bool:
-        """Whether stage `s` holds a block in step `step` (the last step may have one block)."""
-        return self.start(step, s) < self.hi
-
-    @always_inline
-    def partial(self, step: Int, s: Int) -> Bool:
-        """Whether some key of the block is outside `[lo, hi)`."""
-        var k = self.start(step, s)
+    def partial(self, b: Int) -> Bool:
+        """Whether some key of block `b` is outside `[lo, hi)`."""
+        var k = self.start(b)
         return k < self.lo or k + S9_KEYS > self.hi
 
 
@@ -383,7 +376,7 @@ struct KeyBlocks(TrivialRegisterPassable):
 def produce_keys[
     dtype: DType
 ](p: AttentionParams[dtype], desc: Int, blk: AttentionBlock, sm: SmemPlan, keys: KeyBlocks):
-    """The producer thread: each block's 9 column boxes into its stage once the stage is released.
+    """The producer thread: block `b`'s 9 column boxes into stage `b % 2` once the stage is released.
 
     A column box is `box_rows(page_size)` rows of one page; a 64-key block takes
     `64 / box_rows` of them per column box (one for pages of 64 keys or more),
@@ -403,27 +396,25 @@ def produce_keys[
     var stage0 = smem_u32(sm.stage(0))
     var full0 = smem_u32(sm.full(0, 0))
     var empty0 = smem_u32(sm.empty(0))
-    for i in range(keys.steps()):
-        for s in range(S9_STAGES):
-            if not keys.valid(i, s):
-                continue
-            # Phase parity: a fresh barrier passes parity 1 at once (step 0 waits for nothing).
-            mbar_wait_u32(empty0 + UInt32(8 * s), UInt32((i & 1) ^ 1))
-            var k = UInt32(keys.start(i, s))
-            var parts = min(UInt32(S9_KEYS), hi - k + rows - 1) // rows
-            var dst = stage0 + UInt32(s * S9_BLOCK_BYTES)
-            var full = full0 + UInt32(8 * S9_BOXES * s)
+    for b in range(keys.count()):
+        var s = b % S9_STAGES
+        # Phase parity: a fresh barrier passes parity 1 at once (the first use of a stage waits for nothing).
+        mbar_wait_u32(empty0 + UInt32(8 * s), UInt32(((b // S9_STAGES) & 1) ^ 1))
+        var k = UInt32(keys.start(b))
+        var parts = min(UInt32(S9_KEYS), hi - k + rows - 1) // rows
+        var dst = stage0 + UInt32(s * S9_BLOCK_BYTES)
+        var full = full0 + UInt32(8 * S9_BOXES * s)
+        for box in range(S9_BOXES):
+            arrive_expect_tx(full + UInt32(8 * box), parts * rows * 128)
+        for q in range(parts):
+            var key = k + q * rows
+            var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
+            var row = key % page_size
+            var at = dst + q * rows * 128
             for box in range(S9_BOXES):
-                arrive_expect_tx(full + UInt32(8 * box), parts * rows * 128)
-            for q in range(parts):
-                var key = k + q * rows
-                var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
-                var row = key % page_size
-                var at = dst + q * rows * 128
-                for box in range(S9_BOXES):
-                    tma_load_box(
-                        at + UInt32(box * S9_BOX_BYTES), desc, full + UInt32(8 * box), UInt32(box * S9_BOX_COLS), row, page
-                    )
+                tma_load_box(
+                    at + UInt32(box * S9_BOX_BYTES), desc, full + UInt32(8 * box), UInt32(box * S9_BOX_COLS), row, page
+                )
 
 
 @always_inline
@@ -443,13 +434,15 @@ def load_q[dtype: DType](p: AttentionParams[dtype], blk: AttentionBlock, sm: Sme
 
 
 @always_inline
-def zero_outside_values(sm: SmemPlan, keys: KeyBlocks, step: Int, s: Int, wt: Int):
-    """Zeros the value rows (boxes 0-7) of stage `s`'s keys outside `[lo, hi)` (one warpgroup)."""
-    var k0 = keys.start(step, s)
+def zero_outside_values(sm: SmemPlan, keys: KeyBlocks, b: Int, s: Int, wg: Int, wt: Int):
+    """Zeros the value rows (boxes 0-7) of block `b`'s keys outside `[lo, hi)` in stage `s`: warpgroup `wg`
+    the rows of its 32 keys."""
+    var k0 = keys.start(b)
+    comptime HALF = S9_KEYS // 2
     comptime CHUNKS = (S9_BOXES - 1) * 8  # 16-byte chunks of a row's value columns
     var v = wt
-    while v < S9_KEYS * CHUNKS:
-        var r = v // CHUNKS
+    while v < HALF * CHUNKS:
+        var r = wg * HALF + v // CHUNKS
         var c = v % CHUNKS
         var key = k0 + r
         if key < keys.lo or key >= keys.hi:
@@ -468,7 +461,8 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
     Grid `(attention_slots(T, H, B, 64), num_partitions)`, block `S9_THREADS`
     threads, `attention_sm90_smem_bytes()` bytes of dynamic shared memory.
     """
-    comptime NJ_S = S9_KEYS // 8  # score n-tiles per thread
+    comptime HALF = S9_KEYS // 2  # keys scored per warpgroup
+    comptime NJ_S = HALF // 8  # score n-tiles per thread
     comptime NJ_O = S9_VALUE_COLS // 8  # value n-tiles per thread
     comptime ACC_W = S9_ROWS * S9_VALUE_COLS // S9_WG
     comptime ESZ = size_of[dtype]()
@@ -523,7 +517,7 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
     var scale = p.att.scale
     var xmax_s = sm.xmax()
     var q_u = sm.q_u32()
-    var own_u = smem_u32(sm.stage(wg))
+    var stage0_u = smem_u32(sm.stage(0))
 
     var m_a = neg_inf[DType.float32]()
     var m_b = neg_inf[DType.float32]()
@@ -531,28 +525,28 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
     var l_b = Float32(0)
     var acc = SIMD[DType.float32, ACC_W](0)
 
-    for i in range(keys.steps()):
-        var phase = i & 1
-        var own = keys.valid(i, wg)
-        var k0 = keys.start(i, wg)
+    for b in range(keys.count()):
+        var st = b % S9_STAGES
+        var phase = (b // S9_STAGES) & 1
+        var k0 = keys.start(b) + wg * HALF  # this warpgroup's first key
 
-        # S = Q K_w^T over the 9 boxes of this warpgroup's block, each started as it lands.
+        # S = Q K^T on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.
         var s = SIMD[DType.float32, NJ_S * 4](0)
         var q_it = opaque(q_u)
-        var own_it = opaque(own_u)
-        if own:
-            comptime for box in range(S9_BOXES):
-                mbar_wait(sm.full(wg, box), phase)
-                # A fence after every wait: ptxas takes the wait's spin loop for a divergent path and,
-                # without one, serializes every wgmma of the kernel (C7520).
-                wgmma_fence_aligned()
-                comptime for kk in range(S9_BOX_COLS // 16):
-                    var off = UInt32(box * S9_BOX_BYTES + kk * 32)
-                    s = wgmma_async[64, S9_KEYS, 16, DType.float32, NJ_S * 4, a_type=dtype, b_type=dtype, layout_b="col"](
-                        sw128_desc[dtype](q_it + off, 16, 1024), sw128_desc[dtype](own_it + off, 16, 1024), s
-                    )
-            wgmma_commit_group_sync()
-            wgmma_wait_group_sync[0]()
+        var stage_u = opaque(stage0_u + UInt32(st * S9_BLOCK_BYTES))
+        var keys_u = stage_u + UInt32(wg * HALF * 128)
+        comptime for box in range(S9_BOXES):
+            mbar_wait(sm.full(st, box), phase)
+            # A fence after every wait: ptxas takes the wait's spin loop for a divergent path and,
+            # without one, serializes every wgmma of the kernel (C7520).
+            wgmma_fence_aligned()
+            comptime for kk in range(S9_BOX_COLS // 16):
+                var off = UInt32(box * S9_BOX_BYTES + kk * 32)
+                s = wgmma_async[64, HALF, 16, DType.float32, NJ_S * 4, a_type=dtype, b_type=dtype, layout_b="col"](
+                    sw128_desc[dtype](q_it + off, 16, 1024), sw128_desc[dtype](keys_u + off, 16, 1024), s
+                )
+        wgmma_commit_group_sync()
+        wgmma_wait_group_sync[0]()
 
         # Scale, ALiBi and masks; this warpgroup's row maxima, exchanged with the other's.
         var mx_a = neg_inf[DType.float32]()
@@ -563,13 +557,13 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
                 var key = key0 + Int32(8 * j + e % 2)
                 var x = s[4 * j + e]
                 comptime if e < 2:
-                    if own and key >= lo_a and key < hi_a:
+                    if key >= lo_a and key < hi_a:
                         x = x * scale - slope_a * (pos_a - Float32(key))
                     else:
                         x = neg_inf[DType.float32]()
                     mx_a = max(mx_a, x)
                 else:
-                    if own and key >= lo_b and key < hi_b:
+                    if key >= lo_b and key < hi_b:
                         x = x * scale - slope_b * (pos_b - Float32(key))
                     else:
                         x = neg_inf[DType.float32]()
@@ -599,56 +593,47 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
         m_a = mn_a
         m_b = mn_b
 
-        # Probabilities: float32 row sums, dtype values into box 8 of the own stage (K-major, swizzled).
+        # Probabilities: float32 row sums, dtype values into this warpgroup's 32 columns of box 8
+        # (K-major, swizzled: 16-byte chunk 4 wg + j of the row).
         var ps_a = Float32(0)
         var ps_b = Float32(0)
-        var p_box = sm.stage(wg).unsafe_offset((S9_BOXES - 1) * S9_BOX_BYTES)
+        var p_box = sm.stage(st).unsafe_offset((S9_BOXES - 1) * S9_BOX_BYTES)
         comptime for j in range(NJ_S):
             var pa = exp(SIMD[DType.float32, 2](s[4 * j], s[4 * j + 1]) - sh_a)
             var pb = exp(SIMD[DType.float32, 2](s[4 * j + 2], s[4 * j + 3]) - sh_b)
             ps_a += pa.reduce_add()
             ps_b += pb.reduce_add()
-            var at_a = ra * 128 + ((j ^ (ra % 8)) * 16) + 4 * t4
-            var at_b = rb * 128 + ((j ^ (rb % 8)) * 16) + 4 * t4
+            var chunk = (HALF // 8) * wg + j
+            var at_a = ra * 128 + ((chunk ^ (ra % 8)) * 16) + 4 * t4
+            var at_b = rb * 128 + ((chunk ^ (rb % 8)) * 16) + 4 * t4
             p_box.unsafe_offset(at_a).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=4](0, pa.cast[dtype]())
             p_box.unsafe_offset(at_b).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=4](0, pb.cast[dtype]())
         l_a = l_a * corr_a + ps_a
         l_b = l_b * corr_b + ps_b
-        # Without a block of its own (stage 1 of a last step with one block: `partial`, every key
-        # outside) the warpgroup wrote zero probabilities above and zeros its stage's values here,
-        # so both stages' P V run unconditionally (an `if` around them serializes every wgmma, C7520).
-        if keys.partial(i, wg):
-            zero_outside_values(sm, keys, i, wg, wt)
+        if keys.partial(b):
+            zero_outside_values(sm, keys, b, st, wg, wt)
         fence_async_proxy()
-        named_barrier[S9_MATH_THREADS](BAR_P)  # both P boxes (and zeroed rows) written
+        named_barrier[S9_MATH_THREADS](BAR_P)  # both halves of P (and zeroed rows) written
 
-        # O = O corr + P_0 V_0 + P_1 V_1 on this warpgroup's 256 value columns (boxes 4 wg .. 4 wg + 3).
+        # O = O corr + P V on this warpgroup's 256 value columns (boxes 4 wg .. 4 wg + 3), all 64 keys.
         comptime for j in range(NJ_O):
             acc[4 * j] *= corr_a
             acc[4 * j + 1] *= corr_a
             acc[4 * j + 2] *= corr_b
             acc[4 * j + 3] *= corr_b
         wgmma_fence_aligned()
-        comptime for st in range(S9_STAGES):
-            var stage_u = opaque(smem_u32(sm.stage(st)))
-            var p_u = stage_u + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
-            var v_u = stage_u + UInt32(4 * wg * S9_BOX_BYTES)
-            comptime for kk in range(S9_KEYS // 16):
-                acc = wgmma_async[
-                    64, S9_VALUE_COLS, 16, DType.float32, ACC_W, a_type=dtype, b_type=dtype, layout_b="row"
-                ](
-                    sw128_desc[dtype](p_u + UInt32(kk * 32), 16, 1024),
-                    sw128_desc[dtype](v_u + UInt32(kk * 16 * 128), S9_BOX_BYTES, 1024),
-                    acc,
-                )
-            wgmma_commit_group_sync()
-        # Stage 0's group done: release it while stage 1's runs.
-        wgmma_wait_group_sync[1]()
-        if lane == 0:
-            _ = mbarrier_arrive(sm.empty(0))
+        var p_u = stage_u + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
+        var v_u = stage_u + UInt32(4 * wg * S9_BOX_BYTES)
+        comptime for kk in range(S9_KEYS // 16):
+            acc = wgmma_async[64, S9_VALUE_COLS, 16, DType.float32, ACC_W, a_type=dtype, b_type=dtype, layout_b="row"](
+                sw128_desc[dtype](p_u + UInt32(kk * 32), 16, 1024),
+                sw128_desc[dtype](v_u + UInt32(kk * 16 * 128), S9_BOX_BYTES, 1024),
+                acc,
+            )
+        wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
         if lane == 0:
-            _ = mbarrier_arrive(sm.empty(1))
+            _ = mbarrier_arrive(sm.empty(st))
 
     # Row sums: this thread's quad, then both warpgroups.
     var xsum_s = sm.xsum()
