@@ -16,8 +16,7 @@ launches them; the kernels live in one file per concern:
                                 `rope_q_kernel` (rope_norm.mojo), `quantize_kernel` +
                                 `fp8_matmul_kernel` (projection.mojo, float32 FMA)
 5.   `attention_sm90_kernel`    (attention_sm90.mojo) Hopper: TMA key boxes from a producer
-                                warpgroup, two math warpgroups (behind SM90_MIN_HEADS, not the
-                                default yet), or
+                                warpgroup, two math warpgroups (from SM90_MIN_HEADS heads), or
      `attention_wgmma_kernel`   (attention_wgmma.mojo) Hopper warpgroup tensor cores,
                                 64 packed rows per block (many heads), or
      `attention_mma_kernel`     (attention_mma.mojo) tensor cores, bf16 / f16 caches, or

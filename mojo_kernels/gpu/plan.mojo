@@ -34,12 +34,13 @@ from .steps_fused import tile_cols, tile_rows
 comptime WGMMA_SHAPE = (WG_ROWS // MMA_ROWS, 64, 0)
 comptime WGMMA_MIN_HEADS = 64
 # The TMA kernel with a producer warpgroup (attention_sm90.mojo): its 64 rows, 64-key blocks, -1
-# warps per group marks it. Behind a flag, not the op's choice yet: SM90_MIN_HEADS = SM90_OFF
-# (no head count reaches it) until gpu_smoke passes it on the H200 and `gpu_bench variants`
-# shows it ahead; then 0 makes it the default wherever it is supported (it comes first).
+# warps per group marks it. The default from SM90_MIN_HEADS heads where it handles the sizes
+# (it comes first). H200, step 5 alone (`gpu_bench variants`, 2026-12-05,
+# benchmarks/results/h200-2026-12-05e/): 128 heads b64 8k 346 us against the wgmma kernel's
+# 680, b8 8k 69 against 118; at 16 heads it wins at batch 64 (225 against the mma kernel's 245
+# us) and 128, and loses at batch 8 (69 against 49), so below 64 heads the mma kernels stay.
 comptime SM90_SHAPE = (S9_ROWS // MMA_ROWS, 64, -1)
-comptime SM90_OFF = 1 << 30
-comptime SM90_MIN_HEADS = SM90_OFF
+comptime SM90_MIN_HEADS = 64
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
 comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
 # (H200, 16 heads, B128 L32k, step 5: 1798.5 us; (1, 32, 4) 1895 us; (1, 32, 8) 2262 us, and

@@ -254,7 +254,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
         else:
             print("  raw: tensor cores 1 x 32 x 4 do not handle these sizes, skipped")
         # The Hopper kernels (wgmma; TMA with a producer warpgroup) on every case they support,
-        # whatever the head count (the sm90 kernel is not the op's choice yet: SM90_MIN_HEADS).
+        # whatever the head count (the op takes the sm90 kernel from SM90_MIN_HEADS heads).
         comptime HOPPER = (WGMMA_SHAPE, SM90_SHAPE)
         comptime for h in range(len(HOPPER)):
             comptime shape = HOPPER[h]
