@@ -132,7 +132,7 @@ def attention_mma_kernel[
 ):
     """One block per (request, `16 groups` rows, key partition); see the module docstring.
 
-    Grid `(attention_slots(T, H, B, 16 groups), num_partitions)`, block
+    Grid: `enqueue_attention`'s (a row slot or a task of the split schedule per block), block
     `32 gw groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
     """
     comptime assert kt % 32 == 0, "kt must be a multiple of 32"

@@ -6,6 +6,9 @@ kernels on the stream of the op's `DeviceContext` (entry:
 `plan.mojo` decides which kernels and shapes run (`GpuPlan`); this file
 launches them; the kernels live in one file per concern:
 
+0.   `schedule_kernel`        (schedule.mojo) when the keys split: which request, row slot and key
+                                partition each attention block takes, each request's keys split by
+                                its share of the batch's work (one block, from the batch alone)
 1-4. `q_step_kernel`          (steps_fused.mojo) one launch for bf16 / f16: RMSNorm + RoPE of each
                                 new token's cache row (extra blocks, `rope_norm_cache_row` of
                                 rope_norm.mojo), RoPE of q's rope part into `q_full[:, :, R:]`, and
@@ -21,7 +24,8 @@ launches them; the kernels live in one file per concern:
                                 64 packed rows per block (many heads), or
      `attention_mma_kernel`     (attention_mma.mojo) tensor cores, bf16 / f16 caches, or
      `attention_fma_kernel`     (attention_fma.mojo) float32 FMA (float32 caches, other
-                                sizes): one block per (request, tile of rows, key partition);
+                                sizes): one block per (request, tile of rows, key partition)
+                                (a task of the schedule when the keys split);
                                 all (token, head) rows of the block share each key tile
      `merge_kernel`             (merge.mojo) log-sum-exp merge of the key partitions
 6.   `out_step_kernel`          (steps_fused.mojo) one launch for bf16 / f16: quantization of the
@@ -85,6 +89,7 @@ from .projection import (
     quantize_kernel,
 )
 from .projection_mma import KCHUNK, Fp8Projection, QuantizedRows, ScaleBlocks, StridedRows
+from .schedule import SCHEDULE_THREADS, ScheduleParams, SplitSchedule, schedule_grid, schedule_ints, schedule_kernel
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
@@ -204,28 +209,66 @@ def gpu_build_q_full[
 
 
 struct AttentionWorkspace(Movable):
-    """Step 5's key-partition workspaces: outputs `[P, T H, R]`, maxima and sums `[P, T H]` (one float when P is 1).
+    """Step 5's split-KV workspaces: the schedule's tables (schedule.mojo), the partitions' outputs
+    `[grid rows_per_block, R]`, maxima and sums `[grid rows_per_block]`; one int and float each
+    without a split.
 
     The op creates it before its first launch and releases it after its last, so that no
     allocation or release sits between two of its kernels (the PDL chain, pdl.mojo).
     """
 
-    var parts: Int  # key partitions per request; with the LSE (`has_lse`) at least two
+    var grid: Int  # attention blocks of the split; 0: no split
+    var rows_per_block: Int
+    var target: Int  # blocks the split aims at
+    var forced_partitions: Int  # > 0: every request that many (tests)
+    var tables: DeviceBuffer[DType.int32]
     var part_out: DeviceBuffer[DType.float32]
     var part_max: DeviceBuffer[DType.float32]
     var part_sum: DeviceBuffer[DType.float32]
 
-    def __init__[dtype: DType](out self, ctx: DeviceContext, p: DecodeProblem[dtype], num_partitions: Int) raises:
-        self.parts = max(num_partitions, 2) if p.has_lse else num_partitions
-        var rows = p.num_tokens * p.num_heads * self.parts if self.parts > 1 else 1
-        self.part_out = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank if self.parts > 1 else 1)
-        self.part_max = ctx.enqueue_create_buffer[DType.float32](rows)
-        self.part_sum = ctx.enqueue_create_buffer[DType.float32](rows)
+    def __init__[dtype: DType](out self, ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan) raises:
+        self.rows_per_block = plan.rows_per_block
+        self.target = plan.split_target
+        self.forced_partitions = plan.num_partitions if plan.num_partitions > 1 else 0
+        self.grid = 0
+        if plan.num_partitions != 1:
+            var slots = attention_slots(p.num_tokens, p.num_heads, p.batch.num_requests, plan.rows_per_block)
+            self.grid = schedule_grid(slots, self.target, self.forced_partitions)
+        var partial_rows = self.grid * self.rows_per_block
+        self.tables = ctx.enqueue_create_buffer[DType.int32](
+            schedule_ints(self.grid, p.num_tokens * p.num_heads) if self.grid > 0 else 1
+        )
+        self.part_out = ctx.enqueue_create_buffer[DType.float32](max(partial_rows * p.kv_lora_rank, 1))
+        self.part_max = ctx.enqueue_create_buffer[DType.float32](max(partial_rows, 1))
+        self.part_sum = ctx.enqueue_create_buffer[DType.float32](max(partial_rows, 1))
+
+    def split(self) -> Bool:
+        return self.grid > 0
+
+    def schedule(self) -> SplitSchedule:
+        """The schedule's tables (inactive without a split)."""
+        var tables = self.tables.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+        return SplitSchedule.over(to_global(tables), self.grid, self.rows_per_block)
+
+    def build_schedule[dtype: DType](self, ctx: DeviceContext, p: DecodeProblem[dtype]) raises:
+        """Enqueues `schedule_kernel` (with a split): before the q step, whose kernels after it read the
+        schedule from their first instruction on, even when launched early (PDL)."""
+        if not self.split() or p.num_tokens == 0 or p.num_heads == 0:
+            return
+        ctx.enqueue_function[schedule_kernel](
+            ScheduleParams(
+                DeviceBatch.of(p.batch), self.schedule(), Int32(p.num_heads), Int32(self.target),
+                Int32(self.forced_partitions),
+            ),
+            grid_dim=1,
+            block_dim=SCHEDULE_THREADS,
+        )
 
 
 def gpu_attention[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr) raises:
-    """Step 5: `raw [T, H, R]` from `q_full [T, H, R + Dr]` and the paged cache, with the plan's kernel and partitions."""
-    var ws = AttentionWorkspace(ctx, p, plan.num_partitions)
+    """Step 5: `raw [T, H, R]` from `q_full [T, H, R + Dr]` and the paged cache, with the plan's kernel and split."""
+    var ws = AttentionWorkspace(ctx, p, plan)
+    ws.build_schedule(ctx, p)
     gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws, QuantizedRows.none(to_global(raw)))
     _ = ws^  # freed in stream order
 
@@ -236,7 +279,7 @@ def gpu_attention_into[
     ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr, ws: AttentionWorkspace,
     quant: QuantizedRows,
 ) raises:
-    """`gpu_attention` in workspace `ws` (made for `plan.num_partitions`); with `quant` active the merge
+    """`gpu_attention` in workspace `ws` (made for `plan`, its schedule built); with `quant` active the merge
     quantizes the rows for step 6 (`merge_quantizes`) instead of writing `raw`."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
         if plan.attention == i:
@@ -254,11 +297,12 @@ def gpu_attention_with[
     pdl: Bool,
     quant: QuantizedRows,
 ) raises:
-    """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`), keys split into `ws.parts` parts.
+    """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`) in workspace `ws` (made for a
+    plan of that variant, its schedule built).
 
-    With more than one partition every partition's output and row statistics
+    With a split (`ws.split()`) every partition's output and row statistics
     go to `ws`, merged by log-sum-exp (`merge_kernel`). The LSE (`has_lse`)
-    comes from that merge: with it, at least two partitions. With `pdl` the
+    comes from that merge: the plan splits when it is asked for. With `pdl` the
     attention kernel and the merge start early (programmatic dependent launch, pdl.mojo).
     With `quant` active (only with a merge) the merge writes step 6's quantized rows and the
     attention output (`has_attention_output`), not `raw`.
@@ -273,13 +317,12 @@ def gpu_attention_with[
         var key_dim = p.cache.head_dim
         var rank = p.kv_lora_rank
         var rows = num_tokens * p.num_heads
-        var parts = ws.parts
         var part_out = ws.part_out.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var part_max = ws.part_max.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var part_sum = ws.part_sum.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var params = AttentionParams[dtype](
             q_full, DeviceCache[dtype].of(p.cache), DeviceBatch.of(p.batch), Int32(p.num_heads), Int32(rank),
-            Int32(parts), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
+            ws.schedule(), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
             raw, part_out, part_max, part_sum,
         )
         comptime if groups == 0:
@@ -307,10 +350,9 @@ def gpu_attention_with[
                 ctx, params, num_tokens, WARP_SIZE * gw * groups, attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim),
                 pdl,
             )
-        if parts > 1:
+        if ws.split():
             var merge = MergeParams[dtype](
-                to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw),
-                Int32(rows), Int32(parts), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
+                to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw), ws.schedule(), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
                 quant, to_global(p.attention_output), Int32(1 if p.has_attention_output else 0),
             )
             if quant.active != 0:
@@ -323,9 +365,9 @@ def gpu_attention_with[
                 )
 
 
-def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, parts: Int) -> Bool:
+def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, split: Bool) -> Bool:
     """Whether the partition merge quantizes step 6's activations (`QuantizedRows`): asked by the plan
-    (`quantize_in_merge`), a merge runs (`parts > 1`), the tensor-core output step follows, scales
+    (`quantize_in_merge`), a merge runs (`split`), the tensor-core output step follows, scales
     per row (`bm == 1`: one merged row per block) over K blocks of multiples of 64 that tile
     kv_lora_rank (the plain layout `stage_quantized` copies), and a row fits the merge's shared memory."""
     comptime if dtype == DType.float32:
@@ -333,7 +375,7 @@ def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, parts:
     var blocks = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank)
     return (
         plan.quantize_in_merge
-        and parts > 1
+        and split
         and plan.out_tile >= 0
         and p.has_output
         and blocks.m == 1
@@ -418,8 +460,8 @@ def gpu_run_plan[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan
     # kernels between them (their programmatic dependent launch with `plan.pdl`, pdl.mojo).
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.key_dim())
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
-    var ws = AttentionWorkspace(ctx, p, plan.num_partitions)
-    var quantized = merge_quantizes(p, plan, ws.parts)
+    var ws = AttentionWorkspace(ctx, p, plan)
+    var quantized = merge_quantizes(p, plan, ws.split())
     var block_k = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank).k
     var k_blocks = ceil_div(p.kv_lora_rank, block_k)
     var values_buf = ctx.enqueue_create_buffer[DType.float16](rows * p.kv_lora_rank if quantized else 1)
@@ -434,7 +476,9 @@ def gpu_run_plan[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan
             Int32(block_k), Int32(p.num_heads), 1,
         )
 
-    # Steps 1-4: the new cache rows and q_full, one launch (bf16 / f16).
+    # Step 5's split-KV schedule (from the batch alone), then steps 1-4: the new cache rows and
+    # q_full, one launch (bf16 / f16).
+    ws.build_schedule(ctx, p)
     gpu_build_q_full[dtype](ctx, p, plan, q_full, cache_rows_params(p, p.num_tokens))
     gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws, quant)
     # Step 6 and the optional attention-output store, one launch (bf16 / f16).

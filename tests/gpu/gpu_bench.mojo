@@ -18,7 +18,14 @@ from max.gpu.host import DeviceBuffer, DeviceContext
 from mojo_kernels.gpu.pipeline import AttentionWorkspace, gpu_attention_into, gpu_attention_with
 from mojo_kernels.gpu.params import to_global
 from mojo_kernels.gpu.projection_mma import QuantizedRows
-from mojo_kernels.gpu.plan import FMA_PATH, PROJ_TILES, DeviceLimits, GpuPlan, attention_partitions
+from mojo_kernels.gpu.plan import (
+    FMA_PATH,
+    PROJ_TILES,
+    DeviceLimits,
+    GpuPlan,
+    attention_rows_per_block,
+    attention_split,
+)
 
 from gpu_case import Case, DeviceCase, Rng, decode_case, download, round_to, untracked, upload
 
@@ -95,7 +102,13 @@ def bench_attention[
     var problem = d.problem(c)
     var limits = DeviceLimits.read(ctx)
     var plan = GpuPlan.create(problem, limits)
-    var ws = AttentionWorkspace(ctx, problem, plan.num_partitions if v[0] < 0 else attention_partitions(problem, v, limits))
+    comptime if v[0] >= 0:  # a pinned variant: its own rows per block and split
+        plan.rows_per_block = attention_rows_per_block(v)
+        var split = attention_split(problem, v, limits)
+        plan.num_partitions = split[0]
+        plan.split_target = split[1]
+    var ws = AttentionWorkspace(ctx, problem, plan)
+    ws.build_schedule(ctx, problem)
     var t0 = 0
     for it in range(iters + 1):  # the first run is a warm-up
         if it == 1:

@@ -25,7 +25,7 @@ from std.utils.numerics import nan
 
 from max.gpu.host import DeviceContext
 
-from mojo_kernels.gpu.pipeline import cache_rows_params, gpu_rotate_and_normalize_new_rows
+from mojo_kernels.gpu.pipeline import AttentionWorkspace, cache_rows_params, gpu_rotate_and_normalize_new_rows
 from mojo_kernels.gpu.plan import (
     FMA_ATTENTION,
     FMA_PATH,
@@ -163,16 +163,22 @@ def check_cache[dtype: DType](c: Case, got: List[Float32], want: List[Float32]) 
     return report("cache", ok, String("max err ", rel, " x max|ref| (tol ", cache_tolerance[dtype](), "), other elements changed: ", changed))
 
 
-def poison_workspaces(ctx: DeviceContext, c: Case, parts: Int) raises:
-    """NaN-filled buffers of the op's workspace sizes (q_full, raw, the partitions'), released at once:
-    the device's allocator tends to hand their memory to the next op call's workspaces, so that a
-    kernel reading one before its producer wrote it sees NaN, not an earlier call's equal values."""
+def poison_workspaces[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], plan: GpuPlan) raises:
+    """NaN-filled buffers of the op's workspace sizes (q_full, raw, the split's tables and partitions, the
+    tables filled with 0x7f7f7f7f), released at once: the device's allocator tends to hand their memory
+    to the next op call's workspaces, so that a kernel reading one before its producer wrote it sees
+    NaN (or a wild index), not an earlier call's equal values."""
     var rows = c.num_tokens * c.heads
-    var sizes = [rows * c.key_dim, rows * c.rank, max(parts, 2) * rows * c.rank, max(parts, 2) * rows, max(parts, 2) * rows]
-    for n in sizes:
+    for n in [rows * c.key_dim, rows * c.rank]:
         var buf = ctx.enqueue_create_buffer[DType.float32](max(n, 1))
         ctx.enqueue_memset(buf, nan[DType.float32]())
         _ = buf^
+    var ws = AttentionWorkspace(ctx, d.problem(c), plan)
+    ctx.enqueue_memset(ws.tables, Int32(0x7F7F7F7F))
+    ctx.enqueue_memset(ws.part_out, nan[DType.float32]())
+    ctx.enqueue_memset(ws.part_max, nan[DType.float32]())
+    ctx.enqueue_memset(ws.part_sum, nan[DType.float32]())
+    _ = ws^
 
 
 def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c: Case) raises -> Bool:
@@ -348,7 +354,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
             op_plan.pdl = pdl
             op_plan.quantize_in_merge = in_merge
             if mode == 0:
-                poison_workspaces(ctx, c, op_plan.num_partitions)
+                poison_workspaces(ctx, c, d2, op_plan)
             ctx.enqueue_memset(op_att, nan[dtype]())
             d2.run_plan_storing(ctx, c, op_plan, op_att)
             var out = download[dtype](ctx, d2.output, rows * c.v_dim)
