@@ -336,6 +336,14 @@ struct KeyTiles[dtype: DType, kt: Int](TrivialRegisterPassable):
         self.cur = 1 - self.cur
 
 
+def attention_grid[dtype: DType](p: AttentionParams[dtype], num_tokens: Int, rows_per_block: Int) -> Int:
+    """Blocks of an attention launch: the split schedule's grid (`p.split`), else one per row slot
+    (`attention_slots`)."""
+    if p.split.active():
+        return Int(p.split.grid)
+    return attention_slots(num_tokens, Int(p.num_heads), Int(p.batch.num_requests), rows_per_block)
+
+
 def enqueue_attention[
     dtype: DType, //, kernel: def(AttentionParams[dtype]) thin -> None, rows_per_block: Int
 ](
@@ -346,15 +354,11 @@ def enqueue_attention[
     smem_bytes: Int,
     pdl: Bool,
 ) raises:
-    """Launches one attention kernel: grid `p.split.grid` with a split, else one block per row slot
-    (`attention_slots`); `smem_bytes` of dynamic shared memory; with `pdl`, programmatic
-    dependent launch after the q step (pdl.mojo)."""
-    var grid = Int(p.split.grid)
-    if not p.split.active():
-        grid = attention_slots(num_tokens, Int(p.num_heads), Int(p.batch.num_requests), rows_per_block)
+    """Launches one attention kernel: grid `attention_grid`, `smem_bytes` of dynamic shared memory;
+    with `pdl`, programmatic dependent launch after the q step (pdl.mojo)."""
     ctx.enqueue_function[kernel](
         p,
-        grid_dim=grid,
+        grid_dim=attention_grid(p, num_tokens, rows_per_block),
         block_dim=block_threads,
         shared_mem_bytes=smem_bytes,
         func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem_bytes)),
