@@ -458,7 +458,7 @@ def zero_outside_values(sm: SmemPlan, keys: KeyBlocks, b: Int, s: Int, wg: Int, 
 def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
     """One block per (request, 64 rows, key partition); see the module docstring.
 
-    Grid `(attention_slots(T, H, B, 64), num_partitions)`, block `S9_THREADS`
+    Grid `attention_grid` (a row slot or a task of the split schedule per block), block `S9_THREADS`
     threads, `attention_sm90_smem_bytes()` bytes of dynamic shared memory.
     """
     comptime HALF = S9_KEYS // 2  # keys scored per warpgroup

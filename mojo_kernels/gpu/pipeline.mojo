@@ -61,7 +61,7 @@ from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..problem import DecodeProblem
 from ..spec import SCORE_MOD_ALIBI_POS, Granularity
 from .addressing import ELEMENTWISE_THREADS, attention_slots
-from .attention_block import AttentionParams, enqueue_attention
+from .attention_block import AttentionParams, attention_grid, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
 from .attention_sm90 import S9_ROWS, S9_THREADS, TmaAttentionParams, attention_sm90_kernel, attention_sm90_smem_bytes
@@ -335,7 +335,7 @@ def gpu_attention_with[
             var smem = attention_sm90_smem_bytes()
             ctx.enqueue_function[attention_sm90_kernel[dtype]](
                 TmaAttentionParams[dtype].create(ctx, p.cache, params),
-                grid_dim=(attention_slots(num_tokens, p.num_heads, p.batch.num_requests, S9_ROWS), parts),
+                grid_dim=attention_grid(params, num_tokens, S9_ROWS),
                 block_dim=S9_THREADS,
                 shared_mem_bytes=smem,
                 func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),

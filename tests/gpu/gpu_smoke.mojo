@@ -280,7 +280,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
                 pdl_plan.num_partitions = 3
                 pdl_plan.pdl = True
                 var pdl_att = ctx.enqueue_create_buffer[dtype](max(rows * c.rank, 1))
-                poison_workspaces(ctx, c, 3)
+                poison_workspaces(ctx, c, d2, pdl_plan)
                 ctx.enqueue_memset(pdl_att, nan[dtype]())
                 d2.run_plan_storing(ctx, c, pdl_plan, pdl_att)
                 ok = check_close(String("op attention output (", name, ", 3 partitions, PDL on)"), download[dtype](ctx, pdl_att, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
