@@ -220,7 +220,7 @@ struct AttentionWorkspace(Movable):
     var grid: Int  # attention blocks of the split; 0: no split
     var rows_per_block: Int
     var target: Int  # blocks the split aims at
-    var forced_partitions: Int  # > 0: every request that many (tests)
+    var forced_partitions: Int  # > 0: every request that many (tests; 1 with the LSE)
     var tables: DeviceBuffer[DType.int32]
     var part_out: DeviceBuffer[DType.float32]
     var part_max: DeviceBuffer[DType.float32]
@@ -229,9 +229,9 @@ struct AttentionWorkspace(Movable):
     def __init__[dtype: DType](out self, ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan) raises:
         self.rows_per_block = plan.rows_per_block
         self.target = plan.split_target
-        self.forced_partitions = plan.num_partitions if plan.num_partitions > 1 else 0
+        self.forced_partitions = plan.num_partitions  # SPLIT_BY_WORK (0): by the schedule's shares
         self.grid = 0
-        if plan.num_partitions != 1:
+        if plan.num_partitions != 1 or p.has_lse:  # the LSE comes from the merge
             var slots = attention_slots(p.num_tokens, p.num_heads, p.batch.num_requests, plan.rows_per_block)
             self.grid = schedule_grid(slots, self.target, self.forced_partitions)
         var partial_rows = self.grid * self.rows_per_block

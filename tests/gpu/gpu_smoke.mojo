@@ -11,9 +11,10 @@
 #   cache   rows rotated + normalized in place (CPU loops on the same inputs), other bytes unchanged
 #   q_full  concat(fp8mm(q_nope, w_uk), rope(q_rope)) against the blockwise fp8 formula of pymla/quant.py,
 #           with every projection tile and the FMA path pinned by a plan, then the op's plan
-#   raw     attention from the GPU's own q_full and cache (float64 on the CPU), for 1 and several
-#           partitions, and the FMA, small-rank tensor-core, wgmma and sm90 (TMA) kernels pinned by a plan
-#           (the two Hopper kernels also in the whole op with PDL on: its attention output)
+#   raw     attention from the GPU's own q_full and cache (float64 on the CPU), without a split, with
+#           3 partitions per request and split by work (schedule.mojo), and the FMA, small-rank
+#           tensor-core, wgmma and sm90 (TMA) kernels pinned by a plan (the two Hopper kernels also
+#           in the whole op with PDL on: its attention output)
 #   output  output projection of the GPU's raw (CPU fp8mm), then the whole op against the CPU pipeline
 #           with the tolerance of pymla/parity.py, with programmatic dependent launch (PDL) on and
 #           off (`GpuPlan.pdl`) and step 6's quantization in the partition merge on and off
@@ -32,6 +33,7 @@ from mojo_kernels.gpu.plan import (
     MMA_FEW_HEADS_SMALL_RANK,
     PROJ_TILES,
     SM90_SHAPE,
+    SPLIT_BY_WORK,
     WGMMA_SHAPE,
     DeviceLimits,
     GpuPlan,
@@ -163,6 +165,19 @@ def check_cache[dtype: DType](c: Case, got: List[Float32], want: List[Float32]) 
     return report("cache", ok, String("max err ", rel, " x max|ref| (tol ", cache_tolerance[dtype](), "), other elements changed: ", changed))
 
 
+comptime PLANNED = -1
+"""A partition count of the smoke loops: the op's own plan (1: no split; SPLIT_BY_WORK: by each
+request's share of the keys; n > 1: n for every request)."""
+
+
+def parts_label(parts: Int) -> String:
+    if parts == PLANNED:
+        return "planned"
+    if parts == SPLIT_BY_WORK:
+        return "split by work"
+    return String(parts, " partitions")
+
+
 def poison_workspaces[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], plan: GpuPlan) raises:
     """NaN-filled buffers of the op's workspace sizes (q_full, raw, the split's tables and partitions, the
     tables filled with 0x7f7f7f7f), released at once: the device's allocator tends to hand their memory
@@ -224,24 +239,24 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
 
     var lse_from_gpu = List[Float32]()
     var raw_from_gpu = cpu_attention_lse[dtype](c, gpu_q_full, gpu_blocks, lse_from_gpu)
-    # The LSE (float32 [T H], from the partition merge: at least two partitions) with the raw it
-    # comes with; float32 scores in another order: pymla/parity.py's F32_SLACK of the scores.
+    # The LSE (float32 [T H], from the partition merge: with one partition per request too) with the
+    # raw it comes with; float32 scores in another order: pymla/parity.py's F32_SLACK of the scores.
     var lse_buf = ctx.enqueue_create_buffer[DType.float32](max(rows, 1))
-    for parts in List[Int]() if sm90_only else [1, 3]:
+    for parts in List[Int]() if sm90_only else [1, 3, SPLIT_BY_WORK]:
         var parted = plan
         parted.num_partitions = parts
         d.attention_lse(ctx, c, parted, q_full_buf, raw_buf, lse_buf)
-        ok = check_close(String("raw with lse (", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
-        ok = check_close(String("lse (", parts, " partitions)"), download[DType.float32](ctx, lse_buf, rows), lse_from_gpu, Float32(2.0) ** -13) and ok
+        ok = check_close(String("raw with lse (", parts_label(parts), ")"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+        ok = check_close(String("lse (", parts_label(parts), ")"), download[DType.float32](ctx, lse_buf, rows), lse_from_gpu, Float32(2.0) ** -13) and ok
     var gpu_raw = List[Float32]()
-    # 0 = the partitions the op would plan itself (last, so gpu_raw is the op's).
-    for parts in List[Int]() if sm90_only else [1, 3, 0]:
+    # The op's own plan last, so gpu_raw is the op's.
+    for parts in List[Int]() if sm90_only else [1, 3, SPLIT_BY_WORK, PLANNED]:
         var parted = plan
-        if parts > 0:
+        if parts != PLANNED:
             parted.num_partitions = parts
         d.attention(ctx, c, parted, q_full_buf, raw_buf)
         gpu_raw = download[DType.float32](ctx, raw_buf, rows * c.rank)
-        ok = check_close(String("raw (", "planned" if parts == 0 else String(parts), " partitions)"), gpu_raw, raw_from_gpu, raw_tolerance[dtype]()) and ok
+        ok = check_close(String("raw (", parts_label(parts), ")"), gpu_raw, raw_from_gpu, raw_tolerance[dtype]()) and ok
     comptime if dtype != DType.float32:
         # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow).
         var fma = GpuPlan.with_attention(problem, limits, FMA_ATTENTION)
@@ -268,22 +283,22 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
             if sm90_only and shape[2] == 0:
                 pass
             elif attention_supported[dtype, shape](c.key_dim, c.rank, c.page_size):
-                for parts in [1, 3]:
+                for parts in [1, 3, SPLIT_BY_WORK]:
                     var pinned = GpuPlan.with_attention(problem, limits, variant_index[shape]())
                     pinned.num_partitions = parts
                     d.attention(ctx, c, pinned, q_full_buf, raw_buf)
-                    ok = check_close(String("raw (", name, ", ", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
-                # The whole op pinned to it with PDL on (3 partitions, poisoned workspaces): the kernel's
-                # wait before it reads q_full and the new cache rows (the op's plan never picks sm90 yet).
+                    ok = check_close(String("raw (", name, ", ", parts_label(parts), ")"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+                # The whole op pinned to it with PDL on (split by work, poisoned workspaces): the kernel's
+                # wait before it reads q_full and the new cache rows.
                 var d2 = DeviceCase[dtype](ctx, c)
                 var pdl_plan = GpuPlan.with_attention(problem, limits, variant_index[shape]())
-                pdl_plan.num_partitions = 3
+                pdl_plan.num_partitions = SPLIT_BY_WORK
                 pdl_plan.pdl = True
                 var pdl_att = ctx.enqueue_create_buffer[dtype](max(rows * c.rank, 1))
                 poison_workspaces(ctx, c, d2, pdl_plan)
                 ctx.enqueue_memset(pdl_att, nan[dtype]())
                 d2.run_plan_storing(ctx, c, pdl_plan, pdl_att)
-                ok = check_close(String("op attention output (", name, ", 3 partitions, PDL on)"), download[dtype](ctx, pdl_att, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+                ok = check_close(String("op attention output (", name, ", split by work, PDL on)"), download[dtype](ctx, pdl_att, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
                 _ = pdl_att^
             else:
                 print("  raw:", name, "does not handle these sizes, skipped")
@@ -329,8 +344,9 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
         var name = String("step 6 alone (first_step 6", ", PDL" if pdl else "", ")")
         ok = check_close(name, download[dtype](ctx, d.output, rows * c.v_dim), gpu_out_stage, 0) and ok
 
-    # The whole op on fresh inputs against the CPU pipeline, with its planned partitions and with 3
-    # (a merge, so step 6's quantization in the merge too), each with programmatic dependent launch
+    # The whole op on fresh inputs against the CPU pipeline, with its planned partitions and split by
+    # work (the schedule kernel before the q step, a merge, so step 6's quantization in the merge
+    # too), each with programmatic dependent launch
     # (PDL) on and off and the quantization in the merge on and off (`GpuPlan.pdl`,
     # `quantize_in_merge`). Per partition count the four agree bit for bit: PDL changes only when a
     # kernel starts (a misplaced wait is a race that reads stale q_full, cache rows or raw), and the
@@ -340,7 +356,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
     for i in range(len(ref_out)):
         ref_out[i] = round_to[dtype](ref_out[i])
     var op_att = ctx.enqueue_create_buffer[dtype](max(rows * c.rank, 1))
-    for parts in [0, 3]:
+    for parts in [PLANNED, SPLIT_BY_WORK]:
         var first_out = List[Float32]()
         var first_att = List[Float32]()
         var first_cache = List[Float32]()
@@ -349,7 +365,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
             var in_merge = mode < 2
             var d2 = DeviceCase[dtype](ctx, c)
             var op_plan = d2.plan(ctx, c)
-            if parts > 0:
+            if parts != PLANNED:
                 op_plan.num_partitions = parts
             op_plan.pdl = pdl
             op_plan.quantize_in_merge = in_merge
@@ -361,7 +377,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
             var att = download[dtype](ctx, op_att, rows * c.rank)
             var blocks_after = download[dtype](ctx, d2.blocks, len(c.blocks))
             var tag = String(
-                " (", "planned" if parts == 0 else String(parts), " partitions, PDL ", "on" if pdl else "off",
+                " (", parts_label(parts), ", PDL ", "on" if pdl else "off",
                 ", quantized in the merge" if in_merge else "", ")",
             )
             if mode == 0:
@@ -419,6 +435,10 @@ def correctness(ctx: DeviceContext, sm90_only: Bool) raises -> Bool:
     ) and ok
     ok = run_case[DType.bfloat16](
         ctx, sm90_only, "long context", Case.__init__[DType.bfloat16](10, 16, ints(4000), ints(2), page_size=64)
+    ) and ok
+    # Step 5 split by work: a long request beside short and empty ones gets more partitions.
+    ok = run_case[DType.bfloat16](
+        ctx, "long beside short", Case.__init__[DType.bfloat16](14, 16, ints(3000, 40, 0, 700), ints(1, 2, 1, 3))
     ) and ok
     ok = run_case[DType.bfloat16](
         ctx, sm90_only, "128 heads", Case.__init__[DType.bfloat16](11, 128, ints(300, 17), ints(1, 2), page_size=64)
