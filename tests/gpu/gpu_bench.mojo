@@ -60,15 +60,29 @@ def time_op[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], pla
     return time_us(ctx, t0) / Float64(iters)
 
 
-def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int) raises:
+def visible_keys(c: Case) -> Int:
+    """Keys the decode step's requests see in all: cached and new."""
+    var keys = 0
+    for b in range(c.num_requests):
+        keys += Int(c.lengths[b]) + Int(c.offsets[b + 1] - c.offsets[b])
+    return keys
+
+
+def shape_label(batch: Int, heads: Int, cache_len: Int, one_long: Bool) -> String:
+    return String("B ", batch, " H ", heads, " L ", cache_len + 1, " (one long, others L/16)" if one_long else "")
+
+
+def bench[
+    dtype: DType
+](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False) raises:
     """Times the whole op on a DeepSeek-sized decode step (one new token per request): the op's plan with
     programmatic dependent launch (`GpuPlan.pdl`) and step 6's quantization in the merge
     (`quantize_in_merge`) each off and on, the four alternating, two rounds: an A/B in one process."""
-    var c = decode_case[dtype](batch, heads, cache_len)  # random inputs, no CPU reference (large)
+    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long)  # random inputs, no CPU reference (large)
     var d = DeviceCase[dtype](ctx, c)
-    var cache_bytes = Float64(batch * (cache_len + 1) * c.key_dim * size_of[dtype]())
+    var cache_bytes = Float64(visible_keys(c) * c.key_dim * size_of[dtype]())
     var weight_bytes = Float64(len(c.w_uk.bytes) + len(c.w_uv.bytes))
-    var flops = 2.0 * Float64(batch * heads) * Float64(cache_len + 1) * Float64(c.key_dim + c.rank)
+    var flops = 2.0 * Float64(heads) * Float64(visible_keys(c)) * Float64(c.key_dim + c.rank)
     var best = [Float64(1e30), Float64(1e30), Float64(1e30), Float64(1e30)]
     var names = ["PDL off, quantize in step 6", "PDL on, quantize in step 6", "PDL off, quantize in merge", "PDL on, quantize in merge"]
     for _ in range(2):
@@ -79,7 +93,7 @@ def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: I
             var us = time_op[dtype](ctx, c, d, plan, iters)
             best[mode] = min(best[mode], us)
             print(
-                "bench", dtype, "B", batch, "H", heads, "L", cache_len + 1, "(", names[mode], ", ", plan.num_partitions,
+                "bench", dtype, shape_label(batch, heads, cache_len, one_long), "(", names[mode], ", ", plan.num_partitions,
                 " partitions ) :", us, "us per call,", (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,",
                 flops / us / 1e6, "TFLOP/s attention",
             )
@@ -119,7 +133,7 @@ def bench_attention[
         else:
             gpu_attention_with[dtype, v](ctx, problem, untracked(q_full), untracked(raw), ws, False, QuantizedRows.none(to_global(untracked(raw))))
     var us = time_us(ctx, t0) / Float64(iters)
-    var cache_bytes = Float64(c.num_requests * (Int(c.lengths[0]) + 1) * c.key_dim * size_of[dtype]())
+    var cache_bytes = Float64(visible_keys(c) * c.key_dim * size_of[dtype]())
     var line = String(
         "  attention groups ", v[0], " kt ", v[1], " warps/group ", v[2], " : ", us, " us, ", cache_bytes / us / 1e3,
         " GB/s of cache",
@@ -138,9 +152,11 @@ def bench_attention[
     print(line)
 
 
-def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int) raises:
+def bench_variants[
+    dtype: DType
+](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False) raises:
     """Step 5 alone, the op's plan and pinned attention kernels, on one decode step."""
-    var c = decode_case[dtype](batch, heads, cache_len)
+    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long)
     var d = DeviceCase[dtype](ctx, c)
     var rows = c.num_tokens * c.heads
     var q_host = List[Float32]()
@@ -149,7 +165,7 @@ def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cac
         q_host.append(rng.normal())
     var q_full = upload[DType.float32](ctx, q_host)
     var raw = ctx.enqueue_create_buffer[DType.float32](rows * c.rank)
-    print("variants B", batch, "H", heads, "L", cache_len + 1)
+    print("variants", shape_label(batch, heads, cache_len, one_long))
     bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
     # (groups, kt, warps per group; 0: the warpgroup kernel, -1: the sm90 TMA kernel): a launch
@@ -209,6 +225,17 @@ def bench_proj[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, iters: 
     bench_proj_plan[dtype](ctx, c, d, fma, "FMA path", q_full, raw, att_out, iters)
 
 
+def one_long_of(config: String) raises -> Bool:
+    """Whether configuration `config` (BATCH:HEADS:CACHE_LEN[:ITERS[:one-long]]) asks for one long request
+    beside short ones."""
+    var f = config.split(":")
+    if len(f) <= 4:
+        return False
+    if String(f[4]) != "one-long":
+        raise Error("gpu_bench: the fifth field of a configuration is one-long, got ", f[4])
+    return True
+
+
 def main() raises:
     comptime if not has_accelerator():
         print("gpu_bench: no GPU in this build (compile with --target-accelerator=sm_90 on a GPU machine)")
@@ -217,7 +244,8 @@ def main() raises:
         var ctx = DeviceContext()
         var args = argv()
         var mode = String(args[1]) if len(args) > 1 else String("")
-        # Configurations BATCH:HEADS:CACHE_LEN[:ITERS], e.g. 64:128:8191:5
+        # Configurations BATCH:HEADS:CACHE_LEN[:ITERS[:one-long]], e.g. 64:128:8191:5 (one-long: the
+        # first request CACHE_LEN, the others CACHE_LEN // 16)
         if mode == "proj":
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
@@ -225,12 +253,14 @@ def main() raises:
         elif mode == "variants":
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
-                bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10)
+                bench_variants[DType.bfloat16](
+                    ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10, one_long_of(String(args[i]))
+                )
         elif mode == "bench":
             bench_copy(ctx, 10)
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
-                bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10)
+                bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10, one_long_of(String(args[i])))
             if len(args) == 2:
                 bench[DType.bfloat16](ctx, 64, 16, 4095, 20)
                 bench[DType.bfloat16](ctx, 64, 128, 4095, 5)

@@ -441,11 +441,14 @@ def variant_index[v: Tuple[Int, Int, Int]]() -> Int:
     return -1
 
 
-def decode_case[dtype: DType](batch: Int, heads: Int, cache_len: Int, seed: Int = 99) -> Case:
-    """A DeepSeek-sized decode step: `batch` requests of `cache_len` cached tokens and one new token each."""
+def decode_case[
+    dtype: DType
+](batch: Int, heads: Int, cache_len: Int, seed: Int = 99, one_long: Bool = False) -> Case:
+    """A DeepSeek-sized decode step: `batch` requests of `cache_len` cached tokens and one new token each
+    (`one_long`: the first request's; the others have `cache_len // 16`, a long request beside short ones)."""
     var lengths = List[Int]()
     var news = List[Int]()
-    for _ in range(batch):
-        lengths.append(cache_len)
+    for b in range(batch):
+        lengths.append(cache_len if b == 0 or not one_long else cache_len // 16)
         news.append(1)
     return Case.__init__[dtype](seed, heads, lengths, news, page_size=64, num_layers=1, layer=0)
