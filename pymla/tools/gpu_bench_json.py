@@ -15,8 +15,9 @@ import re
 import sys
 
 COPY = re.compile(r"^copy ([\d.]+) GB/s")
-# `bench DTYPE [CACHE cache] B b H h L l [( PLAN, N partitions )] : ...`: the cache label and the
-# plan (PDL, where step 6 quantizes) were added by later gpu_bench versions.
+# `bench DTYPE [CACHE cache] B b H h L l [( PLAN, SPLIT )] : ...` (SPLIT: "N partitions" or
+# "split by work"): the cache label and the plan (PDL, where step 6 quantizes) were added by later
+# gpu_bench versions.
 LINE = re.compile(
     r"bench (\w+)(?: (\w+) cache)? B (\d+) H (\d+) L (\d+)(?: \((?P<plan>[^)]*)\))? : ([\d.]+) us per call, "
     r"([\d.]+) GB/s of cache\+weights, ([\d.]+) TFLOP/s attention"

@@ -22,6 +22,7 @@ from mojo_kernels.gpu.plan import (
     FMA_PATH,
     PROJ_TILES,
     DeviceLimits,
+    SPLIT_BY_WORK,
     GpuPlan,
     attention_rows_per_block,
     attention_split,
@@ -69,7 +70,18 @@ def visible_keys(c: Case) -> Int:
 
 
 def shape_label(batch: Int, heads: Int, cache_len: Int, one_long: Bool) -> String:
-    return String("B ", batch, " H ", heads, " L ", cache_len + 1, " (one long, others L/16)" if one_long else "")
+    """`B b H h L l`; `one-long B ...` (the first request L, the others L/16: not a line the results
+    scripts read as a uniform batch)."""
+    return String("one-long " if one_long else "", "B ", batch, " H ", heads, " L ", cache_len + 1)
+
+
+def split_label(plan: GpuPlan) -> String:
+    """How the plan splits step 5's keys."""
+    if plan.num_partitions == SPLIT_BY_WORK:
+        return String("split by work")
+    if plan.num_partitions == 1:
+        return String("1 partition")
+    return String(plan.num_partitions, " partitions")
 
 
 def bench[
@@ -93,8 +105,8 @@ def bench[
             var us = time_op[dtype](ctx, c, d, plan, iters)
             best[mode] = min(best[mode], us)
             print(
-                "bench", dtype, shape_label(batch, heads, cache_len, one_long), "(", names[mode], ", ", plan.num_partitions,
-                " partitions ) :", us, "us per call,", (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,",
+                "bench", dtype, shape_label(batch, heads, cache_len, one_long), "(", names[mode], ", ", split_label(plan),
+                " ) :", us, "us per call,", (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,",
                 flops / us / 1e6, "TFLOP/s attention",
             )
     for mode in range(4):
@@ -139,7 +151,7 @@ def bench_attention[
         " GB/s of cache",
     )
     comptime if v[0] < 0:
-        line = String("  attention op's plan (variant ", plan.attention, ", ", plan.num_partitions, " partitions) : ", us,
+        line = String("  attention op's plan (variant ", plan.attention, ", ", split_label(plan), ") : ", us,
                       " us, ", cache_bytes / us / 1e3, " GB/s of cache")
     if len(expected) > 0:  # a pinned variant: compared with the op's own kernel
         var got = download[DType.float32](ctx, raw, c.num_tokens * c.heads * c.rank)
