@@ -173,11 +173,16 @@ def attention_split[
     """`GpuPlan.num_partitions` and `split_target` for variant `v` on problem `p`: split by work
     where a uniform split would give more than one partition (`plan_partitions`) or the LSE is
     asked for (it comes from the merge), aiming at one wave of blocks."""
-    var blocks_per_sm = attention_blocks_per_sm[dtype](v, p.key_dim(), limits)
-    var parts = plan_partitions(
-        p.num_tokens, p.num_heads, attention_rows_per_block(v), blocks_per_sm, p.max_visible_keys(), limits.sm_count
+    var parts = uniform_partitions(p, v, limits)
+    return (SPLIT_BY_WORK if parts > 1 or p.has_lse else 1, limits.sm_count * attention_blocks_per_sm[dtype](v, p.key_dim(), limits))
+
+
+def uniform_partitions[dtype: DType](p: DecodeProblem[dtype], v: Tuple[Int, Int, Int], limits: DeviceLimits) -> Int:
+    """`plan_partitions` for variant `v` on problem `p`: one count for every request, sized on the longest."""
+    return plan_partitions(
+        p.num_tokens, p.num_heads, attention_rows_per_block(v), attention_blocks_per_sm[dtype](v, p.key_dim(), limits),
+        p.max_visible_keys(), limits.sm_count,
     )
-    return (SPLIT_BY_WORK if parts > 1 or p.has_lse else 1, limits.sm_count * blocks_per_sm)
 
 
 def tile_fits(tile: Tuple[Int, Int, Int, Int], depth: Int, block_k: Int, smem_per_block: Int) -> Bool:

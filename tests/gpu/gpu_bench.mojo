@@ -22,10 +22,12 @@ from mojo_kernels.gpu.plan import (
     FMA_PATH,
     PROJ_TILES,
     DeviceLimits,
+    ATTENTION_VARIANTS,
     SPLIT_BY_WORK,
     GpuPlan,
     attention_rows_per_block,
     attention_split,
+    uniform_partitions,
 )
 
 from gpu_case import Case, DeviceCase, Rng, decode_case, download, round_to, untracked, upload
@@ -115,6 +117,9 @@ def bench[
 
 comptime OP_PLAN = (-1, 0, 0)
 """`bench_attention`'s variant for the op's own plan."""
+comptime UNIFORM_SPLIT = (-2, 0, 0)
+"""`bench_attention`'s variant for the op's plan with one partition count for every request, sized on
+the longest (`uniform_partitions`: the GPU split before the schedule split by work)."""
 
 
 def bench_attention[
@@ -128,6 +133,10 @@ def bench_attention[
     var problem = d.problem(c)
     var limits = DeviceLimits.read(ctx)
     var plan = GpuPlan.create(problem, limits)
+    comptime if v == UNIFORM_SPLIT:
+        comptime for i in range(len(ATTENTION_VARIANTS)):
+            if plan.attention == i and plan.num_partitions != 1:
+                plan.num_partitions = max(uniform_partitions(problem, ATTENTION_VARIANTS[i], limits), 2)
     comptime if v[0] >= 0:  # a pinned variant: its own rows per block and split
         plan.rows_per_block = attention_rows_per_block(v)
         var split = attention_split(problem, v, limits)
@@ -151,7 +160,8 @@ def bench_attention[
         " GB/s of cache",
     )
     comptime if v[0] < 0:
-        line = String("  attention op's plan (variant ", plan.attention, ", ", split_label(plan), ") : ", us,
+        var name = "op's plan" if v == OP_PLAN else "op's kernel, uniform split"
+        line = String("  attention ", name, " (variant ", plan.attention, ", ", split_label(plan), ") : ", us,
                       " us, ", cache_bytes / us / 1e3, " GB/s of cache")
     if len(expected) > 0:  # a pinned variant: compared with the op's own kernel
         var got = download[DType.float32](ctx, raw, c.num_tokens * c.heads * c.rank)
@@ -180,6 +190,7 @@ def bench_variants[
     print("variants", shape_label(batch, heads, cache_len, one_long))
     bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
+    bench_attention[dtype, UNIFORM_SPLIT](ctx, c, d, q_full, raw, iters, expected)
     # (groups, kt, warps per group; 0: the warpgroup kernel, -1: the sm90 TMA kernel): a launch
     # that asks for too many registers is reported, not fatal.
     comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8), (4, 32, 0), (4, 64, 0), (4, 64, -1)]
