@@ -55,3 +55,12 @@ def test_the_ops_step_5_line_in_both_formats():
     assert new_us[:2] == [684.5436, 119.96780000000001]
     # a pinned variant's line is not the op's
     assert own_attention_us("  attention groups 4 kt 64 warps/group 0 : 346.1 us, 1 GB/s of cache") is None
+
+
+def test_a_plan_with_the_schedule_alone_is_not_the_default():
+    line = (
+        "bench bfloat16 B 8 H 16 L 8192 ( PDL off, quantize in merge, schedule {}, split by work ) : 70.5 us"
+        " per call, 1000.0 GB/s of cache+weights, 30.0 TFLOP/s attention"
+    )
+    assert parse_bench_line(line.format("in q step"))["default_plan"]
+    assert not parse_bench_line(line.format("alone"))["default_plan"]

@@ -88,6 +88,7 @@ struct AttentionBlock(TrivialRegisterPassable):
         var part = 0
         var parts = 1
         if p.split.active():
+            wait_for_producers()  # the q step's launch may build the schedule (pdl.mojo; else a no-op)
             var task = p.split.task(block_idx.x)
             if task[0] < 0:  # past the schedule's tasks: no rows
                 return Self(0, 0, 0, 0, 0, 0, 0, 0, 0)

@@ -6,16 +6,16 @@ kernels on the stream of the op's `DeviceContext` (entry:
 `plan.mojo` decides which kernels and shapes run (`GpuPlan`); this file
 launches them; the kernels live in one file per concern:
 
-0.   `schedule_kernel`        (schedule.mojo) when the keys split: which request, row slot and key
-                                partition each attention block takes, each request's keys split by
-                                its share of the batch's work (one block, from the batch alone)
 1-4. `q_step_kernel`          (steps_fused.mojo) one launch for bf16 / f16: RMSNorm + RoPE of each
                                 new token's cache row (extra blocks, `rope_norm_cache_row` of
                                 rope_norm.mojo), RoPE of q's rope part into `q_full[:, :, R:]`, and
                                 `q_full[:, :, :R] = fp8mm(q_nope, w_uk)` per head on tensor cores
                                 (projection_mma.mojo: dynamic fp8 quantization of q_nope, the scale
-                                rule of `pymla/quant.py` bit for bit, once per activation tile)
-     float32 (and tiles too large for shared memory): `rope_norm_cache_kernel`,
+                                rule of `pymla/quant.py` bit for bit, once per activation tile),
+                                and one block of step 5's split schedule when the keys split
+                                (schedule.mojo: which request, row slot and key partition each
+                                attention block takes, by each request's share of the work)
+     float32 (and tiles too large for shared memory): `schedule_kernel`, `rope_norm_cache_kernel`,
                                 `rope_q_kernel` (rope_norm.mojo), `quantize_kernel` +
                                 `fp8_matmul_kernel` (projection.mojo, float32 FMA)
 5.   `attention_sm90_kernel`    (attention_sm90.mojo) Hopper: TMA key boxes from a producer
@@ -89,7 +89,15 @@ from .projection import (
     quantize_kernel,
 )
 from .projection_mma import KCHUNK, Fp8Projection, QuantizedRows, ScaleBlocks, StridedRows
-from .schedule import SCHEDULE_THREADS, ScheduleParams, SplitSchedule, schedule_grid, schedule_ints, schedule_kernel
+from .schedule import (
+    MAX_PARTITIONS,
+    SCHEDULE_THREADS,
+    ScheduleParams,
+    SplitSchedule,
+    schedule_grid,
+    schedule_ints,
+    schedule_kernel,
+)
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
@@ -174,13 +182,17 @@ def gpu_fp8_batched_matmul[
 
 def gpu_build_q_full[
     dtype: DType
-](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, cache_rows: CacheRowsParams[dtype]) raises:
+](
+    ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, cache_rows: CacheRowsParams[dtype],
+    schedule: ScheduleParams,
+) raises:
     """Steps 1, 3 and 4 on q: `q_full [T, H, R + Dr] = rnd(concat(fp8mm(q_nope, w_uk), rope(q_rope)))`,
-    and steps 1-2 on `cache_rows` (`count` 0: none; see `cache_rows_params`).
+    steps 1-2 on `cache_rows` (`count` 0: none; see `cache_rows_params`), and step 5's split
+    schedule when `schedule` is active.
 
     A tile of `plan.q_tile`: one launch of `q_step_kernel` (tensor cores, bf16 /
-    f16); `FMA_PATH`: `rope_norm_cache_kernel`, `rope_q_kernel` and the FMA
-    matmul (`gpu_fp8_batched_matmul`).
+    f16), the schedule one more block of it; `FMA_PATH`: `schedule_kernel`,
+    `rope_norm_cache_kernel`, `rope_q_kernel` and the FMA matmul (`gpu_fp8_batched_matmul`).
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
@@ -190,12 +202,13 @@ def gpu_build_q_full[
         if plan.q_tile >= 0:
             var params = QStepParams[dtype](
                 proj, to_global(p.freqs_cis), batch, Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank),
-                TileGrid.unset(), cache_rows,
+                TileGrid.unset(), cache_rows, schedule,
             )
             comptime for i in range(len(PROJ_TILES)):
                 if plan.q_tile == i:
                     enqueue_q_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads)
             return
+    enqueue_schedule(ctx, schedule)
     gpu_rotate_and_normalize_new_rows[dtype](ctx, cache_rows)
     ctx.enqueue_function[rope_q_kernel[dtype]](
         RopeQParams[dtype](
@@ -229,7 +242,7 @@ struct AttentionWorkspace(Movable):
     def __init__[dtype: DType](out self, ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan) raises:
         self.rows_per_block = plan.rows_per_block
         self.target = plan.split_target
-        self.forced_partitions = plan.num_partitions  # SPLIT_BY_WORK (0): by the schedule's shares
+        self.forced_partitions = min(plan.num_partitions, MAX_PARTITIONS)  # SPLIT_BY_WORK (0): by the schedule's shares
         self.grid = 0
         if plan.num_partitions != 1 or p.has_lse:  # the LSE comes from the merge
             var slots = attention_slots(p.num_tokens, p.num_heads, p.batch.num_requests, plan.rows_per_block)
@@ -250,19 +263,21 @@ struct AttentionWorkspace(Movable):
         var tables = self.tables.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         return SplitSchedule.over(to_global(tables), self.grid, self.rows_per_block)
 
-    def build_schedule[dtype: DType](self, ctx: DeviceContext, p: DecodeProblem[dtype]) raises:
-        """Enqueues `schedule_kernel` (with a split): before the q step, whose kernels after it read the
-        schedule from their first instruction on, even when launched early (PDL)."""
-        if not self.split() or p.num_tokens == 0 or p.num_heads == 0:
-            return
-        ctx.enqueue_function[schedule_kernel](
-            ScheduleParams(
-                DeviceBatch.of(p.batch), self.schedule(), Int32(p.num_heads), Int32(self.target),
-                Int32(self.forced_partitions),
-            ),
-            grid_dim=1,
-            block_dim=SCHEDULE_THREADS,
+    def schedule_params[dtype: DType](self, p: DecodeProblem[dtype]) -> ScheduleParams:
+        """What builds the schedule of `p` in this workspace (inactive without a split)."""
+        return ScheduleParams(
+            DeviceBatch.of(p.batch), self.schedule(), Int32(p.num_heads), Int32(self.target), Int32(self.forced_partitions)
         )
+
+    def build_schedule[dtype: DType](self, ctx: DeviceContext, p: DecodeProblem[dtype]) raises:
+        """Enqueues `schedule_kernel` for `p` (with a split; step 5 alone, tests)."""
+        enqueue_schedule(ctx, self.schedule_params(p))
+
+
+def enqueue_schedule(ctx: DeviceContext, schedule: ScheduleParams) raises:
+    """Builds step 5's split schedule with a launch of its own (`schedule_kernel`; inactive: nothing)."""
+    if schedule.active():
+        ctx.enqueue_function[schedule_kernel](schedule, grid_dim=1, block_dim=SCHEDULE_THREADS)
 
 
 def gpu_attention[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr) raises:
@@ -476,10 +491,13 @@ def gpu_run_plan[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan
             Int32(block_k), Int32(p.num_heads), 1,
         )
 
-    # Step 5's split-KV schedule (from the batch alone), then steps 1-4: the new cache rows and
-    # q_full, one launch (bf16 / f16).
-    ws.build_schedule(ctx, p)
-    gpu_build_q_full[dtype](ctx, p, plan, q_full, cache_rows_params(p, p.num_tokens))
+    # Steps 1-4: the new cache rows and q_full, one launch (bf16 / f16), and step 5's split-KV
+    # schedule (from the batch alone): a block of that launch, or a launch of its own before it.
+    var schedule = ws.schedule_params(p)
+    if not plan.schedule_in_q_step:
+        enqueue_schedule(ctx, schedule)
+        schedule = ScheduleParams.nothing(schedule.batch)
+    gpu_build_q_full[dtype](ctx, p, plan, q_full, cache_rows_params(p, p.num_tokens), schedule)
     gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws, quant)
     # Step 6 and the optional attention-output store, one launch (bf16 / f16).
     gpu_project_output[dtype](ctx, p, plan, raw, quant)

@@ -82,6 +82,9 @@ comptime PDL_DEFAULT = False
 # sizes allow it (`pipeline.merge_quantizes`). On: same H200 run, 16 h b8 8k 73.4 -> 65.8 us per
 # call (-7.6 us, -10%), 128 h b64 8k 737.6 -> 737.3 us; gpu_smoke checks the op both ways.
 comptime QUANTIZE_IN_MERGE_DEFAULT = True
+# The split-KV schedule (schedule.mojo) built by one more block of the q step's launch (bf16 / f16),
+# not by a launch of its own before it. To be timed against the launch of its own on the H200.
+comptime SCHEDULE_IN_Q_STEP_DEFAULT = True
 
 
 @fieldwise_init
@@ -222,6 +225,7 @@ struct GpuPlan(TrivialRegisterPassable):
     var out_tile: Int  # step 6: index in PROJ_TILES, or FMA_PATH
     var pdl: Bool  # launch step 5, the merge and step 6 with programmatic dependent launch (pdl.mojo)
     var quantize_in_merge: Bool  # the merge quantizes step 6's activations, where the sizes allow
+    var schedule_in_q_step: Bool  # the split's schedule built in the q step's launch (bf16 / f16)
 
     @staticmethod
     def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
@@ -249,6 +253,7 @@ struct GpuPlan(TrivialRegisterPassable):
             choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.v_head_dim, p.kv_lora_rank, out_k, limits),
             PDL_DEFAULT,
             QUANTIZE_IN_MERGE_DEFAULT,
+            SCHEDULE_IN_Q_STEP_DEFAULT,
         )
 
 

@@ -1,9 +1,11 @@
 """Step 5's split-KV schedule on the GPU: which request, row slot and key partition each attention block takes.
 
-`schedule_kernel` (one block) builds it on the device from the batch alone
-(new tokens per request, cache lengths, the cache shard), launched before the
-q step; the attention kernels (`AttentionBlock.locate`) and the partition merge
-only read it. Each request's keys split by its share of the batch's work
+`build_schedule` (one block) builds it on the device from the batch alone
+(new tokens per request, cache lengths, the cache shard): as a block of the q
+step's launch (`q_step_kernel`, bf16 / f16 with `GpuPlan.schedule_in_q_step`)
+or as its own launch before it (`schedule_kernel`); the attention kernels
+(`AttentionBlock.locate`, after their wait for the q step) and the partition
+merge only read it. Each request's keys split by its share of the batch's work
 (`paged_cache.partitions_by_work`, the CPU plan's rule too): a row slot of a
 request costs its keys, so partitions go where the keys are, and one long
 request beside short ones spreads over the SMs instead of keeping one block per
@@ -96,6 +98,17 @@ struct ScheduleParams(KernelParams):
     var target: Int32  # attention blocks aimed at (one wave)
     var forced_partitions: Int32  # > 0: every request that many
 
+    @staticmethod
+    def nothing(batch: DeviceBatch) -> Self:
+        """No schedule to build (no split; its pointers are never read)."""
+        var placeholder = to_global(batch.offsets).unsafe_bitcast[Int32]()
+        return Self(batch, SplitSchedule.over(placeholder, 0, 0), 0, 0, 0)
+
+    @always_inline
+    def active(self) -> Bool:
+        """Whether there is a schedule to build (a split)."""
+        return self.schedule.active()
+
 
 @always_inline
 def request_slots(batch: DeviceBatch, b: Int, heads: Int, rows_per_block: Int) -> Int:
@@ -114,15 +127,24 @@ def request_keys(batch: DeviceBatch, b: Int) -> Int:
     return batch.shard().local_count(visible)
 
 
+comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
+
+
 def schedule_kernel(p: ScheduleParams):
-    """One block of SCHEDULE_THREADS threads: the tables of `p.schedule` for the batch `p.batch`.
+    """One block of SCHEDULE_THREADS threads: `build_schedule` (bf16 / f16 ops fold it into the q step's launch)."""
+    build_schedule[SCHEDULE_THREADS](p, stack_allocation[SCHEDULE_THREADS, Int64, address_space=AddressSpace.SHARED]())
+
+
+@always_inline
+def build_schedule[threads: Int](p: ScheduleParams, sums: SPtr[Int64]):
+    """One block of `threads` threads (`sums`: `threads` int64 of shared memory): the tables of
+    `p.schedule` for the batch `p.batch`.
 
     A thread per request: the batch's work (sum of slots x keys, a block sum),
-    then in chunks of SCHEDULE_THREADS requests each one's partitions and tasks,
+    then in chunks of `threads` requests each one's partitions and tasks,
     their first task by a block scan, and the request's task and row entries;
     last the unused tasks (request -1).
     """
-    var sums = stack_allocation[SCHEDULE_THREADS, Int64, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
     var nreq = Int(p.batch.num_requests)
     var heads = Int(p.num_heads)
@@ -131,13 +153,13 @@ def schedule_kernel(p: ScheduleParams):
     var grid = Int(sched.grid)
 
     var work = 0
-    for b in range(tid, nreq, SCHEDULE_THREADS):
+    for b in range(tid, nreq, threads):
         work += request_slots(p.batch, b, heads, rpb) * request_keys(p.batch, b)
-    var total_work = Int(block_scan(sums, Int64(work))[1])
+    var total_work = Int(block_scan[threads](sums, Int64(work))[1])
 
     var offsets = to_global(p.batch.offsets)
     var first = 0  # first task of this chunk
-    for c0 in range(0, nreq, SCHEDULE_THREADS):
+    for c0 in range(0, nreq, threads):
         var b = c0 + tid
         var slots = 0
         var parts = 0
@@ -148,7 +170,7 @@ def schedule_kernel(p: ScheduleParams):
                 parts = Int(p.forced_partitions)
             else:
                 parts = min(partitions_by_work(keys, slots * keys, total_work, Int(p.target), slots, round_up=False), MAX_PARTITIONS)
-        var scan = block_scan(sums, Int64(slots * parts))
+        var scan = block_scan[threads](sums, Int64(slots * parts))
         var start = first + Int(scan[0])
         if slots > 0:
             for s in range(slots):
@@ -164,24 +186,22 @@ def schedule_kernel(p: ScheduleParams):
                     0, SIMD[DType.int32, ROW_WIDTH](Int32((start + slot * parts) * rpb + i - slot * rpb), Int32(parts))
                 )
         first += Int(scan[1])
-    for t in range(first + tid, grid, SCHEDULE_THREADS):
+    for t in range(first + tid, grid, threads):
         sched.tasks.unsafe_offset(TASK_WIDTH * t).unsafe_store[alignment=16](0, SIMD[DType.int32, TASK_WIDTH](-1, 0, 0, 0))
 
 
 @always_inline
-def block_scan(
-    sums: Pointer[Int64, MutUntrackedOrigin, address_space=AddressSpace.SHARED], value: Int64
-) -> Tuple[Int64, Int64]:
-    """This thread's exclusive prefix sum of `value` over the block's SCHEDULE_THREADS threads, and the total."""
+def block_scan[threads: Int](sums: SPtr[Int64], value: Int64) -> Tuple[Int64, Int64]:
+    """This thread's exclusive prefix sum of `value` over the block's `threads` threads, and the total."""
     var tid = thread_idx.x
     barrier()  # `sums` may still be read by an earlier scan
     sums.unsafe_store(tid, value)
     barrier()
     var step = 1
-    while step < SCHEDULE_THREADS:
+    while step < threads:
         var add = sums.unsafe_load(tid - step) if tid >= step else Int64(0)
         barrier()
         sums.unsafe_store(tid, sums.unsafe_load(tid) + add)
         barrier()
         step *= 2
-    return (sums.unsafe_load(tid) - value, sums.unsafe_load(SCHEDULE_THREADS - 1))
+    return (sums.unsafe_load(tid) - value, sums.unsafe_load(threads - 1))

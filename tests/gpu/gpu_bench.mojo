@@ -89,21 +89,23 @@ def split_label(plan: GpuPlan) -> String:
 def bench[
     dtype: DType
 ](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False) raises:
-    """Times the whole op on a DeepSeek-sized decode step (one new token per request): the op's plan with
-    programmatic dependent launch (`GpuPlan.pdl`) and step 6's quantization in the merge
-    (`quantize_in_merge`) each off and on, the four alternating, two rounds: an A/B in one process."""
+    """Times the whole op on a DeepSeek-sized decode step (one new token per request): the op's plan, and
+    the plan with one choice turned the other way each (programmatic dependent launch, `GpuPlan.pdl`;
+    step 6's quantization in step 6, not the merge, `quantize_in_merge`; the split schedule in a
+    launch of its own, not the q step's, `schedule_in_q_step`), the four alternating, two rounds:
+    an A/B in one process."""
     var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long)  # random inputs, no CPU reference (large)
     var d = DeviceCase[dtype](ctx, c)
     var cache_bytes = Float64(visible_keys(c) * c.key_dim * size_of[dtype]())
     var weight_bytes = Float64(len(c.w_uk.bytes) + len(c.w_uv.bytes))
     var flops = 2.0 * Float64(heads) * Float64(visible_keys(c)) * Float64(c.key_dim + c.rank)
     var best = [Float64(1e30), Float64(1e30), Float64(1e30), Float64(1e30)]
-    var names = ["PDL off, quantize in step 6", "PDL on, quantize in step 6", "PDL off, quantize in merge", "PDL on, quantize in merge"]
+    var names = List[String]()
+    for mode in range(4):
+        names.append(plan_label(plan_mode(d.plan(ctx, c), mode)))
     for _ in range(2):
         for mode in range(4):
-            var plan = d.plan(ctx, c)  # the op's own
-            plan.pdl = mode % 2 == 1
-            plan.quantize_in_merge = mode >= 2
+            var plan = plan_mode(d.plan(ctx, c), mode)  # the op's own, one choice turned
             var us = time_op[dtype](ctx, c, d, plan, iters)
             best[mode] = min(best[mode], us)
             print(
@@ -112,7 +114,27 @@ def bench[
                 flops / us / 1e6, "TFLOP/s attention",
             )
     for mode in range(4):
-        print("  best of 2,", names[mode], ":", best[mode], "us (", best[mode] - best[0], "us vs PDL off, quantize in step 6 )")
+        print("  best of 2,", names[mode], ":", best[mode], "us (", best[mode] - best[0], "us vs the op's plan )")
+
+
+def plan_mode(plan: GpuPlan, mode: Int) -> GpuPlan:
+    """`plan` (mode 0), or with its PDL (1), where step 6 quantizes (2), or where the schedule is built (3) turned."""
+    var turned = plan
+    if mode == 1:
+        turned.pdl = not plan.pdl
+    elif mode == 2:
+        turned.quantize_in_merge = not plan.quantize_in_merge
+    elif mode == 3:
+        turned.schedule_in_q_step = not plan.schedule_in_q_step
+    return turned
+
+
+def plan_label(plan: GpuPlan) -> String:
+    """`PDL on|off, quantize in merge|step 6, schedule in q step|alone` (pymla/tools/gpu_bench_json.py reads it)."""
+    return String(
+        "PDL ", "on" if plan.pdl else "off", ", quantize in ", "merge" if plan.quantize_in_merge else "step 6",
+        ", schedule ", "in q step" if plan.schedule_in_q_step else "alone",
+    )
 
 
 comptime OP_PLAN = (-1, 0, 0)

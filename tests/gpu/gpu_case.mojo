@@ -15,7 +15,8 @@ from mojo_kernels.gpu.pipeline import (
     gpu_run_plan,
     mla_decode_branch_fp8_gpu,
 )
-from mojo_kernels.gpu.params import to_global
+from mojo_kernels.gpu.params import DeviceBatch, to_global
+from mojo_kernels.gpu.schedule import ScheduleParams
 from mojo_kernels.gpu.plan import ATTENTION_VARIANTS, DeviceLimits, GpuPlan
 from mojo_kernels.gpu.projection_mma import QuantizedRows
 from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
@@ -392,7 +393,9 @@ struct DeviceCase[dtype: DType](Movable):
     def build_q_full(self, ctx: DeviceContext, c: Case, plan: GpuPlan, q_full: DeviceBuffer[DType.float32]) raises:
         """Steps 1, 3, 4 on q alone (no cache rows)."""
         var p = self.problem(c)
-        gpu_build_q_full[Self.dtype](ctx, p, plan, untracked(q_full), cache_rows_params(p, 0))
+        gpu_build_q_full[Self.dtype](
+            ctx, p, plan, untracked(q_full), cache_rows_params(p, 0), ScheduleParams.nothing(DeviceBatch.of(p.batch))
+        )
 
     def project_output(
         self, ctx: DeviceContext, c: Case, plan: GpuPlan, raw: DeviceBuffer[DType.float32], att_out: DeviceBuffer[Self.dtype]

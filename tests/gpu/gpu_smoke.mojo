@@ -348,7 +348,8 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
     # work (the schedule kernel before the q step, a merge, so step 6's quantization in the merge
     # too), each with programmatic dependent launch
     # (PDL) on and off and the quantization in the merge on and off (`GpuPlan.pdl`,
-    # `quantize_in_merge`). Per partition count the four agree bit for bit: PDL changes only when a
+    # `quantize_in_merge`), the schedule built in the q step's launch or its own (with and without
+    # PDL, `schedule_in_q_step`). Per partition count the four agree bit for bit: PDL changes only when a
     # kernel starts (a misplaced wait is a race that reads stale q_full, cache rows or raw), and the
     # merge quantizes by the output step's rule. The first run (PDL on) gets poisoned workspaces.
     var ref_raw = cpu_attention[dtype](c, ref_q_full, ref_blocks)
@@ -363,12 +364,14 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
         for mode in range(4):
             var pdl = mode == 0 or mode == 2
             var in_merge = mode < 2
+            var in_q_step = mode == 0 or mode == 3  # the schedule: with and without PDL either way
             var d2 = DeviceCase[dtype](ctx, c)
             var op_plan = d2.plan(ctx, c)
             if parts != PLANNED:
                 op_plan.num_partitions = parts
             op_plan.pdl = pdl
             op_plan.quantize_in_merge = in_merge
+            op_plan.schedule_in_q_step = in_q_step
             if mode == 0:
                 poison_workspaces(ctx, c, d2, op_plan)
             ctx.enqueue_memset(op_att, nan[dtype]())
@@ -378,7 +381,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
             var blocks_after = download[dtype](ctx, d2.blocks, len(c.blocks))
             var tag = String(
                 " (", parts_label(parts), ", PDL ", "on" if pdl else "off",
-                ", quantized in the merge" if in_merge else "", ")",
+                ", quantized in the merge" if in_merge else "", ", schedule in the q step" if in_q_step else "", ")",
             )
             if mode == 0:
                 comptime if dtype == DType.float32:
