@@ -49,12 +49,19 @@ def test_lines_with_a_cache_label():
 def test_the_ops_step_5_line_in_both_formats():
     old = RESULTS / "h200-2026-12-03-attn" / "gpu_variants.log"
     new = RESULTS / "h200-2026-12-05e" / "var-sm90.log"
-    old_us = [u for line in old.read_text().splitlines() if (u := own_attention_us(line)) is not None]
-    new_us = [u for line in new.read_text().splitlines() if (u := own_attention_us(line)) is not None]
+    old_us = [
+        u for line in old.read_text().splitlines() if (u := own_attention_us(line)) is not None
+    ]
+    new_us = [
+        u for line in new.read_text().splitlines() if (u := own_attention_us(line)) is not None
+    ]
     assert old_us[0] == 2232.8251
     assert new_us[:2] == [684.5436, 119.96780000000001]
     # a pinned variant's line is not the op's
-    assert own_attention_us("  attention groups 4 kt 64 warps/group 0 : 346.1 us, 1 GB/s of cache") is None
+    assert (
+        own_attention_us("  attention groups 4 kt 64 warps/group 0 : 346.1 us, 1 GB/s of cache")
+        is None
+    )
 
 
 def test_a_plan_with_the_schedule_alone_is_not_the_default():

@@ -44,7 +44,10 @@ def parse_bench_line(line: str) -> dict | None:
         "context": int(ctx),
         "plan": plan,
         "default_plan": plan is None
-        or (all(part in plan for part in DEFAULT_PLAN) and not any(part in plan for part in NOT_DEFAULT)),
+        or (
+            all(part in plan for part in DEFAULT_PLAN)
+            and not any(part in plan for part in NOT_DEFAULT)
+        ),
         "us": float(us),
         "gbps": float(gbps),
         "tflops": float(tflops),
