@@ -18,7 +18,9 @@ launches them; the kernels live in one file per concern:
      float32 (and tiles too large for shared memory): `schedule_kernel`, `rope_norm_cache_kernel`,
                                 `rope_q_kernel` (rope_norm.mojo), `quantize_kernel` +
                                 `fp8_matmul_kernel` (projection.mojo, float32 FMA)
-5.   `attention_wgmma_kernel`   (attention_wgmma.mojo) Hopper warpgroup tensor cores,
+5.   `attention_sm90_kernel`    (attention_sm90.mojo) Hopper: TMA key boxes from a producer
+                                warpgroup, two math warpgroups (from SM90_MIN_HEADS heads), or
+     `attention_wgmma_kernel`   (attention_wgmma.mojo) Hopper warpgroup tensor cores,
                                 64 packed rows per block (many heads), or
      `attention_mma_kernel`     (attention_mma.mojo) tensor cores, bf16 / f16 caches, or
      `attention_fma_kernel`     (attention_fma.mojo) float32 FMA (float32 caches, other
@@ -53,15 +55,16 @@ the op starts after everything before it. With `GpuPlan.quantize_in_merge`
 """
 
 from max.gpu import WARP_SIZE
-from max.gpu.host import DeviceBuffer, DeviceContext
+from max.gpu.host import DeviceBuffer, DeviceContext, FuncAttribute
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..problem import DecodeProblem
 from ..spec import SCORE_MOD_ALIBI_POS, Granularity
 from .addressing import ELEMENTWISE_THREADS, attention_slots
-from .attention_block import AttentionParams, enqueue_attention
+from .attention_block import AttentionParams, attention_grid, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
+from .attention_sm90 import S9_ROWS, S9_THREADS, TmaAttentionParams, attention_sm90_kernel, attention_sm90_smem_bytes
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
 from .merge import (
     MERGE_QUANT_RANK,
@@ -343,6 +346,16 @@ def gpu_attention_with[
                 enqueue_attention[attention_fma_kernel[dtype, 2], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem, pdl)
             else:
                 enqueue_attention[attention_fma_kernel[dtype, 4], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem, pdl)
+        elif gw < 0:
+            var smem = attention_sm90_smem_bytes()
+            ctx.enqueue_function[attention_sm90_kernel[dtype]](
+                TmaAttentionParams[dtype].create(ctx, p.cache, params),
+                grid_dim=attention_grid(params, num_tokens, S9_ROWS),
+                block_dim=S9_THREADS,
+                shared_mem_bytes=smem,
+                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+                attributes=launch_attributes(pdl),
+            )
         elif gw == 0:
             enqueue_attention[attention_wgmma_kernel[dtype, kt], WG_ROWS](
                 ctx, params, num_tokens, WG_BLOCK_THREADS, attention_wgmma_smem_bytes[dtype](kt, key_dim), pdl
