@@ -150,6 +150,24 @@ def output_projection[dtype: DType](p: DecodeProblem[dtype], raw: FPtr) -> Fp8Pr
     )
 
 
+def q_step_params[
+    dtype: DType
+](p: DecodeProblem[dtype], q_full: FPtr, cache_rows: CacheRowsParams[dtype], schedule: ScheduleParams) -> QStepParams[dtype]:
+    """`q_step_kernel`'s parameters for `p` (its tile grid set at launch, `enqueue_q_step`)."""
+    return QStepParams[dtype](
+        q_projection(p, q_full), to_global(p.freqs_cis), DeviceBatch.of(p.batch), Int32(p.nope_dim),
+        Int32(p.rope_dim), Int32(p.kv_lora_rank), TileGrid.unset(), cache_rows, schedule,
+    )
+
+
+def out_step_params[dtype: DType](p: DecodeProblem[dtype], raw: FPtr, quant: QuantizedRows) -> OutStepParams[dtype]:
+    """`out_step_kernel`'s parameters for `p` (its tile grid set at launch, `enqueue_out_step`)."""
+    return OutStepParams[dtype](
+        output_projection(p, raw), to_global(p.attention_output), Int32(1 if p.has_attention_output else 0),
+        TileGrid.unset(), quant,
+    )
+
+
 def gpu_fp8_batched_matmul[
     in_dtype: DType, out_dtype: DType, //, value_dtype: DType
 ](ctx: DeviceContext, proj: Fp8Projection[in_dtype, out_dtype], groups: Int) raises:
@@ -200,10 +218,7 @@ def gpu_build_q_full[
     var batch = DeviceBatch.of(p.batch)
     comptime if dtype != DType.float32:
         if plan.q_tile >= 0:
-            var params = QStepParams[dtype](
-                proj, to_global(p.freqs_cis), batch, Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank),
-                TileGrid.unset(), cache_rows, schedule,
-            )
+            var params = q_step_params(p, q_full, cache_rows, schedule)
             comptime for i in range(len(PROJ_TILES)):
                 if plan.q_tile == i:
                     enqueue_q_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads)
@@ -416,10 +431,7 @@ def gpu_project_output[
     var proj = output_projection(p, raw)
     comptime if dtype != DType.float32:
         if plan.out_tile >= 0 and p.has_output:
-            var has_attention_output = Int32(1 if p.has_attention_output else 0)
-            var params = OutStepParams[dtype](
-                proj, to_global(p.attention_output), has_attention_output, TileGrid.unset(), quant
-            )
+            var params = out_step_params(p, raw, quant)
             comptime for i in range(len(PROJ_TILES)):
                 if plan.out_tile == i:
                     enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads, plan.pdl)
