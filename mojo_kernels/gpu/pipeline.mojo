@@ -247,6 +247,7 @@ struct AttentionWorkspace(Movable):
 
     var grid: Int  # attention blocks of the split; 0: no split
     var rows_per_block: Int
+    var num_heads: Int
     var target: Int  # blocks the split aims at
     var forced_partitions: Int  # > 0: every request that many (tests; 1 with the LSE)
     var tables: DeviceBuffer[DType.int32]
@@ -256,6 +257,7 @@ struct AttentionWorkspace(Movable):
 
     def __init__[dtype: DType](out self, ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan) raises:
         self.rows_per_block = plan.rows_per_block
+        self.num_heads = p.num_heads
         self.target = plan.split_target
         self.forced_partitions = min(plan.num_partitions, MAX_PARTITIONS)  # SPLIT_BY_WORK (0): by the schedule's shares
         self.grid = 0
@@ -264,7 +266,7 @@ struct AttentionWorkspace(Movable):
             self.grid = schedule_grid(slots, self.target, self.forced_partitions)
         var partial_rows = self.grid * self.rows_per_block
         self.tables = ctx.enqueue_create_buffer[DType.int32](
-            schedule_ints(self.grid, p.num_tokens * p.num_heads) if self.grid > 0 else 1
+            schedule_ints(self.grid, p.num_tokens) if self.grid > 0 else 1
         )
         self.part_out = ctx.enqueue_create_buffer[DType.float32](max(partial_rows * p.kv_lora_rank, 1))
         self.part_max = ctx.enqueue_create_buffer[DType.float32](max(partial_rows, 1))
@@ -276,13 +278,11 @@ struct AttentionWorkspace(Movable):
     def schedule(self) -> SplitSchedule:
         """The schedule's tables (inactive without a split)."""
         var tables = self.tables.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
-        return SplitSchedule.over(to_global(tables), self.grid, self.rows_per_block)
+        return SplitSchedule.over(to_global(tables), self.grid, self.rows_per_block, self.num_heads)
 
     def schedule_params[dtype: DType](self, p: DecodeProblem[dtype]) -> ScheduleParams:
         """What builds the schedule of `p` in this workspace (inactive without a split)."""
-        return ScheduleParams(
-            DeviceBatch.of(p.batch), self.schedule(), Int32(p.num_heads), Int32(self.target), Int32(self.forced_partitions)
-        )
+        return ScheduleParams(DeviceBatch.of(p.batch), self.schedule(), Int32(self.target), Int32(self.forced_partitions))
 
     def build_schedule[dtype: DType](self, ctx: DeviceContext, p: DecodeProblem[dtype]) raises:
         """Enqueues `schedule_kernel` for `p` (with a split; step 5 alone, tests)."""

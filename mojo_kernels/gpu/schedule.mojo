@@ -19,16 +19,20 @@ block past the last task finds request -1 and exits. The grid never depends on
 the lengths, so a CUDA graph captured from one call stays right when they change.
 
 Tables (int32, in one workspace):
-  tasks [grid, 4]   per attention block: request (-1: none), row slot within the request, partition, partitions
-  rows  [T H, 2]    per (token, head) row: its partial row in partition 0, partitions
+  tasks  [grid, 4]  per attention block: request (-1: none), row slot within the request, partition, partitions
+  tokens [T, 4]     per new token: its request's first task, partitions, first row (`offsets[b] H`), 0
 Block row `r` of task `i` writes partial row `i rows_per_block + r`, so partition
-`q` of a row is partial row `first + q rows_per_block` (`partial_row`).
+`q` of row `row` is partial row `first + q rows_per_block` (`row_partials`, for the merge).
+The builder's loads are one per request, its scans warp shuffles, and its
+table entries spread over all of its threads (the first version, a thread per
+request writing every row's entry with 64-bit divisions, took 21 us on an H100).
 """
 
 from std.memory import stack_allocation
 
-from max.gpu import barrier, thread_idx
+from max.gpu import WARP_SIZE, barrier, thread_idx
 from max.gpu.memory import AddressSpace
+from max.gpu.primitives import warp
 
 from ..common import ceil_div
 from ..paged_cache import partitions_by_work
@@ -37,7 +41,8 @@ from .params import DeviceBatch, GlobalPtr, KernelParams, to_global
 comptime SCHEDULE_THREADS = 256
 comptime MAX_PARTITIONS = 64  # key partitions per request, at most (the merge weighs two per lane of a warp)
 comptime TASK_WIDTH = 4  # int32 per task: request, slot, partition, partitions
-comptime ROW_WIDTH = 2  # int32 per row: first partial row, partitions
+comptime TOKEN_WIDTH = 4  # int32 per token: its request's first task, partitions, first row, 0
+comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
 
 def schedule_grid(slots: Int, target: Int, forced_partitions: Int) -> Int:
@@ -48,9 +53,14 @@ def schedule_grid(slots: Int, target: Int, forced_partitions: Int) -> Int:
     return target + slots
 
 
-def schedule_ints(grid: Int, total_rows: Int) -> Int:
-    """Size in int32 of the tables of a `grid`-block schedule over `total_rows` rows."""
-    return TASK_WIDTH * grid + ROW_WIDTH * total_rows
+def schedule_ints(grid: Int, num_tokens: Int) -> Int:
+    """Size in int32 of the tables of a `grid`-block schedule over `num_tokens` new tokens."""
+    return TASK_WIDTH * grid + TOKEN_WIDTH * num_tokens
+
+
+def schedule_smem_bytes(threads: Int) -> Int:
+    """Shared memory `build_schedule` takes with `threads` threads."""
+    return 8 * (threads // WARP_SIZE) + 4 * (3 * threads + 2 + threads // WARP_SIZE)
 
 
 @fieldwise_init
@@ -59,14 +69,17 @@ struct SplitSchedule(TrivialRegisterPassable):
     request written normalized, no merge (the tables are not read)."""
 
     var tasks: GlobalPtr[Int32]
-    var rows: GlobalPtr[Int32]
+    var tokens: GlobalPtr[Int32]
     var grid: Int32
     var rows_per_block: Int32
+    var num_heads: Int32
 
     @staticmethod
-    def over(tables: GlobalPtr[Int32], grid: Int, rows_per_block: Int) -> Self:
-        """The schedule in `tables` (`schedule_ints(grid, T H)` int32) for a grid of `grid` blocks."""
-        return Self(tables, tables.unsafe_offset(TASK_WIDTH * grid), Int32(grid), Int32(rows_per_block))
+    def over(tables: GlobalPtr[Int32], grid: Int, rows_per_block: Int, num_heads: Int) -> Self:
+        """The schedule in `tables` (`schedule_ints(grid, T)` int32) for a grid of `grid` blocks."""
+        return Self(
+            tables, tables.unsafe_offset(TASK_WIDTH * grid), Int32(grid), Int32(rows_per_block), Int32(num_heads)
+        )
 
     @always_inline
     def active(self) -> Bool:
@@ -78,9 +91,13 @@ struct SplitSchedule(TrivialRegisterPassable):
         return self.tasks.unsafe_offset(TASK_WIDTH * i).unsafe_load[width=TASK_WIDTH, alignment=16](0)
 
     @always_inline
-    def row(self, row: Int) -> SIMD[DType.int32, ROW_WIDTH]:
-        """Row `row` (`t H + h`): its partial row in partition 0, partitions."""
-        return self.rows.unsafe_offset(ROW_WIDTH * row).unsafe_load[width=ROW_WIDTH, alignment=8](0)
+    def row_partials(self, row: Int) -> Tuple[Int, Int]:
+        """Row `row` (`t H + h`): its partial row in partition 0, and its partitions (32-bit divisions)."""
+        var t = Int32(row) // self.num_heads
+        var e = self.tokens.unsafe_offset(TOKEN_WIDTH * Int(t)).unsafe_load[width=TOKEN_WIDTH, alignment=16](0)
+        var i = Int32(row) - e[2]  # the row within its request
+        var slot = i // self.rows_per_block
+        return (Int((e[0] + slot * e[1]) * self.rows_per_block + i - slot * self.rows_per_block), Int(e[1]))
 
     @always_inline
     def partial_row(self, first: Int, q: Int) -> Int:
@@ -90,11 +107,10 @@ struct SplitSchedule(TrivialRegisterPassable):
 
 @fieldwise_init
 struct ScheduleParams(KernelParams):
-    """Parameters of `schedule_kernel`."""
+    """Parameters of `schedule_kernel` (and of the q step's schedule block)."""
 
     var batch: DeviceBatch
     var schedule: SplitSchedule
-    var num_heads: Int32
     var target: Int32  # attention blocks aimed at (one wave)
     var forced_partitions: Int32  # > 0: every request that many
 
@@ -102,7 +118,7 @@ struct ScheduleParams(KernelParams):
     def nothing(batch: DeviceBatch) -> Self:
         """No schedule to build (no split; its pointers are never read)."""
         var placeholder = to_global(batch.offsets).unsafe_bitcast[Int32]()
-        return Self(batch, SplitSchedule.over(placeholder, 0, 0), 0, 0, 0)
+        return Self(batch, SplitSchedule.over(placeholder, 0, 0, 0), 0, 0)
 
     @always_inline
     def active(self) -> Bool:
@@ -110,98 +126,135 @@ struct ScheduleParams(KernelParams):
         return self.schedule.active()
 
 
-@always_inline
-def request_slots(batch: DeviceBatch, b: Int, heads: Int, rows_per_block: Int) -> Int:
-    """Row slots (attention blocks per partition) of request `b`: its rows in blocks of `rows_per_block`."""
-    var offsets = to_global(batch.offsets)
-    return ceil_div(Int(offsets.unsafe_load(b + 1) - offsets.unsafe_load(b)) * heads, rows_per_block)
-
-
-@always_inline
-def request_keys(batch: DeviceBatch, b: Int) -> Int:
-    """Keys (cache slots of this shard) request `b`'s rows may see: cached and new positions."""
-    var offsets = to_global(batch.offsets)
-    var visible = Int(to_global(batch.cache_lengths).unsafe_load(b)) + Int(
-        offsets.unsafe_load(b + 1) - offsets.unsafe_load(b)
-    )
-    return batch.shard().local_count(visible)
-
-
-comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
-
-
 def schedule_kernel(p: ScheduleParams):
     """One block of SCHEDULE_THREADS threads: `build_schedule` (bf16 / f16 ops fold it into the q step's launch)."""
-    build_schedule[SCHEDULE_THREADS](p, stack_allocation[SCHEDULE_THREADS, Int64, address_space=AddressSpace.SHARED]())
+    comptime BYTES = schedule_smem_bytes(SCHEDULE_THREADS)
+    build_schedule[SCHEDULE_THREADS](p, stack_allocation[BYTES // 8, Int64, address_space=AddressSpace.SHARED]())
 
 
 @always_inline
-def build_schedule[threads: Int](p: ScheduleParams, sums: SPtr[Int64]):
-    """One block of `threads` threads (`sums`: `threads` int64 of shared memory): the tables of
+def build_schedule[threads: Int](p: ScheduleParams, smem: SPtr[Int64]):
+    """One block of `threads` threads (`smem`: `schedule_smem_bytes(threads)` bytes): the tables of
     `p.schedule` for the batch `p.batch`.
 
-    A thread per request: the batch's work (sum of slots x keys, a block sum),
-    then in chunks of `threads` requests each one's partitions and tasks,
-    their first task by a block scan, and the request's task and row entries;
-    last the unused tasks (request -1).
+    The batch's work (sum over requests of row slots x keys) by a block sum;
+    then per chunk of `threads` requests, a thread per request: its partitions
+    (`partitions_by_work`) and tasks (slots x partitions), their first task by a
+    block scan, kept in shared memory with the requests' first tokens; then
+    every thread writes task and token entries, each finding its request by
+    bisection in shared memory; last the unused tasks (request -1).
     """
+    comptime WARPS = threads // WARP_SIZE
+    var warp_work = smem  # [WARPS] int64
+    var ints = smem.unsafe_offset(WARPS).unsafe_bitcast[Int32]()
+    var starts = ints  # [threads + 1]: each request's first task, relative to the chunk
+    var nparts = ints.unsafe_offset(threads + 1)  # [threads]
+    var firsts = ints.unsafe_offset(2 * threads + 1)  # [threads + 1]: each request's first token
+    var warp_counts = ints.unsafe_offset(3 * threads + 2)  # [WARPS]
     var tid = thread_idx.x
     var nreq = Int(p.batch.num_requests)
-    var heads = Int(p.num_heads)
     var sched = p.schedule
+    var heads = Int(sched.num_heads)
     var rpb = Int(sched.rows_per_block)
-    var grid = Int(sched.grid)
-
-    var work = 0
-    for b in range(tid, nreq, threads):
-        work += request_slots(p.batch, b, heads, rpb) * request_keys(p.batch, b)
-    var total_work = Int(block_scan[threads](sums, Int64(work))[1])
-
     var offsets = to_global(p.batch.offsets)
+    var lengths = to_global(p.batch.cache_lengths)
+    var shard = p.batch.shard()
+
+    var work = Int64(0)
+    for b in range(tid, nreq, threads):
+        var n = Int(offsets.unsafe_load(b + 1) - offsets.unsafe_load(b))
+        var keys = shard.local_count(Int(lengths.unsafe_load(b)) + n)
+        work += Int64(ceil_div(n * heads, rpb) * keys)
+    var total_work = Int(block_sum[threads](warp_work, work))
+
     var first = 0  # first task of this chunk
     for c0 in range(0, nreq, threads):
         var b = c0 + tid
-        var slots = 0
-        var parts = 0
+        var count = Int32(0)
         if b < nreq:
-            slots = request_slots(p.batch, b, heads, rpb)
-            var keys = request_keys(p.batch, b)
-            if p.forced_partitions > 0:
-                parts = Int(p.forced_partitions)
-            else:
+            var o0 = Int(offsets.unsafe_load(b))
+            var n = Int(offsets.unsafe_load(b + 1)) - o0
+            var slots = ceil_div(n * heads, rpb)
+            var keys = shard.local_count(Int(lengths.unsafe_load(b)) + n)
+            var parts = Int(p.forced_partitions)
+            if parts <= 0:
                 parts = min(partitions_by_work(keys, slots * keys, total_work, Int(p.target), slots, round_up=False), MAX_PARTITIONS)
-        var scan = block_scan[threads](sums, Int64(slots * parts))
-        var start = first + Int(scan[0])
-        if slots > 0:
-            for s in range(slots):
-                for q in range(parts):
-                    sched.tasks.unsafe_offset(TASK_WIDTH * (start + s * parts + q)).unsafe_store[alignment=16](
-                        0, SIMD[DType.int32, TASK_WIDTH](Int32(b), Int32(s), Int32(q), Int32(parts))
-                    )
-            var row0 = Int(offsets.unsafe_load(b)) * heads
-            var row_end = Int(offsets.unsafe_load(b + 1)) * heads
-            for i in range(row_end - row0):
-                var slot = i // rpb
-                sched.rows.unsafe_offset(ROW_WIDTH * (row0 + i)).unsafe_store[alignment=8](
-                    0, SIMD[DType.int32, ROW_WIDTH](Int32((start + slot * parts) * rpb + i - slot * rpb), Int32(parts))
-                )
-        first += Int(scan[1])
-    for t in range(first + tid, grid, threads):
+            count = Int32(slots * parts)
+            nparts.unsafe_store(tid, Int32(parts))
+            firsts.unsafe_store(tid, Int32(o0))
+        var scan = block_exclusive_scan[threads](warp_counts, count)
+        var n_chunk = min(threads, nreq - c0)
+        if b < nreq:
+            starts.unsafe_store(tid, scan[0])
+        if tid == 0:
+            starts.unsafe_store(n_chunk, scan[1])
+            firsts.unsafe_store(n_chunk, Int32(offsets.unsafe_load(c0 + n_chunk)))
+        barrier()
+        var chunk_tasks = Int(scan[1])
+        for t in range(tid, chunk_tasks, threads):
+            var j = last_at_most(starts, n_chunk, Int32(t))  # requests without tasks share the next one's start
+            var local = Int32(t) - starts.unsafe_load(j)
+            var parts = nparts.unsafe_load(j)
+            var slot = local // parts
+            sched.tasks.unsafe_offset(TASK_WIDTH * (first + t)).unsafe_store[alignment=16](
+                0, SIMD[DType.int32, TASK_WIDTH](Int32(c0 + j), slot, local - slot * parts, parts)
+            )
+        var tok0 = Int(firsts.unsafe_load(0))
+        for tok in range(tok0 + tid, Int(firsts.unsafe_load(n_chunk)), threads):
+            var j = last_at_most(firsts, n_chunk, Int32(tok))  # requests without tokens share the next one's first
+            sched.tokens.unsafe_offset(TOKEN_WIDTH * tok).unsafe_store[alignment=16](
+                0,
+                SIMD[DType.int32, TOKEN_WIDTH](
+                    Int32(first) + starts.unsafe_load(j), nparts.unsafe_load(j), firsts.unsafe_load(j) * Int32(heads), 0
+                ),
+            )
+        first += chunk_tasks
+        barrier()  # before the next chunk rewrites the tables in shared memory
+    for t in range(first + tid, Int(sched.grid), threads):
         sched.tasks.unsafe_offset(TASK_WIDTH * t).unsafe_store[alignment=16](0, SIMD[DType.int32, TASK_WIDTH](-1, 0, 0, 0))
 
 
 @always_inline
-def block_scan[threads: Int](sums: SPtr[Int64], value: Int64) -> Tuple[Int64, Int64]:
-    """This thread's exclusive prefix sum of `value` over the block's `threads` threads, and the total."""
-    var tid = thread_idx.x
-    barrier()  # `sums` may still be read by an earlier scan
-    sums.unsafe_store(tid, value)
+def last_at_most(values: SPtr[Int32], n: Int, x: Int32) -> Int:
+    """The last `j < n` with `values[j] <= x` (`values` non-decreasing, `values[0] <= x`)."""
+    var lo = 0
+    var hi = n
+    while hi - lo > 1:
+        var mid = (lo + hi) // 2
+        if values.unsafe_load(mid) <= x:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@always_inline
+def block_sum[threads: Int](warp_sums: SPtr[Int64], value: Int64) -> Int64:
+    """`value` summed over the block's `threads` threads (`warp_sums`: one int64 per warp, used once)."""
+    var s = warp.sum(value)
+    if thread_idx.x % WARP_SIZE == 0:
+        warp_sums.unsafe_store(thread_idx.x // WARP_SIZE, s)
     barrier()
-    var step = 1
-    while step < threads:
-        var add = sums.unsafe_load(tid - step) if tid >= step else Int64(0)
-        barrier()
-        sums.unsafe_store(tid, sums.unsafe_load(tid) + add)
-        barrier()
-        step *= 2
-    return (sums.unsafe_load(tid) - value, sums.unsafe_load(threads - 1))
+    var total = Int64(0)
+    for w in range(threads // WARP_SIZE):
+        total += warp_sums.unsafe_load(w)
+    return total
+
+
+@always_inline
+def block_exclusive_scan[threads: Int](warp_totals: SPtr[Int32], value: Int32) -> Tuple[Int32, Int32]:
+    """This thread's exclusive prefix sum of `value` over the block's `threads` threads, and the total
+    (`warp_totals`: one int32 per warp; the caller's barrier separates two scans)."""
+    var inclusive = warp.prefix_sum(value)
+    var w = thread_idx.x // WARP_SIZE
+    if thread_idx.x % WARP_SIZE == WARP_SIZE - 1:
+        warp_totals.unsafe_store(w, inclusive)
+    barrier()
+    var before = Int32(0)
+    var total = Int32(0)
+    for i in range(threads // WARP_SIZE):
+        var t = warp_totals.unsafe_load(i)
+        if i < w:
+            before += t
+        total += t
+    return (before + inclusive - value, total)

@@ -39,7 +39,7 @@ from .projection_mma import (
     stage_weights,
 )
 from .rope_norm import CacheRowsParams, rope_norm_cache_row, rope_q_pair
-from .schedule import ScheduleParams, build_schedule
+from .schedule import ScheduleParams, build_schedule, schedule_smem_bytes
 
 
 def tile_rows(tile: Tuple[Int, Int, Int, Int]) -> Int:
@@ -115,7 +115,7 @@ def tile_of_block(blk: Int, tiles: TileGrid) -> Tuple[Int, Int, Int]:
 
 def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: QStepParams[dtype]):
     """Grid `H m_tiles n_tiles + cache_rows.count (+ 1 with a schedule)`, `32 warps_m warps_n` threads,
-    `smem_bytes` dynamic (at least 8 bytes per thread, the schedule's scan)."""
+    `smem_bytes` dynamic (at least `schedule_smem_bytes`)."""
     comptime THREADS = warps_m * warps_n * WARP_SIZE
     comptime MT = warps_m * tm * 16
     comptime NT = warps_n * tn * 8
@@ -214,7 +214,7 @@ def enqueue_q_step[dtype: DType, tile: Tuple[Int, Int, Int, Int]](ctx: DeviceCon
     """Launches `q_step_kernel` with `tile` over `groups` heads (and `p.cache_rows.count` blocks of cache rows,
     and one for the schedule when `p.schedule` is active)."""
     var params = p
-    var smem = max(params.tiles.fit[tile](p.proj), 8 * tile_threads(tile))
+    var smem = max(params.tiles.fit[tile](p.proj), schedule_smem_bytes(tile_threads(tile)))
     var blocks = Int(p.cache_rows.count) + params.tiles.blocks(groups) + (1 if p.schedule.active() else 0)
     enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, smem, False)
 
