@@ -129,7 +129,7 @@ struct ScheduleParams(KernelParams):
 def schedule_kernel(p: ScheduleParams):
     """One block of SCHEDULE_THREADS threads: `build_schedule` (bf16 / f16 ops fold it into the q step's launch)."""
     comptime BYTES = schedule_smem_bytes(SCHEDULE_THREADS)
-    build_schedule[SCHEDULE_THREADS](p, stack_allocation[BYTES // 8, Int64, address_space=AddressSpace.SHARED]())
+    build_schedule[SCHEDULE_THREADS](p, stack_allocation[(BYTES + 7) // 8, Int64, address_space=AddressSpace.SHARED]())
 
 
 @always_inline
