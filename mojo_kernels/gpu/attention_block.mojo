@@ -9,6 +9,7 @@ normalized into `raw` without a split, else the partition's unnormalized
 output and row statistics for `merge_kernel` (`result_row`, `store_stats`).
 """
 
+from std.math import exp
 from std.sys._assembly import inlined_assembly
 from std.utils.numerics import neg_inf
 
@@ -187,6 +188,16 @@ struct AttentionBlock(TrivialRegisterPassable):
         if p.split.active() and row < self.row_end:
             p.part_max.unsafe_store(self.partial0 + row, m)
             p.part_sum.unsafe_store(self.partial0 + row, l)
+
+
+@always_inline
+def rescale_row(m_old: Float32, m_new: Float32) -> Tuple[Float32, Float32]:
+    """A row's online-softmax step to the running max `m_new` from `m_old`: the correction of its sums
+    `exp(m_old - m_new)`, and the shift its scores take before `exp` (`m_new`; 0 with a correction of 1
+    for a row masked so far, whose scores are all -inf: exp(-inf) = 0 everywhere)."""
+    if m_new == neg_inf[DType.float32]():
+        return (Float32(1), Float32(0))
+    return (exp(m_old - m_new), m_new)
 
 
 @fieldwise_init
