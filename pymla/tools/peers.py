@@ -38,6 +38,12 @@ def own_attention_us(line: str) -> float | None:
     return float(m[1]) if m else None
 
 
+def triton_ms(peer: dict) -> float | None:
+    """Triton's best split count, or None where the call left Triton out (PEERS_WHICH)."""
+    times = [peer[k] for k in ("triton_s4_bench_ms", "triton_s32_bench_ms") if k in peer]
+    return min(times) if times else None
+
+
 def parse(folder: Path) -> dict:
     op, attention, copy = {}, {}, None
     for line in (folder / "gpu_op_bench.log").read_text().splitlines():
@@ -75,7 +81,7 @@ def parse(folder: Path) -> dict:
             "cache_bytes": p["cache_bytes"],
             "flops": p["flops"],
             "flashmla_ms": p["flashmla_bench_ms"],
-            "triton_ms": min(p["triton_s4_bench_ms"], p["triton_s32_bench_ms"]),
+            "triton_ms": triton_ms(p),
             "pymla_attention_ms": attention.get(key),
             "pymla_op_ms": op.get(key),
         }
@@ -108,7 +114,7 @@ def table(data: dict) -> str:
             continue
         lines.append(
             f"| {r['heads']} | {r['batch']} | {r['context'] // 1024}k | {r['flashmla_ms']:.3f} "
-            f"| {_fmt(r['flashinfer_ms'])} | {r['triton_ms']:.3f} "
+            f"| {_fmt(r['flashinfer_ms'])} | {_fmt(r['triton_ms'])} "
             f"| {_fmt(att)} | {_ratio(att, f)} | {_fmt(op)} | {_ratio(op, f)} "
             f"| {_fmt(att and r['flops'] / att / 1e9, '.0f')} "
             f"| {_fmt(att and r['cache_bytes'] / att / 1e9, '.2f')} |"
