@@ -7,6 +7,13 @@ takes (`locate`), each row's mask data (`row_meta`), the cache row of a key
 (`key_row`), the keys any of its rows needs (`widen_keys`), and its results:
 normalized into `raw` with one partition, else the partition's unnormalized
 output and row statistics for `merge_kernel` (`store_output`, `store_stats`).
+
+`KeyTiles` holds the key tiles of the tensor-core kernels. Their key source is
+a compile-time parameter: rows of `dtype` copied with `cp.async` straight into
+the tiles, or `fp8_ds_mla` rows (`fp8`, bfloat16 ops): their bytes copied with
+`cp.async` into a staging area (`copy_staged`), then widened into the one
+bfloat16 tile at the top of each step (`widen_staged`: e4m3 x scale, exact),
+so the tensor-core products are those of the bfloat16 cache.
 """
 
 from std.sys._assembly import inlined_assembly
@@ -14,13 +21,14 @@ from std.utils.numerics import neg_inf
 
 from max.gpu import barrier, block_idx
 from max.gpu.host import DeviceContext, FuncAttribute
-from max.gpu.memory import AddressSpace, async_copy_wait_group
+from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, async_copy_wait_group
 
-from ..common import FPtr
-from ..paged_cache import partition_keys
+from ..common import FPtr, ceil_div
+from ..fp8 import widen_e4m3
+from ..paged_cache import FP8_SCALE_BLOCK, partition_keys
 from ..spec import MaskSpec
 from .addressing import attention_slots, find_slot_request, row_attention_meta, slot_start
-from .params import DeviceBatch, DeviceCache, KernelParams
+from .params import DeviceBatch, DeviceCache, DeviceFp8Rows, GlobalPtr, KernelParams, to_global
 
 comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
@@ -33,10 +41,13 @@ struct AttentionParams[dtype: DType](KernelParams):
     holding dtype values); keys are whole cache rows, values their first
     `kv_lora_rank`. With one partition the kernels write `raw [T, H, R]`;
     with several, `part_out [P, T H, R]`, `part_max`, `part_sum [P, T H]`.
+    With an `fp8_ds_mla` cache the rows are `fp8`'s (the kernels' `fp8`
+    parameter says which) and `cache` gives only `key_dim`.
     """
 
     var q_full: FPtr
     var cache: DeviceCache[Self.dtype]  # keys of cache.key_dim values
+    var fp8: DeviceFp8Rows
     var batch: DeviceBatch
     var num_heads: Int32
     var kv_lora_rank: Int32
@@ -126,10 +137,12 @@ struct AttentionBlock(TrivialRegisterPassable):
         return p.cache.row_offset(self.request, key)
 
     @always_inline
-    def tile_row[dtype: DType, //](self, p: AttentionParams[dtype], key: Int, key_end: Int) -> Int64:
-        """`key_row(key)`, or -1 (a zero row) from `key_end` on."""
+    def tile_row[dtype: DType, //, fp8: Bool](self, p: AttentionParams[dtype], key: Int, key_end: Int) -> Int64:
+        """`key_row(key)` (`fp8`: the byte offset of its `fp8_ds_mla` row), or -1 (a zero row) from `key_end` on."""
         if key >= key_end:
             return -1
+        comptime if fp8:
+            return Int64(p.fp8.row_offset(self.request, key))
         return Int64(self.key_row(p, key))
 
     @always_inline
@@ -233,8 +246,45 @@ def fence_async_proxy():
     inlined_assembly["fence.proxy.async.shared::cta;", NoneType, constraints="~{memory}", has_side_effect=True]()
 
 
+@always_inline
+def opaque(x: Int) -> Int:
+    """`x` through an empty `asm volatile` move: the optimizer cannot treat it, or what is derived
+    from it, as loop-invariant (so values derived from it are not held in registers across a loop)."""
+    return Int(inlined_assembly["mov.b64 $0, $1;", Int64, constraints="=l,l", has_side_effect=True](Int64(x)))
+
+
+@always_inline
+def opaque_shared[T: AnyType](p: SPtr[T]) -> SPtr[T]:
+    """`p` through `opaque`."""
+    return SPtr[T](unsafe_from_address=opaque(Int(p)))
+
+
+@always_inline
+def fp8_row_bytes(kv_lora_rank: Int, rope_dim: Int) -> Int:
+    """Bytes of an `fp8_ds_mla` row: the e4m3 latent, its float32 scales, the bfloat16 rope part."""
+    return kv_lora_rank + 4 * (kv_lora_rank // FP8_SCALE_BLOCK) + 2 * rope_dim
+
+
+@always_inline
+def fp8_staging_stride(row_bytes: Int) -> Int:
+    """Bytes per staged `fp8_ds_mla` row: the row, rounded up to 16 bytes."""
+    return ceil_div(row_bytes, 16) * 16
+
+
+@always_inline
+def key_tile_bytes[dtype: DType](kt: Int, key_bytes: Int, fp8_row_bytes: Int) -> Int:
+    """Shared memory of a kernel's key tiles (`key_bytes` per key of one buffer, 16-byte aligned):
+    two buffers of `dtype` keys, or (`fp8_row_bytes > 0`) one bfloat16 buffer and the staging of `kt` fp8 rows."""
+    var buffer = ceil_div(kt * key_bytes, 16) * 16
+    if fp8_row_bytes > 0:
+        return buffer + kt * fp8_staging_stride(fp8_row_bytes)
+    return 2 * buffer
+
+
 @fieldwise_init
-struct KeyTiles[dtype: DType, kt: Int](TrivialRegisterPassable):
+struct KeyTiles[
+    dtype: DType, kt: Int, fp8: Bool = False, core_layout: Bool = False, dims: Tuple[Int, Int] = (0, 0)
+](TrivialRegisterPassable):
     """Double-buffered key tiles of `kt` keys over keys `[j0, end)`: tile `j0` in `k_s[cur]` while the next is copied.
 
     `rowoff [2][kt]` (shared) holds each buffer's cache rows. Thread `tid < kt`
@@ -242,27 +292,45 @@ struct KeyTiles[dtype: DType, kt: Int](TrivialRegisterPassable):
     in a register (`ahead`), so the lookup-table load is not waited for at the
     barrier. The kernel starts each copy (`copy_key_tile*`): the first of `rowoff[0]`'s rows into
     `k_s0`, then at each step `next_rows()` into `next_keys()`.
+
+    `fp8`: the keys are `fp8_ds_mla` rows (`p.fp8`, byte offsets in `rowoff`).
+    The kernel starts each copy with `copy_staged` (into `staging`, rows of
+    `fp8_staging_stride` bytes); `wait` widens the staged tile into `k_s0`
+    (`k_s1` is the same buffer), then a second barrier frees the staging for
+    the next copy. The tile layout: rows of `stride` elements, or
+    (`core_layout`) wgmma's core matrices of 8 rows x 16 bytes. `dims`:
+    (kv_lora_rank, rope_dim) when the kernel knows them at compile time.
     """
 
     var rowoff: SPtr[Int64]
     var k_s0: SPtr[Scalar[Self.dtype]]
     var k_s1: SPtr[Scalar[Self.dtype]]
+    var staging: SPtr[UInt8]
+    var stride: Int  # elements per key row of a tile (row layout)
     var ahead: Int64
     var j0: Int
     var end: Int
     var cur: Int
     var has_next: Bool
 
-    def __init__(out self, rowoff: SPtr[Int64], k_s0: SPtr[Scalar[Self.dtype]], k_s1: SPtr[Scalar[Self.dtype]], keys: Tuple[Int, Int]):
-        self = Self(rowoff, k_s0, k_s1, Int64(-1), keys[0], keys[1], 0, False)
+    def __init__(
+        out self,
+        rowoff: SPtr[Int64],
+        k_s0: SPtr[Scalar[Self.dtype]],
+        k_s1: SPtr[Scalar[Self.dtype]],
+        keys: Tuple[Int, Int],
+        staging: SPtr[UInt8],
+        stride: Int,
+    ):
+        self = Self(rowoff, k_s0, k_s1, staging, stride, Int64(-1), keys[0], keys[1], 0, False)
 
     @always_inline
     def start(mut self, blk: AttentionBlock, p: AttentionParams[Self.dtype], tid: Int):
         """The rows of the first tile in `rowoff[0]`, the second's in `ahead`; then a barrier."""
         if tid < Self.kt:
-            self.rowoff.unsafe_store(tid, blk.tile_row(p, self.j0 + tid, self.end))
+            self.rowoff.unsafe_store(tid, blk.tile_row[Self.fp8](p, self.j0 + tid, self.end))
         if tid < Self.kt:
-            self.ahead = blk.tile_row(p, self.j0 + Self.kt + tid, self.end)
+            self.ahead = blk.tile_row[Self.fp8](p, self.j0 + Self.kt + tid, self.end)
         barrier()
 
     @always_inline
@@ -280,29 +348,126 @@ struct KeyTiles[dtype: DType, kt: Int](TrivialRegisterPassable):
         return self.k_s1 if self.cur == 0 else self.k_s0
 
     @always_inline
-    def wait[fence: Bool](mut self, tid: Int) -> SPtr[Scalar[Self.dtype]]:
+    def wait[fence: Bool, threads: Int](mut self, p: AttentionParams[Self.dtype], tid: Int) -> SPtr[Scalar[Self.dtype]]:
         """At the top of tile `j0`'s step: the next tile's rows into `next_rows()`, then waits for
-        this tile's copy and the block (`fence`: also orders shared writes before wgmma reads); this tile's keys."""
+        this tile's copy and the block (`fence`: also orders shared writes before wgmma reads); this tile's keys.
+        `fp8`: widens the staged tile into the keys between two barriers."""
         self.has_next = self.j0 + Self.kt < self.end
         var nxt = self.next_rows()
         if tid < Self.kt:
             nxt.unsafe_store(tid, self.ahead)
         async_copy_wait_group(0)
+        comptime if Self.fp8:
+            barrier()  # the staged rows are in; the previous tile's products are done
+            self.widen_staged[threads](p, tid)
         comptime if fence:
             fence_async_proxy()
         barrier()
+        comptime if Self.fp8:
+            # One buffer: hidden from the optimizer, else it hoists every address (and wgmma
+            # descriptor) derived from it out of the loop (80 registers held: spills).
+            return opaque_shared(self.k_s0)
         return self.k_s0 if self.cur == 0 else self.k_s1
+
+    @always_inline
+    def copy_staged[threads: Int](self, p: AttentionParams[Self.dtype], rows: SPtr[Int64], tid: Int):
+        """`fp8`: starts the copy of the `fp8_ds_mla` rows at byte offsets `rows [kt]` (-1: zeros)
+        into the staging area; one commit group. 16-byte copies when rows are 16-byte multiples, else 4."""
+        var src = to_global(p.fp8.bytes)
+        comptime if Self.dims[0] > 0:
+            comptime row_bytes = fp8_row_bytes(Self.dims[0], Self.dims[1])
+            comptime vec = 16 if row_bytes % 16 == 0 else 4
+            copy_rows_async[Self.kt, threads, vec](src, rows, self.staging, tid, row_bytes)
+            async_copy_commit_group()
+            return
+        var row_bytes = opaque(Int(p.fp8.row_bytes))  # its divisions here, not held across the loop
+        if row_bytes % 16 == 0:
+            copy_rows_async[Self.kt, threads, 16](src, rows, self.staging, tid, row_bytes)
+        else:
+            copy_rows_async[Self.kt, threads, 4](src, rows, self.staging, tid, row_bytes)
+        async_copy_commit_group()
+
+    @always_inline
+    def widen_staged[threads: Int](self, p: AttentionParams[Self.dtype], tid: Int):
+        """The staged `fp8_ds_mla` rows as `dtype` (bfloat16) keys in `k_s0`, in 8-value chunks:
+        latent chunks `e4m3 x scale` (exact in bfloat16: `pymla/cache_format.py`), then the rope part.
+        With `dims` (kv_lora_rank, rope_dim) known at compile time (`Self.dims[0] > 0`), those."""
+        var rank = opaque(Int(p.fp8.kv_lora_rank))  # as `copy_staged`'s row_bytes
+        var rope = Int(p.fp8.rope_dim)
+        comptime if Self.dims[0] > 0:
+            rank = Self.dims[0]
+            rope = Self.dims[1]
+        var rope_at = rank + 4 * (rank // FP8_SCALE_BLOCK)
+        var chunks = (rank + rope) // 8  # per key
+        var srow = fp8_staging_stride(fp8_row_bytes(rank, rope))
+        var latent_chunks = rank // 8
+        var v = tid
+        while v < Self.kt * chunks:
+            var r: Int
+            var c: Int
+            var at: Int
+            comptime if Self.core_layout:  # lanes 8 apart fill one core matrix: linear stores
+                r = (v // (8 * chunks)) * 8 + v % 8
+                c = (v // 8) % chunks
+                at = v * 8
+            else:
+                r = v // chunks
+                c = v % chunks
+                at = r * self.stride + c * 8
+            var row = self.staging.unsafe_offset(r * srow)
+            var keys: SIMD[Self.dtype, 8]
+            if c < latent_chunks:
+                var e4m3 = row.unsafe_offset(8 * c).unsafe_load[width=8, alignment=8](0)
+                var scale = row.unsafe_offset(rank + 4 * (8 * c // FP8_SCALE_BLOCK)).unsafe_bitcast[Float32]().unsafe_load[
+                    alignment=4
+                ](0)
+                keys = (widen_e4m3[8](e4m3) * scale).cast[Self.dtype]()
+            else:
+                keys = (
+                    row.unsafe_offset(rope_at + 16 * (c - latent_chunks))
+                    .unsafe_bitcast[BFloat16]()
+                    .unsafe_load[width=8, alignment=4](0)
+                    .cast[Self.dtype]()
+                )
+            self.k_s0.unsafe_offset(at).unsafe_store[alignment=16](0, keys)
+            v += threads
 
     @always_inline
     def look_ahead(mut self, blk: AttentionBlock, p: AttentionParams[Self.dtype], tid: Int):
         """Once the copy of the next tile has started: the rows of the tile after it."""
         if tid < Self.kt:
-            self.ahead = blk.tile_row(p, self.j0 + 2 * Self.kt + tid, self.end)
+            self.ahead = blk.tile_row[Self.fp8](p, self.j0 + 2 * Self.kt + tid, self.end)
 
     @always_inline
     def advance(mut self):
         self.j0 += Self.kt
         self.cur = 1 - self.cur
+
+
+@always_inline
+def copy_rows_async[
+    kt: Int, threads: Int, vec: Int
+](src: GlobalPtr[UInt8], rows: SPtr[Int64], staging: SPtr[UInt8], tid: Int, row_bytes: Int):
+    """Starts `cp.async` copies of `vec` bytes: row `r` (byte offset `rows[r]`, -1: zeros) to
+    `staging + r fp8_staging_stride(row_bytes)`; thread `tid` takes vectors `tid, tid + threads, ..`."""
+    var per_row = row_bytes // vec
+    var srow = fp8_staging_stride(row_bytes)
+    var r = tid // per_row
+    var c = tid % per_row
+    var step_r = threads // per_row
+    var step_c = threads % per_row
+    while r < kt:
+        var ro = Int(rows.unsafe_load(r))
+        async_copy[vec, fill=UInt8(0)](
+            src.unsafe_offset(max(ro, 0) + c * vec),
+            staging.unsafe_offset(r * srow + c * vec),
+            src_size=Int32(vec) if ro >= 0 else Int32(0),
+        )
+        r += step_r
+        c += step_c
+        if c >= per_row:
+            c -= per_row
+            r += 1
 
 
 def enqueue_attention[

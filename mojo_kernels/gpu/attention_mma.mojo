@@ -38,7 +38,7 @@ from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, ex
 from max.gpu.primitives import warp
 
 from ..common import ceil_div
-from .attention_block import AttentionBlock, AttentionParams, KeyTiles, SoftmaxRows
+from .attention_block import AttentionBlock, AttentionParams, KeyTiles, SoftmaxRows, key_tile_bytes
 from .params import to_global
 
 comptime MMA_ROWS = 16  # rows per group (the M of one mma)
@@ -72,9 +72,9 @@ def mma_supported[dtype: DType, gw: Int](key_dim: Int, kv_lora_rank: Int) -> Boo
     )
 
 
-def attention_mma_smem_bytes[dtype: DType](groups: Int, kt: Int, gw: Int, key_dim: Int) -> Int:
-    """Dynamic shared memory of `attention_mma_kernel` (regions 16-byte aligned)."""
-    var k_bytes = 2 * ceil_div(kt * (key_dim + MMA_KEY_PAD) * size_of[dtype](), 16) * 16
+def attention_mma_smem_bytes[dtype: DType](groups: Int, kt: Int, gw: Int, key_dim: Int, fp8_row_bytes: Int = 0) -> Int:
+    """Dynamic shared memory of `attention_mma_kernel` (regions 16-byte aligned); `fp8_row_bytes`: of an fp8_ds_mla cache."""
+    var k_bytes = key_tile_bytes[dtype](kt, (key_dim + MMA_KEY_PAD) * size_of[dtype](), fp8_row_bytes)
     var red_bytes = groups * gw * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
     var p_bytes = groups * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
     var row_bytes = ceil_div(groups * MMA_ROWS * 7 * 4, 16) * 16
@@ -125,7 +125,7 @@ def copy_key_tile[
 
 
 def attention_mma_kernel[
-    dtype: DType, groups: Int, kt: Int, gw: Int
+    dtype: DType, groups: Int, kt: Int, gw: Int, fp8: Bool = False
 ](
     p: AttentionParams[dtype]
 ):
@@ -133,6 +133,7 @@ def attention_mma_kernel[
 
     Grid `(attention_slots(T, H, B, 16 groups), num_partitions)`, block
     `32 gw groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
+    `fp8`: the keys are `p.fp8`'s `fp8_ds_mla` rows, widened into one bfloat16 tile (`KeyTiles`).
     """
     comptime assert kt % 32 == 0, "kt must be a multiple of 32"
     comptime assert MMA_ROWS % gw == 0 and (MMA_RANK_MAX // 8) % gw == 0, "gw must divide 16"
@@ -165,9 +166,12 @@ def attention_mma_kernel[
     var stride = dim + MMA_KEY_PAD
     var off = 0
     var k_buf_bytes = ceil_div(kt * stride * size_of[dtype](), 16) * 16
-    var k_s0 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # two buffers [kt][stride]
+    var k_s0 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # two buffers [kt][stride] (fp8: one)
     var k_s1 = base.unsafe_offset(off + k_buf_bytes).unsafe_bitcast[Scalar[dtype]]()
-    off += 2 * k_buf_bytes
+    var staging = base.unsafe_offset(off + k_buf_bytes)  # fp8: the staged rows
+    comptime if fp8:
+        k_s1 = k_s0
+    off += key_tile_bytes[dtype](kt, stride * size_of[dtype](), Int(p.fp8.row_bytes) if fp8 else 0)
     var red_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][gw][16][RS]
     off += groups * gw * MMA_ROWS * RS * 4
     var p_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][16][RS]
@@ -218,17 +222,23 @@ def attention_mma_kernel[
     # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used.
     var copy_first = (tid // vec_per_row, tid % vec_per_row)
     var copy_step = (THREADS // vec_per_row, THREADS % vec_per_row)
-    var tiles = KeyTiles[dtype, kt](rowoff_s, k_s0, k_s1, span)
+    var tiles = KeyTiles[dtype, kt, fp8](rowoff_s, k_s0, k_s1, span, staging, stride)
     tiles.start(blk, p, tid)
     if tiles.more():
-        copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row)
+        comptime if fp8:
+            tiles.copy_staged[THREADS](p, rowoff_s, tid)
+        else:
+            copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row)
     while tiles.more():
-        var k_s = tiles.wait[fence=False](tid)
+        var k_s = tiles.wait[fence=False, threads=THREADS](p, tid)
         var j0 = tiles.j0
         if tiles.has_next:
-            copy_key_tile[dtype, kt, THREADS](
-                blocks_global, tiles.next_rows(), tiles.next_keys(), copy_first, copy_step, stride, vec_per_row
-            )
+            comptime if fp8:
+                tiles.copy_staged[THREADS](p, tiles.next_rows(), tid)
+            else:
+                copy_key_tile[dtype, kt, THREADS](
+                    blocks_global, tiles.next_rows(), tiles.next_keys(), copy_first, copy_step, stride, vec_per_row
+                )
             tiles.look_ahead(blk, p, tid)
 
         # Partial scores of this warp's k-steps.

@@ -50,8 +50,8 @@ from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attentio
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
 from .merge import MERGE_THREADS, MergeParams, StoreParams, WidenParams, merge_kernel, store_kernel, widen_kernel
-from .params import DeviceBatch, DeviceCache, to_global
-from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes
+from .params import DeviceBatch, DeviceCache, DeviceFp8Rows, to_global
+from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes, fp8_row_bytes
 from .projection import (
     MATMUL_M_TILE,
     MATMUL_SMEM_FLOATS,
@@ -66,10 +66,19 @@ from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rop
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
 
+def device_cache[dtype: DType](p: DecodeProblem[dtype]) -> DeviceCache[dtype]:
+    """The cache of `p` as kernel parameters; with `fp8_ds_mla` rows (`DeviceFp8Rows`) only its `key_dim` (R + Dr) counts."""
+    var cache = DeviceCache[dtype].of(p.cache)
+    if p.fp8_cache.active:
+        cache.key_dim = Int32(p.key_dim())
+    return cache
+
+
 def cache_rows_params[dtype: DType](p: DecodeProblem[dtype], count: Int) -> CacheRowsParams[dtype]:
     """Steps 1 and 2 on the first `count` new tokens' cache rows (0: none), as kernel parameters."""
     return CacheRowsParams[dtype](
-        DeviceCache[dtype].of(p.cache),
+        device_cache(p),
+        DeviceFp8Rows.of(p.fp8_cache),
         DeviceBatch.of(p.batch),
         p.freqs_cis,
         p.kv_norm_gamma,
@@ -195,15 +204,18 @@ def gpu_attention_with[
     With more than one partition every partition's output and row statistics
     go to workspaces, merged by log-sum-exp (`merge_kernel`). The LSE
     (`has_lse`) comes from that merge: with it, at least two partitions.
+    An `fp8_ds_mla` cache (bfloat16) takes the tensor-core kernels' fp8 instances.
     """
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
     comptime if groups > 0 and dtype != DType.bfloat16 and dtype != DType.float16:
         raise Error("pymla gpu: the tensor-core attention kernels take bf16 / f16 caches")
     else:
+        if p.fp8_cache.active and (groups == 0 or dtype != DType.bfloat16):
+            raise Error("pymla gpu: fp8_ds_mla rows are read by the tensor-core attention kernels of bfloat16 ops only")
         var num_tokens = p.num_tokens
         if num_tokens == 0 or p.num_heads == 0:
             return
-        var key_dim = p.cache.head_dim
+        var key_dim = p.key_dim()
         var rank = p.kv_lora_rank
         var rows = num_tokens * p.num_heads
         var parts = max(num_partitions, 2) if p.has_lse else num_partitions
@@ -215,24 +227,17 @@ def gpu_attention_with[
         var part_max = part_max_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var part_sum = part_sum_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var params = AttentionParams[dtype](
-            q_full, DeviceCache[dtype].of(p.cache), DeviceBatch.of(p.batch), Int32(p.num_heads), Int32(rank),
-            Int32(parts), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
+            q_full, device_cache(p), DeviceFp8Rows.of(p.fp8_cache), DeviceBatch.of(p.batch), Int32(p.num_heads),
+            Int32(rank), Int32(parts), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
             raw, part_out, part_max, part_sum,
         )
-        comptime if groups == 0:
-            var smem = attention_smem_bytes[dtype](key_dim)
-            if rank <= 2 * ATT_THREADS:
-                enqueue_attention[attention_fma_kernel[dtype, 2], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem)
+        comptime if groups > 0 and dtype == DType.bfloat16:
+            if p.fp8_cache.active:
+                enqueue_attention_variant[variant, fp8=True](ctx, params, num_tokens, key_dim, fp8_row_bytes(p))
             else:
-                enqueue_attention[attention_fma_kernel[dtype, 4], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem)
-        elif gw == 0:
-            enqueue_attention[attention_wgmma_kernel[dtype, kt], WG_ROWS](
-                ctx, params, num_tokens, WG_BLOCK_THREADS, attention_wgmma_smem_bytes[dtype](kt, key_dim)
-            )
+                enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0)
         else:
-            enqueue_attention[attention_mma_kernel[dtype, groups, kt, gw], MMA_ROWS * groups](
-                ctx, params, num_tokens, WARP_SIZE * gw * groups, attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim)
-            )
+            enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0)
         if parts > 1:
             ctx.enqueue_function[merge_kernel[dtype]](
                 MergeParams[dtype](
@@ -246,6 +251,27 @@ def gpu_attention_with[
         _ = part_out_buf^
         _ = part_max_buf^
         _ = part_sum_buf^
+
+
+def enqueue_attention_variant[
+    dtype: DType, //, variant: Tuple[Int, Int, Int], fp8: Bool
+](ctx: DeviceContext, params: AttentionParams[dtype], num_tokens: Int, key_dim: Int, fp8_rows: Int) raises:
+    """Launches attention kernel `variant` on `params` (`fp8`: its instance reading `fp8_ds_mla` rows of `fp8_rows` bytes)."""
+    comptime groups, kt, gw = variant[0], variant[1], variant[2]
+    comptime if groups == 0:
+        var smem = attention_smem_bytes[dtype](key_dim)
+        if Int(params.kv_lora_rank) <= 2 * ATT_THREADS:
+            enqueue_attention[attention_fma_kernel[dtype, 2], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem)
+        else:
+            enqueue_attention[attention_fma_kernel[dtype, 4], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem)
+    elif gw == 0:
+        enqueue_attention[attention_wgmma_kernel[dtype, kt, fp8], WG_ROWS](
+            ctx, params, num_tokens, WG_BLOCK_THREADS, attention_wgmma_smem_bytes[dtype](kt, key_dim, fp8_rows)
+        )
+    else:
+        enqueue_attention[attention_mma_kernel[dtype, groups, kt, gw, fp8], MMA_ROWS * groups](
+            ctx, params, num_tokens, WARP_SIZE * gw * groups, attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim, fp8_rows)
+        )
 
 
 def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, raw: FPtr) raises:
@@ -285,8 +311,6 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     request times page size) bounds every request's visible keys; it only
     shapes the key partitioning (`GpuPlan`).
     """
-    if p.fp8_cache.active:
-        raise Error("pymla gpu: the fp8_ds_mla cache format is not yet on the GPU (CPU only)")
     if p.num_tokens == 0 or p.num_heads == 0:
         return
     if p.batch.shard.count > 1 and p.score_mod == SCORE_MOD_ALIBI_POS:

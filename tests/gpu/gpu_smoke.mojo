@@ -7,7 +7,9 @@
 #     mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/gpu_smoke.mojo -o /tmp/smoke/smoke.s
 #
 # Each case checks, in order:
-#   cache   rows rotated + normalized in place (CPU loops on the same inputs), other bytes unchanged
+#   cache   rows rotated + normalized in place (CPU loops on the same inputs), other bytes unchanged;
+#           an fp8_ds_mla cache (`fp8` cases): the new rows quantized as the CPU's Fp8LatentRows.store_row
+#           (bytes, power-of-two scales, values within an e4m3 step), and from `new_rows` byte for byte alike
 #   q_full  concat(fp8mm(q_nope, w_uk), rope(q_rope)) against the blockwise fp8 formula of pymla/quant.py,
 #           with every projection tile and the FMA path pinned by a plan, then the op's plan
 #   raw     attention from the GPU's own q_full and cache (float64 on the CPU), for 1 and several
@@ -16,6 +18,7 @@
 #           with the tolerance of pymla/parity.py
 # Exit status 1 if any check fails.
 
+from std.memory import bitcast
 from std.sys import has_accelerator
 
 from max.gpu.host import DeviceContext
@@ -34,7 +37,7 @@ from mojo_kernels.gpu.plan import (
 )
 from mojo_kernels.spec import Granularity
 
-from gpu_case import Case, DeviceCase, download, round_to, variant_index
+from gpu_case import Case, DeviceCase, download, download_u8, round_to, untracked, upload, upload_u8, variant_index
 from gpu_reference import cpu_attention, cpu_attention_lse, cpu_cache_rows, cpu_output, cpu_q_full
 
 
@@ -157,8 +160,80 @@ def check_cache[dtype: DType](c: Case, got: List[Float32], want: List[Float32]) 
     return report("cache", ok, String("max err ", rel, " x max|ref| (tol ", cache_tolerance[dtype](), "), other elements changed: ", changed))
 
 
+def check_fp8_rows(name: String, c: Case, got: List[UInt8], want: List[UInt8]) -> Bool:
+    """An fp8_ds_mla cache after steps 1-2: every byte but the new rows' unchanged; the new rows
+    99% of the reference's bytes, power-of-two scales, values within an e4m3 step (2^-3) of the row's largest."""
+    var changed = 0
+    for i in range(len(got)):
+        if got[i] != c.fp8_bytes[i]:
+            changed += 1
+    var same = 0
+    var total = 0
+    var bad_scales = 0
+    var worst = Float32(0)
+    var got_values = c.values_of(got)
+    var want_values = c.values_of(want)
+    for t in range(c.num_tokens):
+        var b = c.request_of(t)
+        var pos = c.position(t)
+        var at = c.fp8_row_offset(b, pos)
+        for i in range(c.row_bytes):
+            total += 1
+            if got[at + i] == want[at + i]:
+                same += 1
+            if got[at + i] != c.fp8_bytes[at + i]:
+                changed -= 1  # a new row's byte: not counted as changed
+        for blk in range(c.rank // 128):
+            var sat = at + c.rank + 4 * blk
+            var bits = bitcast[DType.uint32, 1](SIMD[DType.uint8, 4](got[sat], got[sat + 1], got[sat + 2], got[sat + 3]))[0]
+            if bits & 0x807FFFFF != 0:
+                bad_scales += 1
+        var vat = c.row_offset(b, pos)
+        var top = Float32(0)
+        var err = Float32(0)
+        for i in range(c.key_dim):
+            top = max(top, abs(want_values[vat + i]))
+            var e = abs(got_values[vat + i] - want_values[vat + i])
+            err = max(err, e if e == e else Float32(1e30))
+        worst = max(worst, err / top if top > 0 else err)
+    var frac = Float32(same) / Float32(max(total, 1))
+    var ok = changed == 0 and frac >= 0.99 and bad_scales == 0 and worst <= Float32(0.125)
+    return report(
+        name, ok,
+        String(frac * 100, "% of the new rows' bytes the reference's, max err ", worst, " x the row's max|ref| (tol 0.125), ",
+               bad_scales, " scales not powers of two, other bytes changed: ", changed),
+    )
+
+
+def check_fp8_new_rows_source[dtype: DType](ctx: DeviceContext, c: Case, in_place: List[UInt8]) raises -> Bool:
+    """Steps 1-2 from `new_rows` (the rows' values) into rows zeroed first: the bytes of the in-place run, exactly."""
+    var d = DeviceCase[dtype](ctx, c)
+    var poisoned = c.fp8_bytes.copy()
+    var rows = List[Float32](length=max(c.num_tokens * c.key_dim, 1), fill=0)
+    for t in range(c.num_tokens):
+        var b = c.request_of(t)
+        var pos = c.position(t)
+        for i in range(c.row_bytes):
+            poisoned[c.fp8_row_offset(b, pos) + i] = 0
+        for i in range(c.key_dim):
+            rows[t * c.key_dim + i] = c.blocks[c.row_offset(b, pos) + i]
+    d.fp8_bytes = upload_u8(ctx, poisoned)
+    var new_rows = upload[dtype](ctx, rows)
+    var p = d.problem(c)
+    p.new_rows = untracked(new_rows)
+    p.has_new_rows = True
+    gpu_rotate_and_normalize_new_rows[dtype](ctx, cache_rows_params(p, c.num_tokens))
+    var got = download_u8(ctx, d.fp8_bytes)
+    var differ = 0
+    for i in range(len(got)):
+        if got[i] != in_place[i]:
+            differ += 1
+    _ = new_rows^
+    return report("cache (fp8 rows from new_rows)", differ == 0, String(differ, " bytes differ from the in-place run"))
+
+
 def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> Bool:
-    print(name, "dtype", dtype, "T", c.num_tokens, "H", c.heads, "R", c.rank, "Dr", c.rope, "Dn", c.nope, "Dv", c.v_dim,
+    print(name, "dtype", dtype, "fp8_ds_mla" if c.fp8 else "", "T", c.num_tokens, "H", c.heads, "R", c.rank, "Dr", c.rope, "Dn", c.nope, "Dv", c.v_dim,
           "mask", c.mask_kind, "window", c.window, "score_mod", c.score_mod, "gran", c.gm, c.gn, c.gk)
     var ok = True
     var rows = c.num_tokens * c.heads
@@ -169,9 +244,20 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     var limits = DeviceLimits.read(ctx)
     var plan = d.plan(ctx, c)  # the op's own
     gpu_rotate_and_normalize_new_rows[dtype](ctx, cache_rows_params(problem, c.num_tokens))
-    var gpu_blocks = download[dtype](ctx, d.blocks, len(c.blocks))
     var ref_blocks = cpu_cache_rows[dtype](c)
-    ok = check_cache[dtype](c, gpu_blocks, ref_blocks) and ok
+    var gpu_blocks: List[Float32]
+    var want_bytes = List[UInt8]()  # fp8: the expected cache
+    if c.fp8:
+        # Values from here on: the rows' values (e4m3 x scale), the GPU's and the reference's.
+        want_bytes = c.quantized_new_rows(ref_blocks)
+        var got_bytes = download_u8(ctx, d.fp8_bytes)
+        ok = check_fp8_rows("cache (fp8 rows)", c, got_bytes, want_bytes) and ok
+        ok = check_fp8_new_rows_source[dtype](ctx, c, got_bytes) and ok
+        gpu_blocks = c.values_of(got_bytes)
+        ref_blocks = c.values_of(want_bytes)
+    else:
+        gpu_blocks = download[dtype](ctx, d.blocks, len(c.blocks))
+        ok = check_cache[dtype](c, gpu_blocks, ref_blocks) and ok
 
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](max(rows * c.key_dim, 1))
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](max(rows * c.rank, 1))
@@ -218,11 +304,12 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         gpu_raw = download[DType.float32](ctx, raw_buf, rows * c.rank)
         ok = check_close(String("raw (", "planned" if parts == 0 else String(parts), " partitions)"), gpu_raw, raw_from_gpu, raw_tolerance[dtype]()) and ok
     comptime if dtype != DType.float32:
-        # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow).
-        var fma = GpuPlan.with_attention(problem, limits, FMA_ATTENTION)
-        fma.num_partitions = 2
-        d.attention(ctx, c, fma, q_full_buf, raw_buf)
-        ok = check_close("raw (FMA kernel, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+        # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow; it reads no fp8 rows).
+        if not c.fp8:
+            var fma = GpuPlan.with_attention(problem, limits, FMA_ATTENTION)
+            fma.num_partitions = 2
+            d.attention(ctx, c, fma, q_full_buf, raw_buf)
+            ok = check_close("raw (FMA kernel, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         # The tensor-core shape for small kv_lora_rank (the op picks it only when the others do not fit).
         if attention_supported[dtype, MMA_FEW_HEADS_SMALL_RANK](c.key_dim, c.rank):
             var small = GpuPlan.with_attention(problem, limits, variant_index[MMA_FEW_HEADS_SMALL_RANK]())
@@ -274,7 +361,6 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     var d2 = DeviceCase[dtype](ctx, c)
     d2.run_op(ctx, c)
     var out = download[dtype](ctx, d2.output, rows * c.v_dim)
-    var blocks_after = download[dtype](ctx, d2.blocks, len(c.blocks))
     var ref_raw = cpu_attention[dtype](c, ref_q_full, ref_blocks)
     var ref_out = cpu_output(c, ref_raw)
     for i in range(len(ref_out)):
@@ -285,7 +371,10 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         # End to end, step 6 re-quantizes an attention output that differs by the rounding of
         # the probabilities: pymla/parity.py's end-to-end element bound (2 ulp + 2^-5).
         ok = check_close("op output (end to end)", out, ref_out, 2 * ulp_of[dtype]() + Float32(2.0) ** -5) and ok
-    ok = check_cache[dtype](c, blocks_after, ref_blocks) and ok
+    if c.fp8:
+        ok = check_fp8_rows("cache (fp8 rows, op)", c, download_u8(ctx, d2.fp8_bytes), want_bytes) and ok
+    else:
+        ok = check_cache[dtype](c, download[dtype](ctx, d2.blocks, len(c.blocks)), ref_blocks) and ok
     _ = q_full_buf^
     _ = raw_buf^
     _ = att_out^
@@ -337,6 +426,31 @@ def correctness(ctx: DeviceContext) raises -> Bool:
     # Several row tiles of every projection tile shape (73 tokens), f16, per-channel scales.
     ok = run_case[DType.float16](
         ctx, "73 tokens, per_channel", Case.__init__[DType.float16](12, 4, ints(5, 60, 0), ints(33, 40, 0), gm=1, gn=1, gk=0)
+    ) and ok
+    # The fp8_ds_mla cache (bfloat16 ops): 16 heads (mma.sync) and 128 (wgmma), ragged, masks, page sizes 1 / 16 / 64;
+    # every case also runs 1 and 3 partitions and the pinned tensor-core kernels.
+    ok = run_case[DType.bfloat16](
+        ctx, "fp8 cache, 16 heads", Case.__init__[DType.bfloat16](20, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1), fp8=True)
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, "fp8 cache, 128 heads, page 64",
+        Case.__init__[DType.bfloat16](21, 128, ints(300, 17), ints(1, 2), page_size=64, fp8=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, "fp8 cache, page 1, sliding window",
+        Case.__init__[DType.bfloat16](22, 16, ints(40, 7), ints(2, 1), page_size=1, mask_kind=2, window=9, fp8=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, "fp8 cache, alibi, null mask, 32 heads",
+        Case.__init__[DType.bfloat16](23, 32, ints(20, 33, 0), ints(3, 1, 2), mask_kind=0, score_mod=1, fp8=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, "fp8 cache, chunked, long context",
+        Case.__init__[DType.bfloat16](24, 16, ints(2000, 9), ints(2, 3), page_size=64, mask_kind=3, window=32, fp8=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, "fp8 cache, small dims (R 256, Dr 32)",
+        Case.__init__[DType.bfloat16](25, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, fp8=True),
     ) and ok
     return ok
 
