@@ -142,7 +142,7 @@ struct AttentionBlock(TrivialRegisterPassable):
         if key >= key_end:
             return -1
         comptime if fp8:
-            return Int64(p.fp8.row_offset(self.request, key))
+            return Int64(p.fp8.rows.row_offset(self.request, key))
         return Int64(self.key_row(p, key))
 
     @always_inline
@@ -373,14 +373,14 @@ struct KeyTiles[
     def copy_staged[threads: Int](self, p: AttentionParams[Self.dtype], rows: SPtr[Int64], tid: Int):
         """`fp8`: starts the copy of the `fp8_ds_mla` rows at byte offsets `rows [kt]` (-1: zeros)
         into the staging area; one commit group. 16-byte copies when rows are 16-byte multiples, else 4."""
-        var src = to_global(p.fp8.bytes)
+        var src = to_global(p.fp8.rows.blocks)
         comptime if Self.dims[0] > 0:
             comptime row_bytes = fp8_row_bytes(Self.dims[0], Self.dims[1])
             comptime vec = 16 if row_bytes % 16 == 0 else 4
             copy_rows_async[Self.kt, threads, vec](src, rows, self.staging, tid, row_bytes)
             async_copy_commit_group()
             return
-        var row_bytes = opaque(Int(p.fp8.row_bytes))  # its divisions here, not held across the loop
+        var row_bytes = opaque(p.fp8.row_bytes())  # its divisions here, not held across the loop
         if row_bytes % 16 == 0:
             copy_rows_async[Self.kt, threads, 16](src, rows, self.staging, tid, row_bytes)
         else:

@@ -171,7 +171,7 @@ def attention_mma_kernel[
     var staging = base.unsafe_offset(off + k_buf_bytes)  # fp8: the staged rows
     comptime if fp8:
         k_s1 = k_s0
-    off += key_tile_bytes[dtype](kt, stride * size_of[dtype](), Int(p.fp8.row_bytes) if fp8 else 0)
+    off += key_tile_bytes[dtype](kt, stride * size_of[dtype](), p.fp8.row_bytes() if fp8 else 0)
     var red_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][gw][16][RS]
     off += groups * gw * MMA_ROWS * RS * 4
     var p_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][16][RS]

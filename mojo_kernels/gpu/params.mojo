@@ -130,49 +130,34 @@ struct DeviceCache[dtype: DType](TrivialRegisterPassable):
 
 @fieldwise_init
 struct DeviceFp8Rows(TrivialRegisterPassable):
-    """`Fp8LatentRows` on the device: one layer's `fp8_ds_mla` rows of `row_bytes` bytes, or none (`active` 0).
+    """`Fp8LatentRows` on the device: one layer's `fp8_ds_mla` rows, or none (`active` 0).
 
-    A row: `kv_lora_rank` e4m3 bytes, one float32 scale per 128 of them
+    `rows` addresses them as a cache of bytes (`key_dim` = the row's bytes). A
+    row: `kv_lora_rank` e4m3 bytes, one float32 scale per 128 of them
     (`scales`), `rope_dim` bfloat16 values (`rope`); `pymla/cache_format.py`.
     """
 
-    var bytes: U8Ptr
-    var lookup: U32Ptr
-    var pages_per_request: Int32
-    var page_size: Int32
-    var page_stride: Int64
-    var layer_offset: Int64
-    var row_bytes: Int32
+    var rows: DeviceCache[DType.uint8]
     var kv_lora_rank: Int32
     var rope_dim: Int32
     var active: Int32
 
     @staticmethod
-    def of(rows: Fp8LatentRows) -> Self:
-        return Self(
-            rows.bytes,
-            rows.lookup_table,
-            Int32(rows.pages_per_request),
-            Int32(rows.page_size),
-            Int64(rows.page_stride),
-            Int64(rows.layer_offset),
-            Int32(rows.row_bytes),
-            Int32(rows.kv_lora_rank),
-            Int32(rows.rope_dim),
-            Int32(1 if rows.active else 0),
+    def of(fp8: Fp8LatentRows) -> Self:
+        var rows = DeviceCache[DType.uint8](
+            fp8.bytes, fp8.lookup_table, Int32(fp8.pages_per_request), Int32(fp8.page_size),
+            Int64(fp8.page_stride), Int64(fp8.layer_offset), Int32(fp8.row_bytes),
         )
+        return Self(rows, Int32(fp8.kv_lora_rank), Int32(fp8.rope_dim), Int32(1 if fp8.active else 0))
 
     @always_inline
-    def row_offset(self, b: Int, pos: Int) -> Int:
-        """Byte offset in `bytes` of request `b`'s row at position `pos`."""
-        return cache_row_offset(
-            self.lookup, Int(self.pages_per_request), Int(self.page_size), Int(self.page_stride),
-            Int(self.layer_offset), Int(self.row_bytes), b, pos,
-        )
+    def row_bytes(self) -> Int:
+        return Int(self.rows.key_dim)
 
     @always_inline
     def row(self, b: Int, pos: Int) -> U8Ptr:
-        return self.bytes.unsafe_offset(self.row_offset(b, pos))
+        """The bytes of request `b`'s row at position `pos`."""
+        return self.rows.blocks.unsafe_offset(self.rows.row_offset(b, pos))
 
     @always_inline
     def scales(self, row: U8Ptr) -> FPtr:

@@ -27,6 +27,11 @@ launches them; the kernels live in one file per concern:
                                 optional attention-output store; float32: `store_kernel` +
                                 `quantize_kernel` + `fp8_matmul_kernel`.
 
+An `fp8_ds_mla` cache (`p.fp8_cache`, bfloat16 ops): steps 1-2 quantize the new rows
+(`rope_norm_fp8_row`), step 5 takes the tensor-core kernels' fp8 instances (they
+widen each staged key tile into bfloat16, exactly; `KeyTiles`); the FMA attention
+kernel reads no fp8 rows (`check_fp8_shapes` refuses sizes only it takes).
+
 Rounding points are the reference's: `q_full` and the attention output
 hold dtype values (in float32 buffers), the probabilities enter P V rounded
 to dtype.

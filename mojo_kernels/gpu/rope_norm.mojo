@@ -3,6 +3,7 @@
 The work of one token is a device function (`rope_norm_cache_row`, `rope_q_pair`)
 so that the fused q kernel (`steps_fused.mojo`) runs it as extra blocks of its
 own launch; `rope_norm_cache_kernel` and `rope_q_kernel` launch it alone.
+An `fp8_ds_mla` cache's new rows are quantized as they are stored (`rope_norm_fp8_row`).
 """
 
 from std.math import sqrt

@@ -1,7 +1,7 @@
 # Offline check that the registered op compiles for the GPU (no GPU needed), once
 # `MLADecodeBranchFP8.execute` dispatches `target == "gpu"` to `mla_decode_branch_fp8_gpu`:
 #     mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/compile_op_gpu.mojo -o /tmp/op_gpu/op.s
-# It instantiates `execute` for target "gpu" (bf16, f16, f32) and "cpu" with placeholder
+# It instantiates `execute` for target "gpu" (bf16, f16, f32, and bf16 with a uint8 fp8_ds_mla cache) and "cpu" with placeholder
 # tensors; the build writes one .ptx per kernel next to op.s (check them with
 # `ptxas -arch=sm_90a -v FILE.ptx -o /dev/null`). The program itself is never run.
 
@@ -16,12 +16,14 @@ from max.gpu.host import DeviceContext
 from mojo_kernels.mla_decode_branch_fp8 import MLADecodeBranchFP8
 
 
-def instantiate[dtype: DType, target: StaticString](ctx: DeviceContext) raises:
+def instantiate[dtype: DType, target: StaticString, cache_dtype: DType = dtype](ctx: DeviceContext) raises:
     var p = Pointer[Scalar[dtype], MutUntrackedOrigin](unsafe_from_address=256)
     var u = Pointer[UInt32, MutUntrackedOrigin](unsafe_from_address=256)
     var b = Pointer[UInt8, MutUntrackedOrigin](unsafe_from_address=256)
+    var c = Pointer[Scalar[cache_dtype], MutUntrackedOrigin](unsafe_from_address=256)
+    var row = 576 if cache_dtype == dtype else 656  # fp8_ds_mla rows: 512 + 4 * 4 + 2 * 64 bytes
     var f = Pointer[Float32, MutUntrackedOrigin](unsafe_from_address=256)
-    MLADecodeBranchFP8.execute[dtype, target](
+    MLADecodeBranchFP8.execute[dtype, cache_dtype, target](
         MutableInputTensor[static_spec=_get_unknown_tensor_spec[dtype, 3]()](p, IndexList[3](4, 16, 128)),
         MutableInputTensor[static_spec=_get_unknown_tensor_spec[dtype, 3]()](p, IndexList[3](4, 16, 512)),
         MutableInputTensor[static_spec=_get_unknown_tensor_spec[DType.float32, 2]()](f, IndexList[2](4, 16)),
@@ -30,7 +32,7 @@ def instantiate[dtype: DType, target: StaticString](ctx: DeviceContext) raises:
         InputTensor[static_spec=_get_unknown_tensor_spec[dtype, 2]()](p, IndexList[2](100, 64)),
         InputTensor[static_spec=_get_unknown_tensor_spec[dtype, 1]()](p, IndexList[1](512)),
         InputTensor[static_spec=_get_unknown_tensor_spec[dtype, 2]()](p, IndexList[2](4, 576)),
-        MutableInputTensor[static_spec=_get_unknown_tensor_spec[dtype, 6]()](p, IndexList[6](10, 1, 2, 16, 1, 576)),
+        MutableInputTensor[static_spec=_get_unknown_tensor_spec[cache_dtype, 6]()](c, IndexList[6](10, 1, 2, 16, 1, row)),
         InputTensor[static_spec=_get_unknown_tensor_spec[DType.uint32, 1]()](u, IndexList[1](2)),
         InputTensor[static_spec=_get_unknown_tensor_spec[DType.uint32, 2]()](u, IndexList[2](2, 5)),
         UInt32(1),
@@ -60,6 +62,7 @@ def main() raises:
         instantiate[DType.bfloat16, "gpu"](ctx)
         instantiate[DType.float16, "gpu"](ctx)
         instantiate[DType.float32, "gpu"](ctx)
+        instantiate[DType.bfloat16, "gpu", DType.uint8](ctx)
         instantiate[DType.bfloat16, "cpu"](ctx)
     else:
         print("build with --target-accelerator=sm_90")

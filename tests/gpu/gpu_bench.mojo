@@ -1,11 +1,13 @@
 # GPU timings of mojo_kernels/gpu/ (no correctness checks: tests/gpu/gpu_smoke.mojo).
 #
 # Run on a machine with an NVIDIA GPU, from the repository root; configurations are
-# BATCH:HEADS:CACHE_LEN[:ITERS] (one new token per request, bf16):
+# BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]] (one new token per request, bf16; `fp8`: the configuration
+# with a bf16 cache, then with an fp8_ds_mla cache, side by side):
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench                     # the copy rate, then the whole op
 #                                                                      # (B=64 H=16/128 L=4096, B=1 L=32768, B=256 L=1024)
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the whole op on these configurations
 #     mojo run -I . tests/gpu/gpu_bench.mojo variants 64:128:8191:5    # step 5 alone: the op's plan, then pinned kernels
+#     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:4095:5:fp8   # the whole op, bf16 cache then fp8_ds_mla cache
 #     mojo run -I . tests/gpu/gpu_bench.mojo proj 64:128:0:50          # steps 1-4 on q and step 6 alone, every tile shape
 
 from std.sys import argv, has_accelerator, size_of
@@ -39,9 +41,18 @@ def bench_copy(ctx: DeviceContext, iters: Int) raises:
     print("copy", 2.0 * Float64(N * 4) / s / 1e9, "GB/s (bytes read + written, 1 GiB device-to-device)")
 
 
-def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int) raises:
-    """Times the whole op on a DeepSeek-sized decode step (one new token per request)."""
-    var c = decode_case[dtype](batch, heads, cache_len)  # random inputs, no CPU reference (large)
+def cache_row_bytes[dtype: DType](c: Case) -> Int:
+    """Bytes per cache row: of dtype values, or an fp8_ds_mla row."""
+    return c.row_bytes if c.fp8 else c.key_dim * size_of[dtype]()
+
+
+def cache_label(c: Case) -> String:
+    return String("fp8_ds_mla cache") if c.fp8 else String("dtype cache")
+
+
+def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, fp8: Bool = False) raises:
+    """Times the whole op on a DeepSeek-sized decode step (one new token per request; `fp8`: an fp8_ds_mla cache)."""
+    var c = decode_case[dtype](batch, heads, cache_len, fp8=fp8)  # random inputs, no CPU reference (large)
     var d = DeviceCase[dtype](ctx, c)
     d.run_op(ctx, c)
     ctx.synchronize()
@@ -49,11 +60,11 @@ def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: I
     for _ in range(iters):
         d.run_op(ctx, c)
     var us = time_us(ctx, t0) / Float64(iters)
-    var cache_bytes = Float64(batch * (cache_len + 1) * c.key_dim * size_of[dtype]())
+    var cache_bytes = Float64(batch * (cache_len + 1) * cache_row_bytes[dtype](c))
     var weight_bytes = Float64(len(c.w_uk.bytes) + len(c.w_uv.bytes))
     var flops = 2.0 * Float64(batch * heads) * Float64(cache_len + 1) * Float64(c.key_dim + c.rank)
     print(
-        "bench", dtype, "B", batch, "H", heads, "L", cache_len + 1, ":", us, "us per call,",
+        "bench", dtype, cache_label(c), "B", batch, "H", heads, "L", cache_len + 1, ":", us, "us per call,",
         (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,", flops / us / 1e6, "TFLOP/s attention",
     )
 
@@ -84,7 +95,7 @@ def bench_attention[
         else:
             gpu_attention_with[dtype, v](ctx, problem, parts, untracked(q_full), untracked(raw))
     var us = time_us(ctx, t0) / Float64(iters)
-    var cache_bytes = Float64(c.num_requests * (Int(c.lengths[0]) + 1) * c.key_dim * size_of[dtype]())
+    var cache_bytes = Float64(c.num_requests * (Int(c.lengths[0]) + 1) * cache_row_bytes[dtype](c))
     var line = String(
         "  attention groups ", v[0], " kt ", v[1], " warps/group ", v[2], " : ", us, " us, ", cache_bytes / us / 1e3,
         " GB/s of cache",
@@ -103,9 +114,9 @@ def bench_attention[
     print(line)
 
 
-def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int) raises:
-    """Step 5 alone, the op's plan and pinned attention kernels, on one decode step."""
-    var c = decode_case[dtype](batch, heads, cache_len)
+def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, fp8: Bool = False) raises:
+    """Step 5 alone, the op's plan and pinned attention kernels, on one decode step (`fp8`: an fp8_ds_mla cache)."""
+    var c = decode_case[dtype](batch, heads, cache_len, fp8=fp8)
     var d = DeviceCase[dtype](ctx, c)
     var rows = c.num_tokens * c.heads
     var q_host = List[Float32]()
@@ -114,7 +125,7 @@ def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cac
         q_host.append(rng.normal())
     var q_full = upload[DType.float32](ctx, q_host)
     var raw = ctx.enqueue_create_buffer[DType.float32](rows * c.rank)
-    print("variants B", batch, "H", heads, "L", cache_len + 1)
+    print("variants", cache_label(c), "B", batch, "H", heads, "L", cache_len + 1)
     bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
     # (groups, kt, warps per group; 0: the warpgroup kernel): a launch that asks for too many
@@ -187,19 +198,24 @@ def main() raises:
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
                 bench_proj[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[3]) if len(f) > 3 else 50)
-        elif mode == "variants":
+        elif mode == "variants" or mode == "bench":
+            if mode == "bench":
+                bench_copy(ctx, 10)
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
-                bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10)
-        elif mode == "bench":
-            bench_copy(ctx, 10)
-            for i in range(2, len(args)):
-                var f = String(args[i]).split(":")
-                bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10)
-            if len(args) == 2:
+                var iters = Int(f[3]) if len(f) > 3 else 10
+                # the bf16 cache, then (`:fp8`) the fp8_ds_mla cache: side by side
+                for fp8 in [False, True]:
+                    if fp8 and not (len(f) > 4 and f[4] == "fp8"):
+                        break
+                    if mode == "bench":
+                        bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, fp8)
+                    else:
+                        bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, fp8)
+            if mode == "bench" and len(args) == 2:
                 bench[DType.bfloat16](ctx, 64, 16, 4095, 20)
                 bench[DType.bfloat16](ctx, 64, 128, 4095, 5)
                 bench[DType.bfloat16](ctx, 1, 128, 32767, 20)
                 bench[DType.bfloat16](ctx, 256, 16, 1023, 20)
         else:
-            raise Error("gpu_bench: mode bench, variants or proj, then BATCH:HEADS:CACHE_LEN[:ITERS]...")
+            raise Error("gpu_bench: mode bench, variants or proj, then BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]]...")
