@@ -397,40 +397,31 @@ struct KeyTiles[
         comptime if Self.dims[0] > 0:
             rank = Self.dims[0]
             rope = Self.dims[1]
-        var rope_at = rank + 4 * (rank // FP8_SCALE_BLOCK)
         var chunks = (rank + rope) // 8  # per key
         var srow = fp8_staging_stride(fp8_row_bytes(rank, rope))
-        var latent_chunks = rank // 8
-        var v = tid
-        while v < Self.kt * chunks:
-            var r: Int
-            var c: Int
-            var at: Int
-            comptime if Self.core_layout:  # lanes 8 apart fill one core matrix: linear stores
-                r = (v // (8 * chunks)) * 8 + v % 8
-                c = (v // 8) % chunks
-                at = v * 8
-            else:
-                r = v // chunks
-                c = v % chunks
-                at = r * self.stride + c * 8
-            var row = self.staging.unsafe_offset(r * srow)
-            var keys: SIMD[Self.dtype, 8]
-            if c < latent_chunks:
-                var e4m3 = row.unsafe_offset(8 * c).unsafe_load[width=8, alignment=8](0)
-                var scale = row.unsafe_offset(rank + 4 * (8 * c // FP8_SCALE_BLOCK)).unsafe_bitcast[Float32]().unsafe_load[
-                    alignment=4
-                ](0)
-                keys = (widen_e4m3[8](e4m3) * scale).cast[Self.dtype]()
-            else:
-                keys = (
-                    row.unsafe_offset(rope_at + 16 * (c - latent_chunks))
-                    .unsafe_bitcast[BFloat16]()
-                    .unsafe_load[width=8, alignment=4](0)
-                    .cast[Self.dtype]()
+        comptime if Self.core_layout:  # lanes 8 apart fill one core matrix: linear stores
+            var v = tid
+            while v < Self.kt * chunks:
+                var r = (v // (8 * chunks)) * 8 + v % 8
+                var c = (v // 8) % chunks
+                self.k_s0.unsafe_offset(v * 8).unsafe_store[alignment=16](
+                    0, widen_chunk[Self.dtype](self.staging.unsafe_offset(r * srow), c, rank)
                 )
-            self.k_s0.unsafe_offset(at).unsafe_store[alignment=16](0, keys)
-            v += threads
+                v += threads
+        else:  # consecutive threads: consecutive chunks of a row (stepped without divisions)
+            var r = tid // chunks
+            var c = tid % chunks
+            var step_r = threads // chunks
+            var step_c = threads % chunks
+            while r < Self.kt:
+                self.k_s0.unsafe_offset(r * self.stride + c * 8).unsafe_store[alignment=16](
+                    0, widen_chunk[Self.dtype](self.staging.unsafe_offset(r * srow), c, rank)
+                )
+                r += step_r
+                c += step_c
+                if c >= chunks:
+                    c -= chunks
+                    r += 1
 
     @always_inline
     def look_ahead(mut self, blk: AttentionBlock, p: AttentionParams[Self.dtype], tid: Int):
@@ -442,6 +433,18 @@ struct KeyTiles[
     def advance(mut self):
         self.j0 += Self.kt
         self.cur = 1 - self.cur
+
+
+@always_inline
+def widen_chunk[dtype: DType](row: SPtr[UInt8], c: Int, rank: Int) -> SIMD[dtype, 8]:
+    """Values `8 c .. 8 c + 7` of the staged `fp8_ds_mla` row `row` (`rank` latent values) as `dtype`:
+    `e4m3 x scale` (exact in bfloat16: `pymla/cache_format.py`), or the rope part's bfloat16 values."""
+    if 8 * c < rank:
+        var e4m3 = row.unsafe_offset(8 * c).unsafe_load[width=8, alignment=8](0)
+        var scale = row.unsafe_offset(rank + 4 * (8 * c // FP8_SCALE_BLOCK)).unsafe_bitcast[Float32]().unsafe_load[alignment=4](0)
+        return (widen_e4m3[8](e4m3) * scale).cast[dtype]()
+    var rope_at = rank + 4 * (rank // FP8_SCALE_BLOCK)
+    return row.unsafe_offset(rope_at + 2 * (8 * c - rank)).unsafe_bitcast[BFloat16]().unsafe_load[width=8, alignment=4](0).cast[dtype]()
 
 
 @always_inline
