@@ -57,6 +57,36 @@ def widen_e4m3[w: Int](bytes: SIMD[DType.uint8, w]) -> SIMD[DType.float32, w]:
 
 
 @always_inline
+def bf16_scale_shift(scale: Float32) -> Int:
+    """`k` when `scale = 2^k` and every nonzero `e4m3 * scale` is a normal bfloat16 (`-120 <= k <= 119`),
+    else `NO_SHIFT`: the cases `widen_e4m3_bf16` serves."""
+    var bits = bitcast[DType.uint32](scale)
+    if bits & 0x807FFFFF != 0:  # negative, or not a power of two (or subnormal)
+        return NO_SHIFT
+    var k = Int(bits >> 23) - 127
+    return k if k >= -120 and k <= 119 else NO_SHIFT
+
+
+comptime NO_SHIFT = 1 << 20
+
+
+@always_inline
+def widen_e4m3_bf16[w: Int](bytes: SIMD[DType.uint8, w], k: Int) -> SIMD[DType.bfloat16, w]:
+    """`e4m3 * 2^k` as bfloat16, exactly, in 16-bit integer arithmetic (`k` from `bf16_scale_shift`).
+
+    A normal e4m3 (exponent field `e >= 1`, mantissa `m`) is `1.m * 2^(e - 7)`:
+    the bfloat16 with exponent field `e + 120 + k` and mantissa `m << 4`, that is
+    `(magnitude << 4) + ((120 + k) << 7)`. A subnormal one is `m * 2^-9`, converted
+    through float32 (exact: 3 bits). The sign on top; zero stays zero.
+    """
+    var b = bytes.cast[DType.uint16]()
+    var magnitude = b & 0x7F
+    var normal = (magnitude << 4) + UInt16((120 + k) << 7)
+    var subnormal = bitcast[DType.uint16, w]((magnitude.cast[DType.float32]() * power_of_two(k - 9)).cast[DType.bfloat16]())
+    return bitcast[DType.bfloat16, w](magnitude.lt(8).select(subnormal, normal) | ((b & 0x80) << 8))
+
+
+@always_inline
 def power_of_two(e: Int) -> Float32:
     """`2^e` as float32, exactly, for `-149 <= e <= 127` (subnormal below -126)."""
     if e >= -126:

@@ -5,7 +5,7 @@ Rows in the op's dtype (`PagedLatentRows`) or in the `fp8_ds_mla` format
 """
 
 from .common import DPtr, FPtr, U32Ptr, U8Ptr
-from .fp8 import cache_block_scale, e4m3_bytes, round_to_e4m3, widen_e4m3
+from .fp8 import NO_SHIFT, bf16_scale_shift, cache_block_scale, e4m3_bytes, round_to_e4m3, widen_e4m3, widen_e4m3_bf16
 
 
 @fieldwise_init
@@ -229,6 +229,13 @@ struct Fp8LatentRows(TrivialRegisterPassable):
         var scales = self.scales(row)
         for block in range(self.kv_lora_rank // FP8_SCALE_BLOCK):
             var s = scales.unsafe_load(block)
+            comptime if out_dtype == DType.bfloat16:
+                var k = bf16_scale_shift(s)
+                if k != NO_SHIFT:  # the scales of the rule: bit arithmetic, 32 values a step
+                    comptime for i in range(0, FP8_SCALE_BLOCK, 2 * W):
+                        var at = block * FP8_SCALE_BLOCK + i
+                        dst.unsafe_store(at, rebind[SIMD[out_dtype, 2 * W]](widen_e4m3_bf16[2 * W](row.unsafe_load[width=2 * W](at), k)))
+                    continue
             comptime for i in range(0, FP8_SCALE_BLOCK, W):
                 var at = block * FP8_SCALE_BLOCK + i
                 dst.unsafe_store(at, (widen_e4m3[W](row.unsafe_load[width=W](at)) * s).cast[out_dtype]())

@@ -29,10 +29,9 @@ which also gives each row's LSE (the op's optional `lse`).
 An `fp8_ds_mla` cache (`Fp8LatentRows`) is read through `CacheKeys`: the f32
 path dequantizes its keys straight into the float32 tile, the AVX512-BF16
 path into a bfloat16 staging tile (two, alternating, as the next tile is
-prepared while one is scored); the values are exact bfloat16 values, so the
-products are those of a bfloat16 cache holding them. The AMX path reads
-bfloat16 rows in place: an fp8 cache takes the AVX512-BF16 (else f32) path
-for step 5 instead (steps 3 and 6 keep the tiles). With a shard of the cache
+prepared while one is scored), the AMX path into its 16-key staging blocks
+(`key_block`); the values are exact bfloat16 values, so the products are
+those of a bfloat16 cache holding them. With a shard of the cache
 (`RaggedBatch.shard`, context-parallel decode) keys are the shard's slots:
 the partitions split its slots, the mask's position ranges map to slot
 ranges, and ALiBi takes each slot's sequence position.
@@ -95,6 +94,12 @@ struct CacheKeys[dtype: DType](TrivialRegisterPassable):
         for c in range(count):
             keys[c] = staging.unsafe_offset(c * key_dim)
         return keys^
+
+    def stored_row(self, b: Int, j: Int) -> BF16Ptr:
+        """Where key slot `j`'s stored row starts (bf16 row, or fp8 bytes): what to prefetch."""
+        if self.fp8.active:
+            return self.fp8.row(b, j).unsafe_bitcast[BFloat16]()
+        return self.rows.row(b, j).unsafe_bitcast[BFloat16]()
 
 
 def load_key_tile[
@@ -251,8 +256,10 @@ def attend_tiles_bf16[
     _ = staging_buf^
 
 
-def key_block(
-    cache: PagedLatentRows[DType.bfloat16],
+def key_block[
+    dtype: DType
+](
+    keys: CacheKeys[dtype],
     b: Int,
     j0: Int,
     k_lo: Int,
@@ -262,17 +269,28 @@ def key_block(
     padded_dim: Int,
     whole: Bool,
 ) -> KeyRows:
-    """Keys `j0 .. j0 + 15` of request `b` for a tile load: in place when they lie in one page and the
-    key dim is whole depth steps, else gathered into `staging` (zeros for keys outside `[k_lo, k_hi)`).
+    """Keys `j0 .. j0 + 15` of request `b` for a tile load: bfloat16 rows in place when they lie in one
+    page and the key dim is whole depth steps, else copied into `staging [16, padded_dim]` (fp8 rows
+    dequantized; zeros for keys outside `[k_lo, k_hi)` and past `key_dim`).
 
     Keys of an in-place block outside `[k_lo, k_hi)` are rows of the same page: their scores are
     masked, but their values may hold any bits; with `whole` (values read in place too) such a block
-    is gathered.
+    is copied.
     """
     var first = max(j0, k_lo)
     var last = min(j0 + TILE_ROWS, k_hi)
     if first >= last:
         return KeyRows(staging, padded_dim)  # no key of the task: every score masked, every value zero
+    if keys.fp8.active:
+        for j in range(TILE_ROWS):
+            var dst = staging.unsafe_offset(j * padded_dim)
+            if j0 + j >= first and j0 + j < last:
+                keys.fp8.dequantize_row[DType.bfloat16](b, j0 + j, dst)  # past key_dim: zeros, never written
+            else:
+                for d in range(key_dim):
+                    dst.unsafe_store(d, BFloat16(0))
+        return KeyRows(staging, padded_dim)
+    var cache = rebind[PagedLatentRows[DType.bfloat16]](keys.rows)
     var all_valid = first == j0 and last == j0 + TILE_ROWS
     var one_page = j0 // cache.page_size == (j0 + TILE_ROWS - 1) // cache.page_size
     if key_dim == padded_dim and one_page and (all_valid or not whole):
@@ -289,7 +307,7 @@ def key_block(
 def attend_tiles_amx[
     dtype: DType, tiles: TileUnit, in_place_max_row_blocks: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
 ](
-    mut rows: TaskRows, cache: PagedLatentRows[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
     """The task's keys on AMX tiles (`cpu/amx_attention.mojo`), key tiles aligned to multiples of AMX_KEY_TILE slots.
@@ -301,7 +319,6 @@ def attend_tiles_amx[
     comptime tile = AMX_KEY_TILE
     if k_lo >= k_hi:
         return
-    var bf16_cache = rebind[PagedLatentRows[DType.bfloat16]](cache)
     var buffers = AmxScratch(rows.padded, key_dim, rank)
     var steps = buffers.steps
     var padded_dim = steps * TILE_DEPTH
@@ -313,21 +330,23 @@ def attend_tiles_amx[
     unit.start()
     var j0 = k_lo - k_lo % tile
     while j0 < k_hi:
-        var keys = Array[KeyRows, KEY_BLOCKS](fill=KeyRows(q_packed, padded_dim))
+        var blocks = Array[KeyRows, KEY_BLOCKS](fill=KeyRows(q_packed, padded_dim))
         comptime for kb in range(KEY_BLOCKS):
-            keys[kb] = key_block(
-                bf16_cache, b, j0 + kb * TILE_ROWS, k_lo, k_hi, buffers.staging_block(kb), key_dim, padded_dim, in_place
+            blocks[kb] = key_block(
+                keys, b, j0 + kb * TILE_ROWS, k_lo, k_hi, buffers.staging_block(kb), key_dim, padded_dim, in_place
             )
         var valid = Array[Bool, tile](fill=False)
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
-        var next_keys = tile_rows[DType.bfloat16, tile](bf16_cache, b, min(j0 + tile, k_hi - 1), k_hi)
+        var next_keys = Array[BF16Ptr, tile](fill=q_packed)
+        comptime for j in range(tile):
+            next_keys[j] = keys.stored_row(b, min(j0 + tile + j, k_hi - 1))
         tile_scores_amx(
-            unit, keys, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
+            unit, blocks, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
         )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
         accumulate_values_amx(
-            unit, scratch(rows.scores_buf), untracked_bf16(buffers.probs), keys, valid,
+            unit, scratch(rows.scores_buf), untracked_bf16(buffers.probs), blocks, valid,
             untracked_bf16(buffers.v_packed), out, buffers.out_stride, rows.correction(), rows.padded, rank, in_place,
         )
         j0 += tile
@@ -361,16 +380,13 @@ def attend_partitions[
     AVX512-BF16 products (`cpu/bf16.mojo`) or the AMX tiles (`cpu/amx_attention.mojo`,
     through `tiles`: the unit, or the emulation of `tests/cpu/amx_check.mojo`)
     for a bfloat16 cache; otherwise keys are widened to float32. `fp8`:
-    the cache's rows in the `fp8_ds_mla` format, when active (`CacheKeys`; never on AMX tiles).
+    the cache's rows in the `fp8_ds_mla` format, when active (`CacheKeys`).
     """
     var keys = CacheKeys[dtype](cache, fp8)
-    var key_path = path
-    if fp8.active and path == PATH_AMX:
-        key_path = PATH_AVX512BF16 if HAS_AVX512_BF16 else PATH_F32
     var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
     var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var cache, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var key_path}:
+    def task(i: Int) {var q_full, var cache, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
         var b = i // tasks_per_request
         var hg = (i % tasks_per_request) // shape.num_partitions
         var part = i % shape.num_partitions
@@ -386,7 +402,7 @@ def attend_partitions[
         var rank = shape.kv_lora_rank
 
         # Gather the task's rows: their queries, key slots (within this partition) and slopes.
-        var rows = TaskRows((t1 - t0) * (h1 - h0), key_dim, rank, TILE_ROWS if key_path == PATH_AMX else ROW_BLOCK)
+        var rows = TaskRows((t1 - t0) * (h1 - h0), key_dim, rank, TILE_ROWS if path == PATH_AMX else ROW_BLOCK)
         var q_rows = scratch(rows.q_buf)
         var slopes = rows.slope()
         var k_lo = k1
@@ -416,13 +432,13 @@ def attend_partitions[
 
         var done = False
         comptime if dtype == DType.bfloat16:
-            if key_path == PATH_AMX:
+            if path == PATH_AMX:
                 attend_tiles_amx[dtype, tiles, in_place_max_row_blocks](
-                    rows, cache, b, k_lo, k_hi, scale, batch.shard, key_dim, rank
+                    rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank
                 )
                 done = True
         comptime if dtype == DType.bfloat16 and HAS_AVX512_BF16:
-            if key_path == PATH_AVX512BF16:
+            if path == PATH_AVX512BF16:
                 attend_tiles_bf16[dtype](rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
                 done = True
         if not done:

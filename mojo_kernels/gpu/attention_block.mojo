@@ -29,6 +29,7 @@ from ..paged_cache import FP8_SCALE_BLOCK, partition_keys
 from ..spec import MaskSpec
 from .addressing import attention_slots, find_slot_request, row_attention_meta, slot_start
 from .params import DeviceBatch, DeviceCache, DeviceFp8Rows, GlobalPtr, KernelParams, to_global
+from .pdl import launch_attributes, wait_for_producers
 
 comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
@@ -108,6 +109,15 @@ struct AttentionBlock(TrivialRegisterPassable):
     def has_rows(self) -> Bool:
         """Whether the block has rows (a request's last slot may have none)."""
         return self.row0 < self.row_end
+
+    @always_inline
+    def exits_empty(self) -> Bool:
+        """Whether the block has no rows and exits; such a block still waits for the kernels
+        ahead of it first (with PDL every block of a dependent launch waits, pdl.mojo)."""
+        if self.has_rows():
+            return False
+        wait_for_producers()
+        return True
 
     @always_inline
     def row_meta[dtype: DType, //](self, p: AttentionParams[dtype], r: Int) -> Tuple[Int, Int, Int, Float32]:
@@ -338,6 +348,13 @@ struct KeyTiles[
         return self.j0 < self.end
 
     @always_inline
+    def first_is_old(self, blk: AttentionBlock, p: AttentionParams[Self.dtype]) -> Bool:
+        """Whether the first tile's keys are all rows cached before this call (slots below the request's
+        cache length): steps 1-2 rewrite only the new tokens' rows, so with PDL (pdl.mojo) this tile
+        may be copied before `wait_for_producers`."""
+        return min(self.j0 + Self.kt, self.end) <= p.batch.shard().local_count(blk.cache_length)
+
+    @always_inline
     def next_rows(self) -> SPtr[Int64]:
         """The cache rows of the next tile's buffer."""
         return self.rowoff.unsafe_offset((1 - self.cur) * Self.kt)
@@ -485,8 +502,10 @@ def enqueue_attention[
     num_tokens: Int,
     block_threads: Int,
     smem_bytes: Int,
+    pdl: Bool,
 ) raises:
-    """Launches one attention kernel: grid `(slots, partitions)`, `smem_bytes` of dynamic shared memory."""
+    """Launches one attention kernel: grid `(slots, partitions)`, `smem_bytes` of dynamic shared memory;
+    with `pdl`, programmatic dependent launch after the q step (pdl.mojo)."""
     ctx.enqueue_function[kernel](
         p,
         grid_dim=(
@@ -496,4 +515,5 @@ def enqueue_attention[
         block_dim=block_threads,
         shared_mem_bytes=smem_bytes,
         func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem_bytes)),
+        attributes=launch_attributes(pdl),
     )

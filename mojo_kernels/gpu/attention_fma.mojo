@@ -11,6 +11,7 @@ from max.gpu.primitives import warp
 from .attention_block import AttentionBlock, AttentionParams, SoftmaxRows
 from ..common import ceil_div
 from .params import to_global
+from .pdl import allow_dependents, wait_for_producers
 
 
 # ATT_ROWS (token, head) rows of one request per block, ATT_KT keys
@@ -60,7 +61,7 @@ def attention_fma_kernel[
     var warp_id = tid // WARP_SIZE
     var lane = tid % WARP_SIZE
     var blk = AttentionBlock.locate[ATT_ROWS](p)
-    if not blk.has_rows():
+    if blk.exits_empty():
         return
     var rank = Int(p.kv_lora_rank)
     var dim = Int(p.cache.key_dim)
@@ -83,6 +84,9 @@ def attention_fma_kernel[
     # Per-row metadata: key range, position, ALiBi slope, empty softmax state.
     if tid < ATT_ROWS:
         st.start(blk, p, tid)
+    # Above: the op's inputs only; q_full and the new cache rows come from the q step (pdl.mojo).
+    wait_for_producers()
+    allow_dependents()
 
     # q rows, transposed: qT_s[k * ATT_ROWS + r] (rows of one k contiguous).
     for e in range(tid, ATT_ROWS * dim, ATT_THREADS):

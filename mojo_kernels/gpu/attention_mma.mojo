@@ -40,6 +40,7 @@ from max.gpu.primitives import warp
 from ..common import ceil_div
 from .attention_block import AttentionBlock, AttentionParams, KeyTiles, SoftmaxRows, key_tile_bytes
 from .params import to_global
+from .pdl import allow_dependents, wait_for_producers
 
 comptime MMA_ROWS = 16  # rows per group (the M of one mma)
 comptime MMA_KEY_DIM_MAX = 576  # k-steps of 16 per warp: key_dim <= gw * ks_max(gw) * 16
@@ -124,6 +125,29 @@ def copy_key_tile[
     async_copy_commit_group()
 
 
+@always_inline
+def copy_tile[
+    dtype: DType, kt: Int, fp8: Bool, //, threads: Int
+](
+    tiles: KeyTiles[dtype, kt, fp8],
+    p: AttentionParams[dtype],
+    blocks: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.GLOBAL],
+    rowoff: Pointer[Int64, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    k_s: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    first: Tuple[Int, Int],
+    step: Tuple[Int, Int],
+    stride: Int,
+    vec_per_row: Int,
+    tid: Int,
+):
+    """Starts the copy of the tile of cache rows `rowoff`: into `k_s` (`copy_key_tile`), or (`fp8`)
+    the `fp8_ds_mla` rows into `tiles`' staging (`KeyTiles.copy_staged`)."""
+    comptime if fp8:
+        tiles.copy_staged[threads](p, rowoff, tid)
+    else:
+        copy_key_tile[dtype, kt, threads](blocks, rowoff, k_s, first, step, stride, vec_per_row)
+
+
 def attention_mma_kernel[
     dtype: DType, groups: Int, kt: Int, gw: Int, fp8: Bool = False
 ](
@@ -157,7 +181,7 @@ def attention_mma_kernel[
     var base = external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16]()  # carved below
 
     var blk = AttentionBlock.locate[ROWS_BLK](p)
-    if not blk.has_rows():
+    if blk.exits_empty():
         return
     var rank = Int(p.kv_lora_rank)
     var dim = Int(p.cache.key_dim)
@@ -183,6 +207,36 @@ def attention_mma_kernel[
 
     if tid < ROWS_BLK:
         st.start(blk, p, tid)
+    barrier()
+
+    # Keys any row of the block needs in this partition.
+    var span = st.masks.key_span(blk, ROWS_BLK)
+    var kb_hi = span[1]
+
+    var acc = Array[SIMD[DType.float32, 4], NT_MAX](fill=0)
+    var nt_count = rank // (8 * gw)  # value n-tiles of this warp
+    var col_base = w * (rank // gw)
+    var vec_per_row = dim // VEC
+    var red_g = red_s.unsafe_offset(group * gw * MMA_ROWS * RS)
+    var red_w = red_g.unsafe_offset(w * MMA_ROWS * RS)
+    var p_g = p_s.unsafe_offset(group * MMA_ROWS * RS)
+    var blocks_global = to_global(p.cache.blocks)
+
+    # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used.
+    var copy_first = (tid // vec_per_row, tid % vec_per_row)
+    var copy_step = (THREADS // vec_per_row, THREADS % vec_per_row)
+    var tiles = KeyTiles[dtype, kt, fp8](rowoff_s, k_s0, k_s1, span, staging, stride)
+    tiles.start(blk, p, tid)
+    # Everything above reads only the op's inputs; a first tile of rows cached before this call
+    # is copied too (fp8: staged), before the wait for the q step (pdl.mojo), whose q_full and
+    # new cache rows follow.
+    var copied = tiles.more() and tiles.first_is_old(blk, p)
+    if copied:
+        copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row, tid)
+    wait_for_producers()
+    allow_dependents()
+    if tiles.more() and not copied:
+        copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row, tid)
 
     # This lane's q fragments (rows g and g + 8 of its group), in dtype.
     var nks = dim // 16
@@ -204,41 +258,14 @@ def attention_mma_kernel[
                     x[2 * h + 4] = v1[0]
                     x[2 * h + 5] = v1[1]
             q_h[i] = x.cast[dtype]()  # exact: q_full holds dtype values
-    barrier()
 
-    # Keys any row of the block needs in this partition.
-    var span = st.masks.key_span(blk, ROWS_BLK)
-    var kb_hi = span[1]
-
-    var acc = Array[SIMD[DType.float32, 4], NT_MAX](fill=0)
-    var nt_count = rank // (8 * gw)  # value n-tiles of this warp
-    var col_base = w * (rank // gw)
-    var vec_per_row = dim // VEC
-    var red_g = red_s.unsafe_offset(group * gw * MMA_ROWS * RS)
-    var red_w = red_g.unsafe_offset(w * MMA_ROWS * RS)
-    var p_g = p_s.unsafe_offset(group * MMA_ROWS * RS)
-    var blocks_global = to_global(p.cache.blocks)
-
-    # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used.
-    var copy_first = (tid // vec_per_row, tid % vec_per_row)
-    var copy_step = (THREADS // vec_per_row, THREADS % vec_per_row)
-    var tiles = KeyTiles[dtype, kt, fp8](rowoff_s, k_s0, k_s1, span, staging, stride)
-    tiles.start(blk, p, tid)
-    if tiles.more():
-        comptime if fp8:
-            tiles.copy_staged[THREADS](p, rowoff_s, tid)
-        else:
-            copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row)
     while tiles.more():
         var k_s = tiles.wait[fence=False, threads=THREADS](p, tid)
         var j0 = tiles.j0
         if tiles.has_next:
-            comptime if fp8:
-                tiles.copy_staged[THREADS](p, tiles.next_rows(), tid)
-            else:
-                copy_key_tile[dtype, kt, THREADS](
-                    blocks_global, tiles.next_rows(), tiles.next_keys(), copy_first, copy_step, stride, vec_per_row
-                )
+            copy_tile[THREADS](
+                tiles, p, blocks_global, tiles.next_rows(), tiles.next_keys(), copy_first, copy_step, stride, vec_per_row, tid
+            )
             tiles.look_ahead(blk, p, tid)
 
         # Partial scores of this warp's k-steps.

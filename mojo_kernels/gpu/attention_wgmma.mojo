@@ -42,6 +42,7 @@ from max.gpu.primitives.warp import shuffle_xor
 
 from .attention_block import AttentionBlock, AttentionParams, KeyTiles, RowMasks, fence_async_proxy, fp8_row_bytes, key_tile_bytes
 from .params import to_global
+from .pdl import allow_dependents, wait_for_producers
 
 comptime WG_ROWS = 64  # rows per block: the M of one wgmma
 comptime WG_THREADS = 128  # one warpgroup
@@ -171,6 +172,10 @@ def attention_wgmma_kernel[
     comptime dim = WG_KEY_DIM  # == key_dim (wgmma_supported)
     var parts = Int(num_partitions)
 
+    # With PDL (pdl.mojo) the block waits for the q step at once: any later wait makes ptxas
+    # spill (160 bytes instead of 4), and this kernel's prologue is short next to its key loop.
+    wait_for_producers()
+    allow_dependents()
     var blk = AttentionBlock.locate[WG_ROWS](p)
     if not blk.has_rows():
         return

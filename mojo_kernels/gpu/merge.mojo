@@ -1,20 +1,35 @@
-"""The log-sum-exp merge of step 5's key partitions, and the store of the attention output in dtype."""
+"""The log-sum-exp merge of step 5's key partitions, and the store of the attention output in dtype.
+
+With `QuantizedRows.active` the merge also does the first half of step 6: it
+quantizes each merged row (one row per block, so per-row scales, `bm == 1`)
+with the rule of `stage_activations` (`pymla/quant.py`) bit for bit, writes
+the e4m3 values (as float16, exact) and scales for `out_step_kernel`, and the
+optional attention output; the output step then only copies them
+(`stage_quantized`) instead of reducing and converting raw rows on its
+critical path.
+"""
 
 from std.math import exp, log
 from std.memory import stack_allocation
+from std.sys import size_of
 from std.utils.numerics import neg_inf
 
 from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
+from ..fp8 import activation_scale, scaled_into_range
 from .addressing import ELEMENTWISE_THREADS
 from .params import GFPtr, GPtr, KernelParams
+from .pdl import allow_dependents, wait_for_producers
+from .projection_mma import QuantizedRows
 
 
 comptime MERGE_THREADS = 128
 comptime MAX_PARTITIONS = 64  # key partitions per request, at most (two per lane of the first warp)
 comptime MERGE_UNROLL = 4  # partitions whose rows are loaded before they are summed
+comptime MERGE_QUANT_RANK = 2048  # kv_lora_rank up to which the merge can quantize rows (shared memory)
+comptime MERGE_QUANT_K_BLOCKS = MERGE_QUANT_RANK // 64  # K blocks of at least 64
 
 
 @fieldwise_init
@@ -30,6 +45,9 @@ struct MergeParams[dtype: DType](KernelParams):
     var kv_lora_rank: Int32
     var lse: GFPtr  # [rows]: the log-sum-exp of each row, when has_lse
     var has_lse: Int32
+    var quant: QuantizedRows  # active: quantized rows for step 6 instead of raw
+    var attention_output: GPtr[Self.dtype]  # [rows, R]: raw as dtype, with quant active and has_attention_output
+    var has_attention_output: Int32
 
 
 @fieldwise_init
@@ -41,8 +59,9 @@ struct StoreParams[dtype: DType](KernelParams):
     var count: Int64
 
 
-def merge_kernel[dtype: DType](p: MergeParams[dtype]):
-    """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`.
+def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
+    """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`; with `quantize`
+    (`p.quant` active) the row quantized for step 6 instead (`quantize_row`).
 
     The first warp turns the partitions' maxima and sums into weights
     (0 for a partition that saw no key; a row that sees no key is 0) and, with
@@ -51,11 +70,15 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
     of the partitions' outputs, `MERGE_UNROLL` partitions at a time; `kv_lora_rank % 4 == 0`.
     """
     var weights = stack_allocation[MAX_PARTITIONS, Float32, address_space=AddressSpace.SHARED]()
+    # The merged row for `quantize_row` (a parameter: the plain merge keeps its registers and shared memory).
+    var row_s = stack_allocation[MERGE_QUANT_RANK if quantize else 4, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
     var row = block_idx.x
     var rows = Int(p.total_rows)
     var parts = Int(p.num_partitions)
     var rank = Int(p.kv_lora_rank)
+    wait_for_producers()  # the partitions come from the attention kernel (pdl.mojo)
+    allow_dependents()
     if tid < WARP_SIZE:
         var m0 = p.part_max.unsafe_load(tid * rows + row) if tid < parts else neg_inf[DType.float32]()
         var m1 = p.part_max.unsafe_load((tid + WARP_SIZE) * rows + row) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
@@ -81,7 +104,49 @@ def merge_kernel[dtype: DType](p: MergeParams[dtype]):
             comptime for u in range(MERGE_UNROLL):
                 if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
                     acc += weights.unsafe_load(p0 + u) * v[u]
-        p.raw.unsafe_offset(row * rank + c).unsafe_store[alignment=16](0, acc.cast[dtype]().cast[DType.float32]())
+        var value = acc.cast[dtype]().cast[DType.float32]()
+        comptime if quantize:
+            row_s.unsafe_offset(c).unsafe_store[alignment=16](0, value)
+        else:
+            p.raw.unsafe_offset(row * rank + c).unsafe_store[alignment=16](0, value)
+    comptime if quantize:
+        quantize_row[dtype](p, row_s, row)
+
+
+@always_inline
+def quantize_row[
+    dtype: DType
+](p: MergeParams[dtype], row_s: Pointer[Float32, MutUntrackedOrigin, address_space=AddressSpace.SHARED], row: Int):
+    """Merged row `row` (in `row_s`, dtype values) quantized into `p.quant` per K block of `block_k`:
+    `s = amax / 448` (1 when 0), `fp8(clamp(x / s))`, as `quantize_rows_in_registers` does; with
+    `has_attention_output` the row as dtype too. `block_k % 4 == 0`, `kv_lora_rank % block_k == 0`."""
+    var scale_s = stack_allocation[MERGE_QUANT_K_BLOCKS, Float32, address_space=AddressSpace.SHARED]()
+    var tid = thread_idx.x
+    var lane = tid % WARP_SIZE
+    var rank = Int(p.kv_lora_rank)
+    var bk = Int(p.quant.block_k)
+    var k_blocks = rank // bk
+    barrier()
+    for kb in range(tid // WARP_SIZE, k_blocks, MERGE_THREADS // WARP_SIZE):
+        var amax = Float32(0)
+        for k in range(kb * bk + lane, (kb + 1) * bk, WARP_SIZE):
+            amax = max(amax, abs(row_s.unsafe_load(k)))
+        amax = warp.max(amax)
+        if lane == 0:
+            var scale = activation_scale(amax)
+            scale_s.unsafe_store(kb, scale)
+            p.quant.scales.unsafe_store(row * k_blocks + kb, scale)
+    barrier()
+    for c in range(4 * tid, rank, 4 * MERGE_THREADS):
+        var value = row_s.unsafe_offset(c).unsafe_load[width=4, alignment=16](0)
+        var x = scaled_into_range[4](value, scale_s.unsafe_load(c // bk))
+        p.quant.values.unsafe_offset(row * rank + c).unsafe_store[alignment=8](
+            0, x.cast[DType.float8_e4m3fn]().cast[DType.float16]()
+        )
+        if p.has_attention_output != 0:
+            p.attention_output.unsafe_offset(row * rank + c).unsafe_store[alignment=4 * size_of[dtype]()](
+                0, value.cast[dtype]()
+            )
 
 
 @fieldwise_init

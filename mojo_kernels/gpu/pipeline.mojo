@@ -40,11 +40,21 @@ Nothing is read back to the host: a block finds its request on the device
 from `input_row_offsets`; sizes the host cannot know (tokens per request,
 cache lengths) only bound grids whose spare blocks exit at once.
 Every launch takes one parameter struct (`params.mojo`). Workspaces come from
-`ctx.enqueue_create_buffer` and are released in stream order.
+`ctx.enqueue_create_buffer` and are released in stream order, all before the
+first launch and after the last (`gpu_run_plan`).
+
+With `GpuPlan.pdl` the attention kernel, the merge and the output step are
+launched with programmatic dependent launch (`pdl.mojo`): each may start while
+the kernel ahead of it finishes and waits (`wait_for_producers`) before its
+first read of that kernel's results (the q step's q_full and new cache rows,
+the partitions, raw). The q step, first of the chain, is launched as usual, so
+the op starts after everything before it. With `GpuPlan.quantize_in_merge`
+(and `merge_quantizes`) the merge writes step 6's quantized activations
+(`QuantizedRows`) and the attention output, the output step copies them.
 """
 
 from max.gpu import WARP_SIZE
-from max.gpu.host import DeviceContext
+from max.gpu.host import DeviceBuffer, DeviceContext
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..problem import DecodeProblem
@@ -54,8 +64,18 @@ from .attention_block import AttentionParams, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
-from .merge import MERGE_THREADS, MergeParams, StoreParams, WidenParams, merge_kernel, store_kernel, widen_kernel
+from .merge import (
+    MERGE_QUANT_RANK,
+    MERGE_THREADS,
+    MergeParams,
+    StoreParams,
+    WidenParams,
+    merge_kernel,
+    store_kernel,
+    widen_kernel,
+)
 from .params import DeviceBatch, DeviceCache, DeviceFp8Rows, to_global
+from .pdl import launch_attributes
 from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes, fp8_row_bytes
 from .projection import (
     MATMUL_M_TILE,
@@ -66,7 +86,7 @@ from .projection import (
     fp8_matmul_kernel,
     quantize_kernel,
 )
-from .projection_mma import Fp8Projection, ScaleBlocks, StridedRows
+from .projection_mma import KCHUNK, Fp8Projection, QuantizedRows, ScaleBlocks, StridedRows
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
@@ -194,21 +214,65 @@ def gpu_build_q_full[
     gpu_fp8_batched_matmul[dtype](ctx, proj, p.num_heads)
 
 
+struct AttentionWorkspace(Movable):
+    """Step 5's key-partition workspaces: outputs `[P, T H, R]`, maxima and sums `[P, T H]` (one float when P is 1).
+
+    The op creates it before its first launch and releases it after its last, so that no
+    allocation or release sits between two of its kernels (the PDL chain, pdl.mojo).
+    """
+
+    var parts: Int  # key partitions per request; with the LSE (`has_lse`) at least two
+    var part_out: DeviceBuffer[DType.float32]
+    var part_max: DeviceBuffer[DType.float32]
+    var part_sum: DeviceBuffer[DType.float32]
+
+    def __init__[dtype: DType](out self, ctx: DeviceContext, p: DecodeProblem[dtype], num_partitions: Int) raises:
+        self.parts = max(num_partitions, 2) if p.has_lse else num_partitions
+        var rows = p.num_tokens * p.num_heads * self.parts if self.parts > 1 else 1
+        self.part_out = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank if self.parts > 1 else 1)
+        self.part_max = ctx.enqueue_create_buffer[DType.float32](rows)
+        self.part_sum = ctx.enqueue_create_buffer[DType.float32](rows)
+
+
 def gpu_attention[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr) raises:
     """Step 5: `raw [T, H, R]` from `q_full [T, H, R + Dr]` and the paged cache, with the plan's kernel and partitions."""
+    var ws = AttentionWorkspace(ctx, p, plan.num_partitions)
+    gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws, QuantizedRows.none(to_global(raw)))
+    _ = ws^  # freed in stream order
+
+
+def gpu_attention_into[
+    dtype: DType
+](
+    ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr, ws: AttentionWorkspace,
+    quant: QuantizedRows,
+) raises:
+    """`gpu_attention` in workspace `ws` (made for `plan.num_partitions`); with `quant` active the merge
+    quantizes the rows for step 6 (`merge_quantizes`) instead of writing `raw`."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
         if plan.attention == i:
-            gpu_attention_with[dtype, ATTENTION_VARIANTS[i]](ctx, p, plan.num_partitions, q_full, raw)
+            gpu_attention_with[dtype, ATTENTION_VARIANTS[i]](ctx, p, q_full, raw, ws, plan.pdl, quant)
 
 
 def gpu_attention_with[
     dtype: DType, variant: Tuple[Int, Int, Int]
-](ctx: DeviceContext, p: DecodeProblem[dtype], num_partitions: Int, q_full: FPtr, raw: FPtr) raises:
-    """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`), keys split into `num_partitions` parts.
+](
+    ctx: DeviceContext,
+    p: DecodeProblem[dtype],
+    q_full: FPtr,
+    raw: FPtr,
+    ws: AttentionWorkspace,
+    pdl: Bool,
+    quant: QuantizedRows,
+) raises:
+    """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`), keys split into `ws.parts` parts.
 
     With more than one partition every partition's output and row statistics
-    go to workspaces, merged by log-sum-exp (`merge_kernel`). The LSE
-    (`has_lse`) comes from that merge: with it, at least two partitions.
+    go to `ws`, merged by log-sum-exp (`merge_kernel`). The LSE (`has_lse`)
+    comes from that merge: with it, at least two partitions. With `pdl` the
+    attention kernel and the merge start early (programmatic dependent launch, pdl.mojo).
+    With `quant` active (only with a merge) the merge writes step 6's quantized rows and the
+    attention output (`has_attention_output`), not `raw`.
     An `fp8_ds_mla` cache (bfloat16) takes the tensor-core kernels' fp8 instances.
     """
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
@@ -223,14 +287,10 @@ def gpu_attention_with[
         var key_dim = p.key_dim()
         var rank = p.kv_lora_rank
         var rows = num_tokens * p.num_heads
-        var parts = max(num_partitions, 2) if p.has_lse else num_partitions
-        var part_rows = rows * parts if parts > 1 else 1
-        var part_out_buf = ctx.enqueue_create_buffer[DType.float32](part_rows * rank if parts > 1 else 1)
-        var part_max_buf = ctx.enqueue_create_buffer[DType.float32](part_rows)
-        var part_sum_buf = ctx.enqueue_create_buffer[DType.float32](part_rows)
-        var part_out = part_out_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var part_max = part_max_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        var part_sum = part_sum_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var parts = ws.parts
+        var part_out = ws.part_out.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+        var part_max = ws.part_max.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+        var part_sum = ws.part_sum.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var params = AttentionParams[dtype](
             q_full, device_cache(p), DeviceFp8Rows.of(p.fp8_cache), DeviceBatch.of(p.batch), Int32(p.num_heads),
             Int32(rank), Int32(parts), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
@@ -238,53 +298,80 @@ def gpu_attention_with[
         )
         comptime if groups > 0 and dtype == DType.bfloat16:
             if p.fp8_cache.active:
-                enqueue_attention_variant[variant, fp8=True](ctx, params, num_tokens, key_dim, fp8_row_bytes(p))
+                enqueue_attention_variant[variant, fp8=True](ctx, params, num_tokens, key_dim, fp8_row_bytes(p), pdl)
             else:
-                enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0)
+                enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0, pdl)
         else:
-            enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0)
+            enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0, pdl)
         if parts > 1:
-            ctx.enqueue_function[merge_kernel[dtype]](
-                MergeParams[dtype](
-                    to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw),
-                    Int32(rows), Int32(parts), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
-                ),
-                grid_dim=rows,
-                block_dim=MERGE_THREADS,
+            var merge = MergeParams[dtype](
+                to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw),
+                Int32(rows), Int32(parts), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
+                quant, to_global(p.attention_output), Int32(1 if p.has_attention_output else 0),
             )
-        # Freed in stream order, after the kernels above.
-        _ = part_out_buf^
-        _ = part_max_buf^
-        _ = part_sum_buf^
+            if quant.active != 0:
+                ctx.enqueue_function[merge_kernel[dtype, True]](
+                    merge, grid_dim=rows, block_dim=MERGE_THREADS, attributes=launch_attributes(pdl)
+                )
+            else:
+                ctx.enqueue_function[merge_kernel[dtype, False]](
+                    merge, grid_dim=rows, block_dim=MERGE_THREADS, attributes=launch_attributes(pdl)
+                )
 
 
 def enqueue_attention_variant[
     dtype: DType, //, variant: Tuple[Int, Int, Int], fp8: Bool
-](ctx: DeviceContext, params: AttentionParams[dtype], num_tokens: Int, key_dim: Int, fp8_rows: Int) raises:
-    """Launches attention kernel `variant` on `params` (`fp8`: its instance reading `fp8_ds_mla` rows of `fp8_rows` bytes)."""
+](ctx: DeviceContext, params: AttentionParams[dtype], num_tokens: Int, key_dim: Int, fp8_rows: Int, pdl: Bool) raises:
+    """Launches attention kernel `variant` on `params` (`fp8`: its instance reading `fp8_ds_mla` rows of `fp8_rows` bytes);
+    with `pdl`, programmatic dependent launch (pdl.mojo)."""
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
     comptime if groups == 0:
         var smem = attention_smem_bytes[dtype](key_dim)
         if Int(params.kv_lora_rank) <= 2 * ATT_THREADS:
-            enqueue_attention[attention_fma_kernel[dtype, 2], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem)
+            enqueue_attention[attention_fma_kernel[dtype, 2], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem, pdl)
         else:
-            enqueue_attention[attention_fma_kernel[dtype, 4], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem)
+            enqueue_attention[attention_fma_kernel[dtype, 4], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem, pdl)
     elif gw == 0:
         enqueue_attention[attention_wgmma_kernel[dtype, kt, fp8], WG_ROWS](
-            ctx, params, num_tokens, WG_BLOCK_THREADS, attention_wgmma_smem_bytes[dtype](kt, key_dim, fp8_rows)
+            ctx, params, num_tokens, WG_BLOCK_THREADS, attention_wgmma_smem_bytes[dtype](kt, key_dim, fp8_rows), pdl
         )
     else:
         enqueue_attention[attention_mma_kernel[dtype, groups, kt, gw, fp8], MMA_ROWS * groups](
-            ctx, params, num_tokens, WARP_SIZE * gw * groups, attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim, fp8_rows)
+            ctx, params, num_tokens, WARP_SIZE * gw * groups, attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim, fp8_rows),
+            pdl,
         )
 
 
-def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, raw: FPtr) raises:
+def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, parts: Int) -> Bool:
+    """Whether the partition merge quantizes step 6's activations (`QuantizedRows`): asked by the plan
+    (`quantize_in_merge`), a merge runs (`parts > 1`), the tensor-core output step follows, scales
+    per row (`bm == 1`: one merged row per block) over K blocks of multiples of 64 that tile
+    kv_lora_rank (the plain layout `stage_quantized` copies), and a row fits the merge's shared memory."""
+    comptime if dtype == DType.float32:
+        return False
+    var blocks = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank)
+    return (
+        plan.quantize_in_merge
+        and parts > 1
+        and plan.out_tile >= 0
+        and p.has_output
+        and blocks.m == 1
+        and blocks.k % KCHUNK == 0
+        and p.kv_lora_rank % blocks.k == 0
+        and p.kv_lora_rank <= MERGE_QUANT_RANK
+    )
+
+
+def gpu_project_output[
+    dtype: DType
+](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, raw: FPtr, quant: QuantizedRows) raises:
     """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`; with `has_attention_output`
     also `attention_output = raw` as dtype. Without `has_output`, only that store.
 
     A tile of `plan.out_tile`: one launch of `out_step_kernel` (tensor cores,
-    bf16 / f16); `FMA_PATH`: `store_kernel` and the FMA matmul.
+    bf16 / f16); `FMA_PATH`: `store_kernel` and the FMA matmul. With `quant` active
+    (`merge_quantizes`: the merge quantized raw and stored the attention output) the output
+    step reads those rows, not `raw`.
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
@@ -292,10 +379,12 @@ def gpu_project_output[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype]
     comptime if dtype != DType.float32:
         if plan.out_tile >= 0 and p.has_output:
             var has_attention_output = Int32(1 if p.has_attention_output else 0)
-            var params = OutStepParams[dtype](proj, to_global(p.attention_output), has_attention_output, TileGrid.unset())
+            var params = OutStepParams[dtype](
+                proj, to_global(p.attention_output), has_attention_output, TileGrid.unset(), quant
+            )
             comptime for i in range(len(PROJ_TILES)):
                 if plan.out_tile == i:
-                    enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads)
+                    enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads, plan.pdl)
             return
     if p.has_attention_output:
         var count = p.num_tokens * p.num_heads * p.kv_lora_rank
@@ -322,7 +411,11 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
         raise Error("pymla gpu: ALiBi on a shard of the cache is not supported on the GPU yet")
     var limits = DeviceLimits.read(ctx)
     check_gpu_shapes[dtype](p, limits)
-    var plan = GpuPlan.create(p, limits)
+    gpu_run_plan[dtype](ctx, p, GpuPlan.create(p, limits))
+
+
+def gpu_run_plan[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan) raises:
+    """The op's launches for `p` under `plan` (`mla_decode_branch_fp8_gpu` after its checks; tests pin a plan)."""
     var rows = p.num_tokens * p.num_heads
     if p.project_only:  # step 6 alone, on the attention output given (widened to float32)
         var given_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
@@ -335,20 +428,38 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
         )
         var projection = p
         projection.has_attention_output = False  # read, not written
-        gpu_project_output[dtype](ctx, projection, plan, given)
+        gpu_project_output[dtype](ctx, projection, plan, given, QuantizedRows.none(to_global(given)))
         _ = given_buf^  # freed in stream order
         return
+    # Every workspace before the first launch, every release after the last: nothing but
+    # kernels between them (their programmatic dependent launch with `plan.pdl`, pdl.mojo).
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.key_dim())
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
+    var ws = AttentionWorkspace(ctx, p, plan.num_partitions)
+    var quantized = merge_quantizes(p, plan, ws.parts)
+    var block_k = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank).k
+    var k_blocks = ceil_div(p.kv_lora_rank, block_k)
+    var values_buf = ctx.enqueue_create_buffer[DType.float16](rows * p.kv_lora_rank if quantized else 1)
+    var scales_buf = ctx.enqueue_create_buffer[DType.float32](rows * k_blocks if quantized else 1)
     var q_full = q_full_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var raw = raw_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var quant = QuantizedRows.none(to_global(raw))
+    if quantized:
+        quant = QuantizedRows(
+            to_global(values_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()),
+            to_global(scales_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()),
+            Int32(block_k), Int32(p.num_heads), 1,
+        )
 
     # Steps 1-4: the new cache rows and q_full, one launch (bf16 / f16).
     gpu_build_q_full[dtype](ctx, p, plan, q_full, cache_rows_params(p, p.num_tokens))
-    gpu_attention[dtype](ctx, p, plan, q_full, raw)
+    gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws, quant)
     # Step 6 and the optional attention-output store, one launch (bf16 / f16).
-    gpu_project_output[dtype](ctx, p, plan, raw)
+    gpu_project_output[dtype](ctx, p, plan, raw, quant)
 
     # The workspaces are freed in stream order, after the kernels above.
     _ = q_full_buf^
     _ = raw_buf^
+    _ = ws^
+    _ = values_buf^
+    _ = scales_buf^

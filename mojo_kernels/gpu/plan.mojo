@@ -4,7 +4,9 @@ The plan names which attention kernel runs (`ATTENTION_VARIANTS`, each with
 its `attention_supported` predicate), how many rows a block takes, how many
 key partitions each request's keys split into (`plan_partitions`), and
 which tile shape the fused q and output steps take (`PROJ_TILES`,
-`choose_proj_tile`; `FMA_PATH` for the float32 FMA path). The device's
+`choose_proj_tile`; `FMA_PATH` for the float32 FMA path), and whether the
+kernels after the q step start early (`pdl`, programmatic dependent launch) and
+whether the partition merge quantizes step 6's activations (`quantize_in_merge`). The device's
 multiprocessor count, shared memory and registers come from its
 `DeviceContext` (`DeviceLimits.read`; an H200 reads 132 SMs, 228 KiB per SM,
 227 KiB per block). Tests pin a kernel or tile by building a plan.
@@ -55,6 +57,17 @@ comptime MIN_KEYS_PER_PARTITION = 256
 # (fewer re-staged activations and weights); the smallest tile is the default.
 comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (2, 4, 1, 4))
 comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile fits in shared memory
+
+# Programmatic dependent launch (pdl.mojo) of the attention kernel, the merge and the output step,
+# each after the kernel ahead of it. Off: on the H200 (2026-12-05, bf16, `gpu_bench bench`, best of
+# 2 alternated rounds; benchmarks/results/h200-2026-12-05b/bench_pdl.log) it cost 1.8-2.3 us per
+# call (16 h b8 8k: 73.4 -> 75.2 us; 128 h b64 8k: 737.6 -> 739.9 us): today's kernels have
+# little prologue to overlap. To be measured again with the TMA attention kernel (issue 23).
+comptime PDL_DEFAULT = False
+# Step 6's activation quantization in the partition merge (merge.mojo, `QuantizedRows`) where the
+# sizes allow it (`pipeline.merge_quantizes`). On: same H200 run, 16 h b8 8k 73.4 -> 65.8 us per
+# call (-7.6 us, -10%), 128 h b64 8k 737.6 -> 737.3 us; gpu_smoke checks the op both ways.
+comptime QUANTIZE_IN_MERGE_DEFAULT = True
 
 
 @fieldwise_init
@@ -184,6 +197,8 @@ struct GpuPlan(TrivialRegisterPassable):
     var num_partitions: Int  # key partitions per request (merged when more than one)
     var q_tile: Int  # steps 1-4: index in PROJ_TILES, or FMA_PATH
     var out_tile: Int  # step 6: index in PROJ_TILES, or FMA_PATH
+    var pdl: Bool  # launch step 5, the merge and step 6 with programmatic dependent launch (pdl.mojo)
+    var quantize_in_merge: Bool  # the merge quantizes step 6's activations, where the sizes allow
 
     @staticmethod
     def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
@@ -207,6 +222,8 @@ struct GpuPlan(TrivialRegisterPassable):
             parts,
             choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.kv_lora_rank, p.nope_dim, q_k, limits),
             choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.v_head_dim, p.kv_lora_rank, out_k, limits),
+            PDL_DEFAULT,
+            QUANTIZE_IN_MERGE_DEFAULT,
         )
 
 

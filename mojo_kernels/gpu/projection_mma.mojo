@@ -53,6 +53,24 @@ comptime SPtr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin, address
 
 
 @fieldwise_init
+struct QuantizedRows(TrivialRegisterPassable):
+    """Step 6's activations quantized by the merge: `values [T, H, R]` (e4m3 values as float16),
+    `scales [T, H, R / block_k]`; `active` 0: not in use (the output step quantizes raw itself)."""
+
+    var values: GPtr[DType.float16]
+    var scales: GFPtr
+    var block_k: Int32
+    var heads: Int32
+    var active: Int32
+
+    @staticmethod
+    def none(placeholder: GFPtr) -> Self:
+        """Inactive: the output step quantizes its activations itself (`placeholder`, any device
+        pointer, fills the pointer fields, which are never read)."""
+        return Self(placeholder.unsafe_bitcast[Float16](), placeholder, 1, 1, 0)
+
+
+@fieldwise_init
 struct StridedRows[dtype: DType](TrivialRegisterPassable):
     """Rows `[G, M, K]` of a projection's input or output: element `(g, m, k)` at `ptr + g g_stride + m m_stride + k`."""
 
@@ -367,6 +385,33 @@ def quantize_rows_in_registers[
                     act.copy_g.unsafe_offset((m0 + rr) * act.copy_ms + kbb * act.bk + kk).unsafe_store[
                         alignment=4 * size_of[copy_dtype]()
                     ](0, v[s].cast[copy_dtype]())
+
+
+@always_inline
+def stage_quantized[threads: Int](q: QuantizedRows, lay: TileLayout, sm: TileSmem, g: Int, m0: Int, mt: Int, rows: Int):
+    """`stage_activations`' result copied from rows the merge quantized (`q`, merge.mojo): rows
+    `m0 .. m0 + mt` of group (head) `g` into `sm.a_s` with `cp.async` (zeros past `rows`), scales
+    into `sm.sa_s` (1 past `rows`). The padded layout must be the plain one (`lay.fast_weights`:
+    `block_k % 64 == 0`, `K % block_k == 0`). The caller waits for the copy (`async_copy_wait_all`)."""
+    var tid = thread_idx.x
+    var heads = Int(q.heads)
+    var kb_count = lay.k_blocks
+    var vecs = lay.kp // 8  # 16-byte vectors of float16 per row
+    for i in range(tid, mt * vecs, threads):
+        var r = i // vecs
+        var v = i % vecs
+        var dst = sm.a_s.unsafe_offset(r * lay.a_stride + 8 * v)
+        if m0 + r < rows:
+            async_copy[16](q.values.unsafe_offset(((m0 + r) * heads + g) * lay.kp + 8 * v), dst)
+        else:
+            dst.unsafe_store[alignment=16](0, SIMD[DType.float16, 8](0))
+    async_copy_commit_group()
+    for i in range(tid, mt * kb_count, threads):
+        var m = m0 + i // kb_count
+        var s = Float32(1)
+        if m < rows:
+            s = q.scales.unsafe_load((m * heads + g) * kb_count + i % kb_count)
+        sm.sa_s.unsafe_store(i, s)
 
 
 @always_inline

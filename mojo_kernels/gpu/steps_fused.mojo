@@ -6,7 +6,13 @@
   the blocks of column tile 0 also write `q_full[:, :, R:] = rnd(rope(q_rope))`.
 * `out_step_kernel`: one block per (head, row tile, column tile) of
   `output = rnd(fp8mm(raw, w_uv))`; the blocks of column tile 0 also store the
-  attention output (`raw` as dtype) when it is wanted.
+  attention output (`raw` as dtype) when it is wanted. When the partition merge
+  quantized raw already (`QuantizedRows`, merge.mojo) the block copies those
+  rows and scales instead (`stage_quantized`), and the merge stored the attention output.
+
+With programmatic dependent launch (`GpuPlan.pdl`, pdl.mojo) the output step
+stages its weights before waiting for the attention kernel or merge, and the
+q step lets the attention kernel launch early.
 
 Each launch takes one parameter struct (`QStepParams`, `OutStepParams`; `params.mojo`).
 
@@ -20,12 +26,15 @@ from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
 from .params import DeviceBatch, GPtr, KernelParams
+from .pdl import allow_dependents, launch_attributes, wait_for_producers
 from .projection_mma import (
     Fp8Projection,
+    QuantizedRows,
     TileLayout,
     TileSmem,
     project_tile,
     stage_activations,
+    stage_quantized,
     stage_weights,
 )
 from .rope_norm import CacheRowsParams, rope_norm_cache_row, rope_q_pair
@@ -89,6 +98,7 @@ struct OutStepParams[dtype: DType](KernelParams):
     var attention_output: GPtr[Self.dtype]  # [T, H, R] when has_attention_output
     var has_attention_output: Int32
     var tiles: TileGrid
+    var quant: QuantizedRows  # active: the merge quantized raw (and stored the attention output)
 
 
 @always_inline
@@ -106,6 +116,7 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
     comptime MT = warps_m * tm * 16
     comptime NT = warps_n * tn * 8
     var blk = block_idx.x
+    allow_dependents()  # the attention kernel may start its prologue (pdl.mojo)
     # The cache rows are the last blocks: latency-bound (one scattered cache row each), they
     # fill the projection's last, partial wave instead of holding SMs at the start.
     var proj_blocks = grid_dim.x - Int(p.cache_rows.count)
@@ -154,11 +165,17 @@ def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](
     var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16](), lay, MT, NT)
 
     stage_weights[DType.float32, dtype, THREADS](p.proj, lay, sm, g, n0, NT)
-    # raw and the attention output share their layout [T, H, R].
-    stage_activations[DType.float32, dtype, dtype, THREADS // WARP_SIZE](
-        p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a.g_stride), Int(p.proj.a.m_stride),
-        p.has_attention_output != 0 and tile[2] == 0,
-    )
+    # The weights are the op's inputs; raw comes from the attention kernel or the merge (pdl.mojo).
+    wait_for_producers()
+    allow_dependents()
+    if p.quant.active != 0:
+        stage_quantized[THREADS](p.quant, lay, sm, g, m0, MT, Int(p.proj.rows))
+    else:
+        # raw and the attention output share their layout [T, H, R].
+        stage_activations[DType.float32, dtype, dtype, THREADS // WARP_SIZE](
+            p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a.g_stride), Int(p.proj.a.m_stride),
+            p.has_attention_output != 0 and tile[2] == 0,
+        )
     async_copy_wait_all()
     barrier()
     project_tile[DType.float32, dtype, dtype, warps_m, warps_n, tm, tn](p.proj, lay, sm, g, m0, n0)
@@ -171,14 +188,16 @@ def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](
 
 def enqueue_tiles[
     P: KernelParams, //, kernel: def(P) thin -> None, tile: Tuple[Int, Int, Int, Int]
-](ctx: DeviceContext, params: P, blocks: Int, smem_bytes: Int) raises:
-    """Launches a projection step of `tile`: `blocks` blocks, `smem_bytes` of dynamic shared memory each."""
+](ctx: DeviceContext, params: P, blocks: Int, smem_bytes: Int, pdl: Bool) raises:
+    """Launches a projection step of `tile`: `blocks` blocks, `smem_bytes` of dynamic shared memory each;
+    with `pdl`, programmatic dependent launch after the kernel ahead of it (pdl.mojo)."""
     ctx.enqueue_function[kernel](
         params,
         grid_dim=blocks,
         block_dim=tile_threads(tile),
         shared_mem_bytes=smem_bytes,
         func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem_bytes)),
+        attributes=launch_attributes(pdl),
     )
 
 
@@ -187,11 +206,15 @@ def enqueue_q_step[dtype: DType, tile: Tuple[Int, Int, Int, Int]](ctx: DeviceCon
     var params = p
     var smem = params.tiles.fit[tile](p.proj)
     var blocks = Int(p.cache_rows.count) + params.tiles.blocks(groups)
-    enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, smem)
+    enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, smem, False)
 
 
-def enqueue_out_step[dtype: DType, tile: Tuple[Int, Int, Int, Int]](ctx: DeviceContext, p: OutStepParams[dtype], groups: Int) raises:
-    """Launches `out_step_kernel` with `tile` over `groups` heads."""
+def enqueue_out_step[
+    dtype: DType, tile: Tuple[Int, Int, Int, Int]
+](ctx: DeviceContext, p: OutStepParams[dtype], groups: Int, pdl: Bool) raises:
+    """Launches `out_step_kernel` with `tile` over `groups` heads (`pdl`: after the attention kernel or merge, pdl.mojo)."""
     var params = p
     var smem = params.tiles.fit[tile](p.proj)
-    enqueue_tiles[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, params.tiles.blocks(groups), smem)
+    enqueue_tiles[out_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](
+        ctx, params, params.tiles.blocks(groups), smem, pdl
+    )

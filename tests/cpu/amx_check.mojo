@@ -22,12 +22,14 @@
 # time goes). Steps 3 and 6 on tiles (cpu/amx_matmul.mojo): checks and timings in
 # projection_check.mojo; the tile emulation in check_common.mojo. Exit status 1 if any check fails.
 
+from std.memory import bitcast
 from std.os import setenv
 from std.sys import argv, num_physical_cores
 from std.sys.info import CompilationTarget
 from std.time import perf_counter_ns
 
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, ceil_div
+from mojo_kernels.fp8 import NO_SHIFT, bf16_scale_shift, power_of_two, widen_e4m3, widen_e4m3_bf16
 from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, TileUnit, amx_permitted
 from mojo_kernels.cpu.amx_attention import VALUES_IN_PLACE_MAX_ROW_BLOCKS
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
@@ -66,6 +68,8 @@ struct Case(Movable):
     var rank: Int
     var mask: MaskSpec
     var name: String
+    var fp8_bytes: List[UInt8]  # the cache quantized to `fp8_ds_mla` rows (`quantize_to_fp8`)
+    var use_fp8: Bool
 
     def __init__(
         out self,
@@ -86,6 +90,8 @@ struct Case(Movable):
         self.key_dim = key_dim
         self.rank = rank
         self.mask = mask
+        self.fp8_bytes = List[UInt8]()
+        self.use_fp8 = False
         self.offsets = List[UInt32](length=n + 1, fill=0)
         self.cache_lengths = List[UInt32](length=n, fill=0)
         var longest = 1
@@ -146,6 +152,29 @@ struct Case(Movable):
             self.pages_per_request, 1, self.page_size, self.key_dim, 0,
         )
 
+    def fp8_row_bytes(self) -> Int:
+        return self.rank + 4 * (self.rank // 128) + 2 * (self.key_dim - self.rank)
+
+    def fp8_rows(mut self) -> Fp8LatentRows:
+        """The cache as `fp8_ds_mla` rows when `use_fp8`, else none (rows in bf16)."""
+        if not self.use_fp8:
+            return Fp8LatentRows.absent(self.cache())
+        return Fp8LatentRows.create(
+            self.fp8_bytes.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.lookup.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.pages_per_request, 1, self.page_size, self.fp8_row_bytes(), 0, self.rank,
+        )
+
+    def quantize_to_fp8(mut self):
+        """Fills `fp8_bytes` with every slot's row quantized (the rule of `Fp8LatentRows.store_row`)."""
+        self.fp8_bytes = List[UInt8](length=len(self.blocks) // self.key_dim * self.fp8_row_bytes(), fill=0)
+        self.use_fp8 = True
+        var rows = self.fp8_rows()
+        var cache = self.cache()
+        for b in range(len(self.cache_lengths)):
+            for pos in range(self.pages_per_request * self.page_size):
+                rows.store_row[BF16](b, pos, cache.row(b, pos))
+
     def shape(mut self, partitions: Int) -> AttentionShape:
         """`partitions` 0: the op's own plan (every core); else that many key partitions."""
         var plan = plan_attention(self.batch(), self.num_tokens, self.num_heads, self.rank, self.key_dim)
@@ -173,8 +202,7 @@ struct Case(Movable):
         var raw = List[BFloat16](length=max(self.num_tokens * self.num_heads * self.rank, 1), fill=0)
         var q = self.q_full.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         attend_partitions[BF16, tiles, in_place_max](
-            q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path,
-            Fp8LatentRows.absent(self.cache()),
+            q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path, self.fp8_rows(),
         )
         merge_partitions[BF16](
             partials, shape, raw.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), row_sum.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False
@@ -212,6 +240,42 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
     if amx_runs():
         check(name, "amx packed", expected, c.attend[AmxTiles, 0](PATH_AMX, partitions), failures)
         check(name, "amx in-place", expected, c.attend[AmxTiles, ALWAYS](PATH_AMX, partitions), failures)
+    if c.rank % 128 != 0:
+        return  # no fp8_ds_mla rows: 128-value scale blocks
+    # The same keys as fp8_ds_mla rows: every path dequantizes them to the same bf16 values.
+    c.quantize_to_fp8()
+    var expected_fp8 = c.attend[AmxTiles](PATH_F32, partitions)
+    comptime if HAS_AVX512_BF16:
+        check(name, "fp8 avx512bf16", expected_fp8, c.attend[AmxTiles](PATH_AVX512BF16, partitions), failures)
+    check(name, "fp8 amx-emulated packed", expected_fp8, c.attend[EmulatedTiles, 0](PATH_AMX, partitions), failures)
+    check(
+        name, "fp8 amx-emulated in-place", expected_fp8, c.attend[EmulatedTiles, ALWAYS](PATH_AMX, partitions), failures
+    )
+    if amx_runs():
+        check(name, "fp8 amx", expected_fp8, c.attend[AmxTiles](PATH_AMX, partitions), failures)
+    c.use_fp8 = False
+
+
+def check_fp8_widening(mut failures: Int):
+    """`widen_e4m3_bf16` (the bf16 route of fp8 key reads) against `widen_e4m3 * 2^k` rounded to bf16:
+    bit for bit, every e4m3 byte but NaN, shifts across the range `bf16_scale_shift` allows."""
+    var wrong = 0
+    for k in [-120, -64, -9, -1, 0, 3, 64, 119]:
+        if bf16_scale_shift(power_of_two(k)) != k:
+            wrong += 1
+        for x in range(256):
+            if x & 0x7F == 0x7F:
+                continue
+            var byte = SIMD[DType.uint8, 2](UInt8(x))
+            var fast = widen_e4m3_bf16[2](byte, k)[0]
+            var slow = (widen_e4m3[2](byte) * power_of_two(k)).cast[DType.bfloat16]()[0]
+            if bitcast[DType.uint16](fast) != bitcast[DType.uint16](slow):
+                wrong += 1
+    if bf16_scale_shift(Float32(0.75)) != NO_SHIFT or bf16_scale_shift(power_of_two(-121)) != NO_SHIFT:
+        wrong += 1
+    if wrong:
+        failures += 1
+    print("PASS" if wrong == 0 else "FAIL", "fp8 widening to bf16:", wrong, "mismatches")
 
 
 def mask(kind: Int, window: Int = 0) -> MaskSpec:
@@ -356,6 +420,7 @@ def main() raises:
     var tails = Case(seed + 2, 5, 16, [37, 0, 70], [3, 1, 2], mask(MASK_CAUSAL), key_dim=114, rank=100)
     check_case(tails, 0, failures)
     check_case(tails, 2, failures)
+    check_fp8_widening(failures)
     check_projections(failures)
     print("amx_check:", failures, "failed")
     if not quick:
@@ -380,6 +445,16 @@ def main() raises:
                 if not (err <= TOLERANCE):
                     failures += 1
             print(line)
+            # The same keys as fp8_ds_mla rows (656 bytes instead of 1152).
+            c.quantize_to_fp8()
+            var fp8_line = String("timing: same shape, fp8_ds_mla cache:")
+            comptime if HAS_AVX512_BF16:
+                fp8_line += String(" avx512bf16 ", time_path[AmxTiles](c, PATH_AVX512BF16, 5), " ms")
+            if amx_runs():
+                fp8_line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms")
+            print(fp8_line)
+            c.use_fp8 = False
+            c.fp8_bytes = List[UInt8]()
             var inputs = OpInputs(c, 16384 + 1)
             var op_line = String("timing: whole CPU op, same shape:")
             op_line += String(" f32 ", time_op(c, inputs, "f32", 3), " ms")

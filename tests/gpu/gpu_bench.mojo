@@ -5,7 +5,9 @@
 # with a bf16 cache, then with an fp8_ds_mla cache, side by side):
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench                     # the copy rate, then the whole op
 #                                                                      # (B=64 H=16/128 L=4096, B=1 L=32768, B=256 L=1024)
-#     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the whole op on these configurations
+#     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the whole op on these configurations,
+#                                                                      # PDL and the quantization in the merge off / on,
+#                                                                      # alternating (GpuPlan.pdl, quantize_in_merge)
 #     mojo run -I . tests/gpu/gpu_bench.mojo variants 64:128:8191:5    # step 5 alone: the op's plan, then pinned kernels
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:4095:5:fp8   # the whole op, bf16 cache then fp8_ds_mla cache
 #     mojo run -I . tests/gpu/gpu_bench.mojo proj 64:128:0:50          # steps 1-4 on q and step 6 alone, every tile shape
@@ -15,7 +17,9 @@ from std.time import perf_counter_ns
 
 from max.gpu.host import DeviceBuffer, DeviceContext
 
-from mojo_kernels.gpu.pipeline import gpu_attention, gpu_attention_with
+from mojo_kernels.gpu.pipeline import AttentionWorkspace, gpu_attention_into, gpu_attention_with
+from mojo_kernels.gpu.params import to_global
+from mojo_kernels.gpu.projection_mma import QuantizedRows
 from mojo_kernels.gpu.plan import FMA_PATH, PROJ_TILES, DeviceLimits, GpuPlan, attention_partitions
 
 from gpu_case import Case, DeviceCase, Rng, decode_case, download, round_to, untracked, upload
@@ -50,23 +54,41 @@ def cache_label(c: Case) -> String:
     return String("fp8_ds_mla cache") if c.fp8 else String("dtype cache")
 
 
-def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, fp8: Bool = False) raises:
-    """Times the whole op on a DeepSeek-sized decode step (one new token per request; `fp8`: an fp8_ds_mla cache)."""
-    var c = decode_case[dtype](batch, heads, cache_len, fp8=fp8)  # random inputs, no CPU reference (large)
-    var d = DeviceCase[dtype](ctx, c)
-    d.run_op(ctx, c)
+def time_op[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], plan: GpuPlan, iters: Int) raises -> Float64:
+    """Microseconds per call of the whole op under `plan`, `iters` calls back to back after one warm-up."""
+    d.run_plan(ctx, c, plan)
     ctx.synchronize()
     var t0 = perf_counter_ns()
     for _ in range(iters):
-        d.run_op(ctx, c)
-    var us = time_us(ctx, t0) / Float64(iters)
+        d.run_plan(ctx, c, plan)
+    return time_us(ctx, t0) / Float64(iters)
+
+
+def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, fp8: Bool = False) raises:
+    """Times the whole op on a DeepSeek-sized decode step (one new token per request; `fp8`: an fp8_ds_mla
+    cache): the op's plan with programmatic dependent launch (`GpuPlan.pdl`) and step 6's quantization in
+    the merge (`quantize_in_merge`) each off and on, the four alternating, two rounds: an A/B in one process."""
+    var c = decode_case[dtype](batch, heads, cache_len, fp8=fp8)  # random inputs, no CPU reference (large)
+    var d = DeviceCase[dtype](ctx, c)
     var cache_bytes = Float64(batch * (cache_len + 1) * cache_row_bytes[dtype](c))
     var weight_bytes = Float64(len(c.w_uk.bytes) + len(c.w_uv.bytes))
     var flops = 2.0 * Float64(batch * heads) * Float64(cache_len + 1) * Float64(c.key_dim + c.rank)
-    print(
-        "bench", dtype, cache_label(c), "B", batch, "H", heads, "L", cache_len + 1, ":", us, "us per call,",
-        (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,", flops / us / 1e6, "TFLOP/s attention",
-    )
+    var best = [Float64(1e30), Float64(1e30), Float64(1e30), Float64(1e30)]
+    var names = ["PDL off, quantize in step 6", "PDL on, quantize in step 6", "PDL off, quantize in merge", "PDL on, quantize in merge"]
+    for _ in range(2):
+        for mode in range(4):
+            var plan = d.plan(ctx, c)  # the op's own
+            plan.pdl = mode % 2 == 1
+            plan.quantize_in_merge = mode >= 2
+            var us = time_op[dtype](ctx, c, d, plan, iters)
+            best[mode] = min(best[mode], us)
+            print(
+                "bench", dtype, cache_label(c), "B", batch, "H", heads, "L", cache_len + 1, "(", names[mode], ", ", plan.num_partitions,
+                " partitions ) :", us, "us per call,", (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,",
+                flops / us / 1e6, "TFLOP/s attention",
+            )
+    for mode in range(4):
+        print("  best of 2,", cache_label(c), names[mode], ":", best[mode], "us (", best[mode] - best[0], "us vs PDL off, quantize in step 6 )")
 
 
 comptime OP_PLAN = (-1, 0, 0)
@@ -84,16 +106,16 @@ def bench_attention[
     var problem = d.problem(c)
     var limits = DeviceLimits.read(ctx)
     var plan = GpuPlan.create(problem, limits)
-    var parts = attention_partitions(problem, v, limits)
+    var ws = AttentionWorkspace(ctx, problem, plan.num_partitions if v[0] < 0 else attention_partitions(problem, v, limits))
     var t0 = 0
     for it in range(iters + 1):  # the first run is a warm-up
         if it == 1:
             ctx.synchronize()
             t0 = perf_counter_ns()
         comptime if v[0] < 0:
-            gpu_attention[dtype](ctx, problem, plan, untracked(q_full), untracked(raw))
+            gpu_attention_into[dtype](ctx, problem, plan, untracked(q_full), untracked(raw), ws, QuantizedRows.none(to_global(untracked(raw))))
         else:
-            gpu_attention_with[dtype, v](ctx, problem, parts, untracked(q_full), untracked(raw))
+            gpu_attention_with[dtype, v](ctx, problem, untracked(q_full), untracked(raw), ws, False, QuantizedRows.none(to_global(untracked(raw))))
     var us = time_us(ctx, t0) / Float64(iters)
     var cache_bytes = Float64(c.num_requests * (Int(c.lengths[0]) + 1) * cache_row_bytes[dtype](c))
     var line = String(

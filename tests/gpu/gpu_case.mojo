@@ -15,9 +15,12 @@ from mojo_kernels.gpu.pipeline import (
     gpu_attention,
     gpu_build_q_full,
     gpu_project_output,
+    gpu_run_plan,
     mla_decode_branch_fp8_gpu,
 )
+from mojo_kernels.gpu.params import to_global
 from mojo_kernels.gpu.plan import ATTENTION_VARIANTS, DeviceLimits, GpuPlan
+from mojo_kernels.gpu.projection_mma import QuantizedRows
 from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import Granularity, MaskSpec
@@ -497,18 +500,35 @@ struct DeviceCase[dtype: DType](Movable):
         var p = self.problem(c)
         p.attention_output = untracked(att_out)
         p.has_attention_output = True
-        gpu_project_output[Self.dtype](ctx, p, plan, untracked(raw))
+        gpu_project_output[Self.dtype](ctx, p, plan, untracked(raw), QuantizedRows.none(to_global(untracked(raw))))
 
-    def project_only(self, ctx: DeviceContext, c: Case, att: DeviceBuffer[Self.dtype]) raises:
-        """The op with first_step 6: step 6 alone into `self.output`, from the attention output `att`."""
+    def project_only(self, ctx: DeviceContext, c: Case, att: DeviceBuffer[Self.dtype], pdl: Bool = False) raises:
+        """The op with first_step 6: step 6 alone into `self.output`, from the attention output `att`
+        (`pdl`: the op's plan with programmatic dependent launch)."""
         var p = self.problem(c)
         p.attention_output = untracked(att)
         p.has_attention_output = True
         p.project_only = True
-        mla_decode_branch_fp8_gpu[Self.dtype](p, ctx)
+        if pdl:
+            var plan = GpuPlan.create(p, DeviceLimits.read(ctx))
+            plan.pdl = True
+            gpu_run_plan[Self.dtype](ctx, p, plan)
+        else:
+            mla_decode_branch_fp8_gpu[Self.dtype](p, ctx)
 
     def run_op(self, ctx: DeviceContext, c: Case) raises:
         mla_decode_branch_fp8_gpu[Self.dtype](self.problem(c), ctx)
+
+    def run_plan(self, ctx: DeviceContext, c: Case, plan: GpuPlan) raises:
+        """The whole op under `plan` (e.g. the op's plan with `pdl` set)."""
+        gpu_run_plan[Self.dtype](ctx, self.problem(c), plan)
+
+    def run_plan_storing(self, ctx: DeviceContext, c: Case, plan: GpuPlan, att_out: DeviceBuffer[Self.dtype]) raises:
+        """The whole op under `plan`, also storing the attention output in `att_out`."""
+        var p = self.problem(c)
+        p.attention_output = untracked(att_out)
+        p.has_attention_output = True
+        gpu_run_plan[Self.dtype](ctx, p, plan)
 
 
 def variant_index[v: Tuple[Int, Int, Int]]() -> Int:

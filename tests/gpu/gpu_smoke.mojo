@@ -15,11 +15,15 @@
 #   raw     attention from the GPU's own q_full and cache (float64 on the CPU), for 1 and several
 #           partitions, and the FMA, small-rank tensor-core and wgmma kernels pinned by a plan
 #   output  output projection of the GPU's raw (CPU fp8mm), then the whole op against the CPU pipeline
-#           with the tolerance of pymla/parity.py
+#           with the tolerance of pymla/parity.py, with programmatic dependent launch (PDL) on and
+#           off (`GpuPlan.pdl`) and step 6's quantization in the partition merge on and off
+#           (`GpuPlan.quantize_in_merge`), the four bit for bit equal (output, attention output and
+#           the cache: its values, or an fp8_ds_mla cache's bytes)
 # Exit status 1 if any check fails.
 
 from std.memory import bitcast
 from std.sys import has_accelerator
+from std.utils.numerics import nan
 
 from max.gpu.host import DeviceContext
 
@@ -232,6 +236,29 @@ def check_fp8_new_rows_source[dtype: DType](ctx: DeviceContext, c: Case, in_plac
     return report("cache (fp8 rows from new_rows)", differ == 0, String(differ, " bytes differ from the in-place run"))
 
 
+def poison_workspaces(ctx: DeviceContext, c: Case, parts: Int) raises:
+    """NaN-filled buffers of the op's workspace sizes (q_full, raw, the partitions'), released at once:
+    the device's allocator tends to hand their memory to the next op call's workspaces, so that a
+    kernel reading one before its producer wrote it sees NaN, not an earlier call's equal values."""
+    var rows = c.num_tokens * c.heads
+    var sizes = [rows * c.key_dim, rows * c.rank, max(parts, 2) * rows * c.rank, max(parts, 2) * rows, max(parts, 2) * rows]
+    for n in sizes:
+        var buf = ctx.enqueue_create_buffer[DType.float32](max(n, 1))
+        ctx.enqueue_memset(buf, nan[DType.float32]())
+        _ = buf^
+
+
+def cache_state[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype]) raises -> List[Float32]:
+    """The cache after a run, to compare runs bit for bit: its values, or (`fp8`) the fp8_ds_mla rows' bytes."""
+    if not c.fp8:
+        return download[dtype](ctx, d.blocks, len(c.blocks))
+    var bytes = download_u8(ctx, d.fp8_bytes)
+    var out = List[Float32](capacity=len(bytes))
+    for b in bytes:
+        out.append(Float32(b))
+    return out^
+
+
 def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> Bool:
     print(name, "dtype", dtype, "fp8_ds_mla" if c.fp8 else "", "T", c.num_tokens, "H", c.heads, "R", c.rank, "Dr", c.rope, "Dn", c.nope, "Dv", c.v_dim,
           "mask", c.mask_kind, "window", c.window, "score_mod", c.score_mod, "gran", c.gm, c.gn, c.gk)
@@ -352,29 +379,69 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     ok = check_parity[dtype]("output stage", gpu_out_stage, ref_out_stage) and ok
     # The attention output the op stores on request: raw as dtype, exactly.
     ok = check_close("attention output store", download[dtype](ctx, att_out, rows * c.rank), gpu_raw, 0) and ok
-    # Step 6 alone (first_step 6) from that attention output: the op's own step 6, exactly.
-    ctx.enqueue_memset(d.output, Scalar[dtype](0))
-    d.project_only(ctx, c, att_out)
-    ok = check_close("step 6 alone (first_step 6)", download[dtype](ctx, d.output, rows * c.v_dim), gpu_out_stage, 0) and ok
+    # Step 6 alone (first_step 6) from that attention output: the op's own step 6, exactly,
+    # with programmatic dependent launch (PDL) off and on.
+    for pdl in [False, True]:
+        ctx.enqueue_memset(d.output, Scalar[dtype](0))
+        d.project_only(ctx, c, att_out, pdl)
+        var name = String("step 6 alone (first_step 6", ", PDL" if pdl else "", ")")
+        ok = check_close(name, download[dtype](ctx, d.output, rows * c.v_dim), gpu_out_stage, 0) and ok
 
-    # The whole op on fresh inputs against the CPU pipeline.
-    var d2 = DeviceCase[dtype](ctx, c)
-    d2.run_op(ctx, c)
-    var out = download[dtype](ctx, d2.output, rows * c.v_dim)
+    # The whole op on fresh inputs against the CPU pipeline, with its planned partitions and with 3
+    # (a merge, so step 6's quantization in the merge too), each with programmatic dependent launch
+    # (PDL) on and off and the quantization in the merge on and off (`GpuPlan.pdl`,
+    # `quantize_in_merge`). Per partition count the four agree bit for bit: PDL changes only when a
+    # kernel starts (a misplaced wait is a race that reads stale q_full, cache rows or raw), and the
+    # merge quantizes by the output step's rule. The first run (PDL on) gets poisoned workspaces.
     var ref_raw = cpu_attention[dtype](c, ref_q_full, ref_blocks)
     var ref_out = cpu_output(c, ref_raw)
     for i in range(len(ref_out)):
         ref_out[i] = round_to[dtype](ref_out[i])
-    comptime if dtype == DType.float32:
-        ok = check_parity[dtype]("op output", out, ref_out) and ok
-    else:
-        # End to end, step 6 re-quantizes an attention output that differs by the rounding of
-        # the probabilities: pymla/parity.py's end-to-end element bound (2 ulp + 2^-5).
-        ok = check_close("op output (end to end)", out, ref_out, 2 * ulp_of[dtype]() + Float32(2.0) ** -5) and ok
-    if c.fp8:
-        ok = check_fp8_rows("cache (fp8 rows, op)", c, download_u8(ctx, d2.fp8_bytes), want_bytes) and ok
-    else:
-        ok = check_cache[dtype](c, download[dtype](ctx, d2.blocks, len(c.blocks)), ref_blocks) and ok
+    var op_att = ctx.enqueue_create_buffer[dtype](max(rows * c.rank, 1))
+    for parts in [0, 3]:
+        var first_out = List[Float32]()
+        var first_att = List[Float32]()
+        var first_cache = List[Float32]()
+        for mode in range(4):
+            var pdl = mode == 0 or mode == 2
+            var in_merge = mode < 2
+            var d2 = DeviceCase[dtype](ctx, c)
+            var op_plan = d2.plan(ctx, c)
+            if parts > 0:
+                op_plan.num_partitions = parts
+            op_plan.pdl = pdl
+            op_plan.quantize_in_merge = in_merge
+            if mode == 0:
+                poison_workspaces(ctx, c, op_plan.num_partitions)
+            ctx.enqueue_memset(op_att, nan[dtype]())
+            d2.run_plan_storing(ctx, c, op_plan, op_att)
+            var out = download[dtype](ctx, d2.output, rows * c.v_dim)
+            var att = download[dtype](ctx, op_att, rows * c.rank)
+            var cache_after = cache_state[dtype](ctx, c, d2)  # fp8: the rows' bytes
+            var tag = String(
+                " (", "planned" if parts == 0 else String(parts), " partitions, PDL ", "on" if pdl else "off",
+                ", quantized in the merge" if in_merge else "", ")",
+            )
+            if mode == 0:
+                comptime if dtype == DType.float32:
+                    ok = check_parity[dtype](String("op output", tag), out, ref_out) and ok
+                else:
+                    # End to end, step 6 re-quantizes an attention output that differs by the rounding of
+                    # the probabilities: pymla/parity.py's end-to-end element bound (2 ulp + 2^-5).
+                    ok = check_close(String("op output (end to end)", tag), out, ref_out, 2 * ulp_of[dtype]() + Float32(2.0) ** -5) and ok
+                ok = check_close(String("op attention output", tag), att, raw_from_gpu, raw_tolerance[dtype]()) and ok
+                if c.fp8:
+                    ok = check_fp8_rows(String("cache (fp8 rows, op)", tag), c, download_u8(ctx, d2.fp8_bytes), want_bytes) and ok
+                else:
+                    ok = check_cache[dtype](c, cache_after, ref_blocks) and ok
+                first_out = out^
+                first_att = att^
+                first_cache = cache_after^
+            else:
+                ok = check_close(String("op output, bit for bit", tag), out, first_out, 0) and ok
+                ok = check_close(String("op attention output, bit for bit", tag), att, first_att, 0) and ok
+                ok = check_close(String("cache, bit for bit", tag), cache_after, first_cache, 0) and ok
+    _ = op_att^
     _ = q_full_buf^
     _ = raw_buf^
     _ = att_out^
