@@ -75,10 +75,23 @@ def widen_e4m3_bf16[w: Int](bytes: SIMD[DType.uint8, w], k: Int) -> SIMD[DType.b
     """`e4m3 * 2^k` as bfloat16, exactly, in 16-bit integer arithmetic (`k` from `bf16_scale_shift`).
 
     A normal e4m3 (exponent field `e >= 1`, mantissa `m`) is `1.m * 2^(e - 7)`:
-    the bfloat16 with exponent field `e + 120 + k` and mantissa `m << 4`, that is
-    `(magnitude << 4) + ((120 + k) << 7)`. A subnormal one is `m * 2^-9`, converted
-    through float32 (exact: 3 bits). The sign on top; zero stays zero.
+    the bfloat16 with exponent field `e + 120 + k` and mantissa `m << 4`. The
+    byte sign-extended to 16 bits and shifted left by 4 holds the sign at bit
+    15 and `e, m` at bits 7..10 and 4..6 (mask `0x87F0`); adding `(120 + k) << 7`
+    rebiases the exponent, which stays within 1..254 and never reaches the
+    sign. Vectors with a zero or subnormal byte (`e == 0`: rare in a cache
+    block scaled to its largest value) take `widen_e4m3_bf16_any`.
     """
+    if (bytes & 0x78).eq(0).reduce_or():
+        return widen_e4m3_bf16_any[w](bytes, k)
+    var extended = bitcast[DType.uint16, w](bitcast[DType.int8, w](bytes).cast[DType.int16]())
+    return bitcast[DType.bfloat16, w](((extended << 4) & 0x87F0) + UInt16((120 + k) << 7))
+
+
+@always_inline
+def widen_e4m3_bf16_any[w: Int](bytes: SIMD[DType.uint8, w], k: Int) -> SIMD[DType.bfloat16, w]:
+    """`widen_e4m3_bf16` for any bytes: a subnormal e4m3 is `m * 2^-9`, converted through float32
+    (exact: 3 bits); zero stays zero."""
     var b = bytes.cast[DType.uint16]()
     var magnitude = b & 0x7F
     var normal = (magnitude << 4) + UInt16((120 + k) << 7)

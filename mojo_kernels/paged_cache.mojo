@@ -108,6 +108,37 @@ def cache_row_offset(
     return page * page_stride + layer_offset + (pos % page_size) * key_dim
 
 
+@always_inline
+def cache_tile_offsets[
+    tile: Int
+](
+    lookup: U32Ptr,
+    pages_per_request: Int,
+    page_size: Int,
+    page_stride: Int,
+    layer_offset: Int,
+    key_dim: Int,
+    b: Int,
+    j0: Int,
+    last: Int,
+) -> Array[Int, tile]:
+    """`cache_row_offset` of positions `j0 .. j0 + tile - 1`, positions past `last` at `last`'s row
+    (`j0 <= last`): one page table lookup per page, the rows of a page `key_dim` apart."""
+    var offset = cache_row_offset(lookup, pages_per_request, page_size, page_stride, layer_offset, key_dim, b, j0)
+    var left = page_size - j0 % page_size  # rows of j0's page from j0 on
+    var offsets = Array[Int, tile](fill=offset)
+    comptime for c in range(1, tile):
+        if j0 + c <= last:
+            left -= 1
+            if left == 0:
+                offset = cache_row_offset(lookup, pages_per_request, page_size, page_stride, layer_offset, key_dim, b, j0 + c)
+                left = page_size
+            else:
+                offset += key_dim
+        offsets[c] = offset
+    return offsets^
+
+
 @fieldwise_init
 struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
     """The rows of one layer of the paged cache, one per (request, position)."""
@@ -148,6 +179,17 @@ struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
                 self.layer_offset, self.head_dim, b, pos,
             )
         )
+
+    def tile_rows[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[DPtr[Self.dtype], tile]:
+        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`cache_tile_offsets`)."""
+        var offsets = cache_tile_offsets[tile](
+            self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
+            self.layer_offset, self.head_dim, b, min(j0, last), last,
+        )
+        var rows = Array[DPtr[Self.dtype], tile](fill=self.blocks)
+        comptime for c in range(tile):
+            rows[c] = self.blocks.unsafe_offset(offsets[c])
+        return rows^
 
 
 comptime FP8_SCALE_BLOCK = 128
@@ -214,6 +256,17 @@ struct Fp8LatentRows(TrivialRegisterPassable):
             )
         )
 
+    def tile_rows[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[U8Ptr, tile]:
+        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`cache_tile_offsets`)."""
+        var offsets = cache_tile_offsets[tile](
+            self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
+            self.layer_offset, self.row_bytes, b, min(j0, last), last,
+        )
+        var rows = Array[U8Ptr, tile](fill=self.bytes)
+        comptime for c in range(tile):
+            rows[c] = self.bytes.unsafe_offset(offsets[c])
+        return rows^
+
     def scales(self, row: U8Ptr) -> FPtr:
         return row.unsafe_offset(self.kv_lora_rank).unsafe_bitcast[Float32]()
 
@@ -224,8 +277,23 @@ struct Fp8LatentRows(TrivialRegisterPassable):
 
     def dequantize_row[out_dtype: DType](self, b: Int, pos: Int, dst: DPtr[out_dtype]):
         """`dst[:R + Dr]` = the row's values (`e4m3 * scale`, then the rope part): exact in bfloat16 and float32."""
+        self.dequantize(self.row(b, pos), dst)
+
+    def dequantize_rows[out_dtype: DType](self, b: Int, pos: Int, count: Int, dst: DPtr[out_dtype], dst_stride: Int):
+        """`dequantize_row` of positions `pos .. pos + count - 1` into rows `dst_stride` apart: one page
+        table lookup per page they span (rows within a page are `row_bytes` apart)."""
+        var p = pos
+        while p < pos + count:
+            var row = self.row(b, p)
+            var run = min(self.page_size - p % self.page_size, pos + count - p)
+            for i in range(run):
+                self.dequantize(row.unsafe_offset(i * self.row_bytes), dst.unsafe_offset((p - pos + i) * dst_stride))
+            p += run
+
+    @always_inline
+    def dequantize[out_dtype: DType](self, row: U8Ptr, dst: DPtr[out_dtype]):
+        """`dst[:R + Dr]` = the values of the row at `row`."""
         comptime W = 16
-        var row = self.row(b, pos)
         var scales = self.scales(row)
         for block in range(self.kv_lora_rank // FP8_SCALE_BLOCK):
             var s = scales.unsafe_load(block)

@@ -140,3 +140,13 @@ for d in "$WHL"/parts/part*/; do
     printf '  %-20s %s\n' "${d%/}" "$(du -b "$d" | cut -f1) bytes"
 done
 echo "total wheels: $(du -cb "$WHL"/w/*.whl | tail -1 | cut -f1) bytes in $i parts"
+
+# FlashInfer alone, for a peer run without MAX: two carries (the 62 MB wheel; its dependencies).
+if [[ "${WITH_FLASHINFER:-0}" == 1 ]]; then
+    rm -rf "$WHL/fi" && mkdir -p "$WHL/fi/a" "$WHL/fi/b"
+    cp "$WHL"/w/flashinfer_python-*.whl "$WHL/fi/a/"
+    for w in apache_tvm_ffi einops tabulate tqdm nvidia_ml_py ninja requests urllib3 idna certifi; do
+        cp "$WHL"/w/"$w"-*.whl "$WHL/fi/b/"
+    done
+    echo "FlashInfer without MAX: $WHL/fi/a ($(du -sb "$WHL/fi/a" | cut -f1) bytes), $WHL/fi/b ($(du -sb "$WHL/fi/b" | cut -f1) bytes)"
+fi

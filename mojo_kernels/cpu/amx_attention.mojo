@@ -38,6 +38,9 @@ from std.sys import prefetch
 
 from ..common import FPtr, ceil_div
 from .amx import (
+    ACC,
+    LEFT,
+    RIGHT,
     TILE_BYTES,
     TILE_DEPTH,
     TILE_ELEMENTS,
@@ -171,7 +174,7 @@ def score_group[
     """
     comptime assert RB * KB == 4
     comptime for a in range(4):
-        unit.zero[a]()
+        unit.zero[ACC + a]()
     for s in range(steps):
         if prefetch_next:
             comptime for j in range(KB * TILE_ROWS):
@@ -184,10 +187,10 @@ def score_group[
             unit.load[k_reg](keys[kb0 + k].tile(s * TILE_DEPTH), keys[kb0 + k].stride_bytes())
             comptime for i in range(RB):
                 comptime q_reg = 4 if RB == 1 else 6 + i
-                unit.dot[i * KB + k, k_reg, q_reg]()
+                unit.dot[ACC + i * KB + k, k_reg, q_reg]()
     comptime for i in range(RB):
         comptime for k in range(KB):
-            unit.store[i * KB + k](f32_bytes(acc, (i * KB + k) * 256), TILE_BYTES)
+            unit.store[ACC + i * KB + k](f32_bytes(acc, (i * KB + k) * 256), TILE_BYTES)
             transpose_into_scores(
                 acc.unsafe_offset((i * KB + k) * 256), scores, (rb0 + i) * TILE_ROWS, (kb0 + k) * TILE_ROWS,
                 AMX_KEY_TILE,
@@ -209,10 +212,10 @@ def tile_scores_amx[
     """`scores [rows, AMX_KEY_TILE]` of the tile's key blocks against the packed queries; `acc [4 x 256]` is scratch.
 
     Row blocks in pairs against pairs of key blocks; a last (or only) row
-    block against all four. The passes of the first row blocks prefetch
-    the next tile (`next_keys`).
+    block against four key blocks at a time. The passes of the first row
+    blocks prefetch the next tile (`next_keys`).
     """
-    comptime assert KEY_BLOCKS == 4
+    comptime assert KEY_BLOCKS % 4 == 0
     var row_blocks = padded_rows // TILE_ROWS
     var rb = 0
     while rb + 1 < row_blocks:
@@ -220,7 +223,8 @@ def tile_scores_amx[
             score_group[T, 2, 2](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
         rb += 2
     if rb < row_blocks:
-        score_group[T, 1, 4](unit, keys, 0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+        comptime for kb0 in range(0, KEY_BLOCKS, 4):
+            score_group[T, 1, 4](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
 
 
 @fieldwise_init
@@ -251,42 +255,48 @@ def values_2x2[
 ](mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], c: Int, rights: Int):
     """Accumulators `(i, j)`, `i < layout.lefts`, `j < rights`, += left `i` x right `j` over the depth pieces.
 
-    Registers: accumulator `2 i + j` (tiles 0-3), left tiles 4 and 5, right tiles 6 and 7.
+    Registers: accumulator `ACC + 2 i + j`, left tiles `LEFT + i`, right tiles `RIGHT + j` (`cpu/amx.mojo`).
     """
     var two_left = layout.lefts == 2
     var two_right = rights == 2
     var o = layout.out.unsafe_offset(c * layout.out_block)
-    var o01 = o.unsafe_offset(layout.out_block)
-    var o10 = o.unsafe_offset(layout.out_step)
-    var o11 = o10.unsafe_offset(layout.out_block)
-    unit.load[0](o, layout.out_stride)
-    if two_right:
-        unit.load[1](o01, layout.out_stride)
-    if two_left:
-        unit.load[2](o10, layout.out_stride)
-        if two_right:
-            unit.load[3](o11, layout.out_stride)
+    var places = Array[BytePtr, 4](fill=o)
+    places[1] = o.unsafe_offset(layout.out_block)
+    places[2] = o.unsafe_offset(layout.out_step)
+    places[3] = places[2].unsafe_offset(layout.out_block)
+    var live = Array[Bool, 4](fill=True)
+    live[1] = two_right
+    live[2] = two_left
+    live[3] = two_left and two_right
+    move_accumulators[T, False](unit, places, live, layout.out_stride)
     for d in range(layout.pieces):
         var left = layout.left.unsafe_offset(d * layout.left_piece)
         var v = values[d]
-        unit.load[4](left, layout.left_stride)
-        unit.load[6](v.tile(TILE_DEPTH * c), v.stride_bytes())
-        unit.dot[0, 4, 6]()
+        unit.load[LEFT](left, layout.left_stride)
+        unit.load[RIGHT](v.tile(TILE_DEPTH * c), v.stride_bytes())
+        unit.dot[ACC, LEFT, RIGHT]()
         if two_right:
-            unit.load[7](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
-            unit.dot[1, 4, 7]()
+            unit.load[RIGHT + 1](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
+            unit.dot[ACC + 1, LEFT, RIGHT + 1]()
         if two_left:
-            unit.load[5](left.unsafe_offset(layout.left_step), layout.left_stride)
-            unit.dot[2, 5, 6]()
+            unit.load[LEFT + 1](left.unsafe_offset(layout.left_step), layout.left_stride)
+            unit.dot[ACC + 2, LEFT + 1, RIGHT]()
             if two_right:
-                unit.dot[3, 5, 7]()
-    unit.store[0](o, layout.out_stride)
-    if two_right:
-        unit.store[1](o01, layout.out_stride)
-    if two_left:
-        unit.store[2](o10, layout.out_stride)
-        if two_right:
-            unit.store[3](o11, layout.out_stride)
+                unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
+    move_accumulators[T, True](unit, places, live, layout.out_stride)
+
+
+@always_inline
+def move_accumulators[
+    T: TileUnit, store: Bool
+](mut unit: T, places: Array[BytePtr, 4], live: Array[Bool, 4], stride: Int):
+    """Loads (or stores) accumulator tiles `ACC + a` that are `live` from (to) `places[a]`, rows `stride` bytes apart."""
+    comptime for a in range(4):
+        if live[a]:
+            comptime if store:
+                unit.store[ACC + a](places[a], stride)
+            else:
+                unit.load[ACC + a](places[a], stride)
 
 
 comptime SPLIT_ROW_WORDS = KEY_BLOCKS * 2 * TILE_PAIRS

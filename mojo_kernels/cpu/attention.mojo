@@ -78,7 +78,7 @@ comptime PATH_AMX = 2
 @fieldwise_init
 struct CacheKeys[dtype: DType](TrivialRegisterPassable):
     """Where a task reads its keys: the cache rows of `dtype` in place, or `fp8_ds_mla` rows
-    (when `fp8.active`), dequantized exactly (`Fp8LatentRows.dequantize_row`)."""
+    (when `fp8.active`), dequantized exactly (`Fp8LatentRows.dequantize_rows`)."""
 
     var rows: PagedLatentRows[Self.dtype]
     var fp8: Fp8LatentRows
@@ -88,18 +88,21 @@ struct CacheKeys[dtype: DType](TrivialRegisterPassable):
         if not self.fp8.active:
             return tile_rows[Self.dtype, tile](self.rows, b, j0, k_hi)
         var count = max(min(tile, k_hi - j0), 1)
-        for c in range(count):
-            self.fp8.dequantize_row[DType.bfloat16](b, j0 + c, staging.unsafe_offset(c * key_dim))
+        self.fp8.dequantize_rows[DType.bfloat16](b, j0, count, staging, key_dim)
         var keys = Array[BF16Ptr, tile](fill=staging.unsafe_offset((count - 1) * key_dim))
         for c in range(count):
             keys[c] = staging.unsafe_offset(c * key_dim)
         return keys^
 
-    def stored_row(self, b: Int, j: Int) -> BF16Ptr:
-        """Where key slot `j`'s stored row starts (bf16 row, or fp8 bytes): what to prefetch."""
-        if self.fp8.active:
-            return self.fp8.row(b, j).unsafe_bitcast[BFloat16]()
-        return self.rows.row(b, j).unsafe_bitcast[BFloat16]()
+    def stored_rows[tile: Int](self, b: Int, j0: Int, k_hi: Int) -> Array[BF16Ptr, tile]:
+        """Where the stored rows of keys `j0 ..` start (bf16 rows, or fp8 bytes), as `tile_rows`: what to prefetch."""
+        if not self.fp8.active:
+            return tile_rows[Self.dtype, tile](self.rows, b, j0, k_hi)
+        var stored = self.fp8.tile_rows[tile](b, j0, k_hi - 1)
+        var rows = Array[BF16Ptr, tile](fill=stored[0].unsafe_bitcast[BFloat16]())
+        comptime for c in range(tile):
+            rows[c] = stored[c].unsafe_bitcast[BFloat16]()
+        return rows^
 
 
 def load_key_tile[
@@ -107,11 +110,11 @@ def load_key_tile[
 ](keys: CacheKeys[dtype], b: Int, j0: Int, j1: Int, tile: FPtr, key_dim: Int):
     """Widens cache rows `j0 .. j1 - 1` of request `b` into the first rows of `tile [KEY_TILE, key_dim]`."""
     comptime W = F32_WIDTH
+    if keys.fp8.active:
+        keys.fp8.dequantize_rows[DType.float32](b, j0, j1 - j0, tile, key_dim)
+        return
     for j in range(j0, j1):
         var dst = tile.unsafe_offset((j - j0) * key_dim)
-        if keys.fp8.active:
-            keys.fp8.dequantize_row[DType.float32](b, j, dst)
-            continue
         var src = keys.rows.row(b, j)
         var k = 0
         while k + W <= key_dim:
@@ -205,9 +208,10 @@ def tile_rows[
     dtype: DType, tile: Int
 ](cache: PagedLatentRows[dtype], b: Int, j0: Int, k_hi: Int) -> Array[BF16Ptr, tile]:
     """Pointers to the cache rows of keys `j0 .. j0 + tile - 1` of request `b`; keys from `k_hi` on point at key `k_hi - 1`."""
-    var keys = Array[BF16Ptr, tile](fill=cache.row(b, j0).unsafe_bitcast[BFloat16]())
+    var rows = cache.tile_rows[tile](b, j0, k_hi - 1)
+    var keys = Array[BF16Ptr, tile](fill=rows[0].unsafe_bitcast[BFloat16]())
     comptime for c in range(tile):
-        keys[c] = cache.row(b, min(j0 + c, k_hi - 1)).unsafe_bitcast[BFloat16]()
+        keys[c] = rows[c].unsafe_bitcast[BFloat16]()
     return keys^
 
 
@@ -235,6 +239,9 @@ def attend_tiles_bf16[
     var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var staging_buf = List[BFloat16](length=2 * tile * key_dim if keys.fp8.active else 0, fill=0)
     var staging = staging_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    # What the scores prefetch: the rows read next, in place (bf16 rows: the next tile's) or by the
+    # dequantization (fp8 rows: the tile after the next, which is dequantized before this one is scored).
+    var ahead = tile if keys.fp8.active else 0
     var slot = 0
     var first = keys.tile[tile](b, k_lo, k_hi, staging, key_dim)
     var scoring = TileScores[tile](q, first.copy(), first^, scratch(rows.scores_buf), key_dim)
@@ -242,13 +249,14 @@ def attend_tiles_bf16[
     while j0 < k_hi:
         var j1 = min(j0 + tile, k_hi)
         slot = 1 - slot
-        scoring.next_keys = keys.tile[tile](b, min(j1, k_hi - 1), k_hi, staging.unsafe_offset(slot * tile * key_dim), key_dim)
+        var upcoming = keys.tile[tile](b, min(j1, k_hi - 1), k_hi, staging.unsafe_offset(slot * tile * key_dim), key_dim)
+        scoring.next_keys = keys.stored_rows[tile](b, min(j1 + ahead, k_hi - 1), k_hi)
         tile_scores_bf16(scoring, rows.padded)
         softmax_update[dtype, tile](rows, j0, j1 - j0, scale, shard)
         accumulate_values_bf16[tile](
             scratch(rows.scores_buf), probs, scoring.keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
         )
-        scoring.keys = scoring.next_keys.copy()
+        scoring.keys = upcoming^
         j0 = j1
     _ = q_buf^
     unpermute_value_columns(scratch(rows.out_buf), rows.num_rows, rank)
@@ -283,12 +291,12 @@ def key_block[
         return KeyRows(staging, padded_dim)  # no key of the task: every score masked, every value zero
     if keys.fp8.active:
         for j in range(TILE_ROWS):
-            var dst = staging.unsafe_offset(j * padded_dim)
-            if j0 + j >= first and j0 + j < last:
-                keys.fp8.dequantize_row[DType.bfloat16](b, j0 + j, dst)  # past key_dim: zeros, never written
-            else:
+            if j0 + j < first or j0 + j >= last:
+                var dst = staging.unsafe_offset(j * padded_dim)
                 for d in range(key_dim):
                     dst.unsafe_store(d, BFloat16(0))
+        # past key_dim: zeros, never written
+        keys.fp8.dequantize_rows[DType.bfloat16](b, first, last - first, staging.unsafe_offset((first - j0) * padded_dim), padded_dim)
         return KeyRows(staging, padded_dim)
     var cache = rebind[PagedLatentRows[DType.bfloat16]](keys.rows)
     var all_valid = first == j0 and last == j0 + TILE_ROWS
@@ -338,9 +346,7 @@ def attend_tiles_amx[
         var valid = Array[Bool, tile](fill=False)
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
-        var next_keys = Array[BF16Ptr, tile](fill=q_packed)
-        comptime for j in range(tile):
-            next_keys[j] = keys.stored_row(b, min(j0 + tile + j, k_hi - 1))
+        var next_keys = keys.stored_rows[tile](b, min(j0 + tile, k_hi - 1), k_hi)
         tile_scores_amx(
             unit, blocks, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
         )
@@ -386,7 +392,7 @@ def attend_partitions[
     var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
     var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var cache, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
+    def task(i: Int) {var q_full, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
         var b = i // tasks_per_request
         var hg = (i % tasks_per_request) // shape.num_partitions
         var part = i % shape.num_partitions

@@ -15,10 +15,36 @@ import re
 import sys
 
 COPY = re.compile(r"^copy ([\d.]+) GB/s")
+# `bench DTYPE [CACHE cache] B b H h L l [( PLAN, N partitions )] : ...`: the cache label and the
+# plan (PDL, where step 6 quantizes) were added by later gpu_bench versions.
 LINE = re.compile(
-    r"bench (\w+) B (\d+) H (\d+) L (\d+) : ([\d.]+) us per call, ([\d.]+) GB/s of cache\+weights, "
-    r"([\d.]+) TFLOP/s attention"
+    r"bench (\w+)(?: (\w+) cache)? B (\d+) H (\d+) L (\d+)(?: \((?P<plan>[^)]*)\))? : ([\d.]+) us per call, "
+    r"([\d.]+) GB/s of cache\+weights, ([\d.]+) TFLOP/s attention"
 )
+DEFAULT_PLAN = ("PDL off", "quantize in merge")
+"""The op's own plan among the ones `gpu_bench bench` alternates (mojo_kernels/gpu/plan.mojo:
+PDL_DEFAULT, QUANTIZE_IN_MERGE_DEFAULT)."""
+
+
+def parse_bench_line(line: str) -> dict | None:
+    """One `bench` line: dtype, cache, batch, heads, context, plan (None in older logs), us, GB/s, TFLOP/s."""
+    m = LINE.search(line)
+    if not m:
+        return None
+    dtype, cache, b, h, ctx, plan, us, gbps, tflops = m.groups()
+    plan = " ".join(plan.replace(",", " , ").split()) if plan else None
+    return {
+        "dtype": dtype,
+        "cache": cache or "dtype",
+        "batch": int(b),
+        "heads": int(h),
+        "context": int(ctx),
+        "plan": plan,
+        "default_plan": plan is None or all(part in plan for part in DEFAULT_PLAN),
+        "us": float(us),
+        "gbps": float(gbps),
+        "tflops": float(tflops),
+    }
 
 
 def main() -> int:
@@ -38,19 +64,21 @@ def main() -> int:
         print(f"{args.log}: no copy line; pass --copy-bytes-per-s", file=sys.stderr)
         return 1
     for line in lines:
-        m = LINE.search(line)
-        if m:
-            dtype, b, h, ctx, us, gbps, tflops = m.groups()
+        r = parse_bench_line(line)
+        if r:
             rows.append(
                 {
-                    "dtype": dtype,
-                    "batch": int(b),
-                    "heads": int(h),
-                    "context": int(ctx),
-                    "ms": round(float(us) / 1e3, 4),
-                    "bytes_per_s": float(gbps) * 1e9,
-                    "hbm_fraction": round(float(gbps) * 1e9 / copy, 4),
-                    "attention_tflops": round(float(tflops), 1),
+                    "dtype": r["dtype"],
+                    "cache": r["cache"],
+                    "batch": r["batch"],
+                    "heads": r["heads"],
+                    "context": r["context"],
+                    "plan": r["plan"],
+                    "default_plan": r["default_plan"],
+                    "ms": round(r["us"] / 1e3, 4),
+                    "bytes_per_s": r["gbps"] * 1e9,
+                    "hbm_fraction": round(r["gbps"] * 1e9 / copy, 4),
+                    "attention_tflops": round(r["tflops"], 1),
                 }
             )
     if not rows:

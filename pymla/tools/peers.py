@@ -25,7 +25,8 @@ import json
 import re
 from pathlib import Path
 
-OP = re.compile(r"bench \w+ B (\d+) H (\d+) L (\d+) : ([\d.]+) us per call")
+from pymla.tools.gpu_bench_json import parse_bench_line
+
 VARIANTS = re.compile(r"^variants B (\d+) H (\d+) L (\d+)")
 OWN = re.compile(r"attention groups 0 kt 0 .*: ([\d.]+) us")
 COPY = re.compile(r"^copy ([\d.]+) GB/s")
@@ -36,9 +37,12 @@ def parse(folder: Path) -> dict:
     for line in (folder / "gpu_op_bench.log").read_text().splitlines():
         if m := COPY.match(line):
             copy = float(m[1])
-        if m := OP.search(line):
-            b, h, keys = int(m[1]), int(m[2]), int(m[3])
-            op[(h, b, keys)] = float(m[4]) / 1e3
+        r = parse_bench_line(line)
+        if (
+            r and r["cache"] == "dtype" and r["default_plan"]
+        ):  # the op's own plan, best of its rounds
+            key = (r["heads"], r["batch"], r["context"])
+            op[key] = min(op.get(key, float("inf")), r["us"] / 1e3)
     shape = None
     for line in (folder / "gpu_variants.log").read_text().splitlines():
         if m := VARIANTS.match(line):

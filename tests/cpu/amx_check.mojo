@@ -6,6 +6,8 @@
 #     /tmp/amx_check            # correctness: every case on the emulated tiles, and on the AMX unit
 #                               # where the CPU has it; then timings where the CPU has AMX
 #     /tmp/amx_check quick      # correctness only
+#     /tmp/amx_check overhead   # the AMX path with no tile instruction, 16 heads, on any CPU:
+#                               # `perf record /tmp/amx_check overhead` shows where the rest goes
 #
 # Each case (random bf16 caches, NaN in every slot past a request's tokens; page sizes 1/16/64/128 and one of 24, heads 1/16/128, ragged requests incl. ones with
 # no new token and ones with an empty cache, causal / sliding-window / no mask, 1 or several key
@@ -258,7 +260,8 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
 
 def check_fp8_widening(mut failures: Int):
     """`widen_e4m3_bf16` (the bf16 route of fp8 key reads) against `widen_e4m3 * 2^k` rounded to bf16:
-    bit for bit, every e4m3 byte but NaN, shifts across the range `bf16_scale_shift` allows."""
+    bit for bit, every e4m3 byte but NaN, alone and in vectors of 32 (normal only, or mixed with
+    zero and subnormal bytes: both routes), shifts across the range `bf16_scale_shift` allows."""
     var wrong = 0
     for k in [-120, -64, -9, -1, 0, 3, 64, 119]:
         if bf16_scale_shift(power_of_two(k)) != k:
@@ -270,6 +273,14 @@ def check_fp8_widening(mut failures: Int):
             var fast = widen_e4m3_bf16[2](byte, k)[0]
             var slow = (widen_e4m3[2](byte) * power_of_two(k)).cast[DType.bfloat16]()[0]
             if bitcast[DType.uint16](fast) != bitcast[DType.uint16](slow):
+                wrong += 1
+            # 32 consecutive bytes (NaN as 0x7E): vectors of normal bytes only and ones mixed with subnormals.
+            var window = SIMD[DType.uint8, 32](0)
+            comptime for i in range(32):
+                var y = (x + i) % 256
+                window[i] = UInt8(0x7E if y & 0x7F == 0x7F else y)
+            var fast_window = bitcast[DType.uint16, 32](widen_e4m3_bf16[32](window, k))
+            if fast_window != bitcast[DType.uint16, 32]((widen_e4m3[32](window) * power_of_two(k)).cast[DType.bfloat16]()):
                 wrong += 1
     if bf16_scale_shift(Float32(0.75)) != NO_SHIFT or bf16_scale_shift(power_of_two(-121)) != NO_SHIFT:
         wrong += 1
@@ -397,6 +408,12 @@ def time_op(mut c: Case, mut inputs: OpInputs, path: String, iters: Int) raises 
 
 def main() raises:
     var quick = len(argv()) > 1 and argv()[1] == "quick"
+    if len(argv()) > 1 and argv()[1] == "overhead":
+        # The AMX path's work outside the unit (no tile instruction: `NoTiles`), on any CPU: a
+        # target for a profiler (`perf record`), batch 8, 16k, page 64, 16 heads.
+        var c = Case(99, 16, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+        print("overhead: AMX path without tile instructions, 16 heads:", time_path[NoTiles](c, PATH_AMX, 20), "ms")
+        return
     print("amx_check: compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
     if amx_runs() and not amx_permitted():

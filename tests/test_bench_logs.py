@@ -1,0 +1,45 @@
+"""The device logs' `bench` lines parse in every format gpu_bench has printed (pymla.tools.gpu_bench_json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pymla.tools.gpu_bench_json import parse_bench_line
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+def parsed(path: Path) -> list[dict]:
+    return [r for line in path.read_text().splitlines() if (r := parse_bench_line(line))]
+
+
+def test_plain_lines():
+    rows = parsed(RESULTS / "h200-2026-12-03-final" / "gpu_op_bench.log")
+    assert rows and all(
+        r["plan"] is None and r["default_plan"] and r["cache"] == "dtype" for r in rows
+    )
+    assert {(r["heads"], r["batch"]) for r in rows} >= {(128, 64), (16, 8)}
+
+
+def test_lines_with_a_plan():
+    rows = parsed(RESULTS / "h200-2026-12-05b" / "bench_pdl.log")
+    assert len(rows) == 16  # 2 shapes x 4 plans x 2 rounds
+    default = [r for r in rows if r["default_plan"]]
+    assert len(default) == 4 and all(
+        "PDL off" in r["plan"] and "merge" in r["plan"] for r in default
+    )
+    assert min(r["us"] for r in default if r["heads"] == 16) == 65.76172
+
+
+def test_lines_with_a_cache_label():
+    rows = parsed(RESULTS / "h200-2026-12-05b" / "bench_fp8.log")
+    assert [r["cache"] for r in rows] == [
+        "dtype",
+        "fp8_ds_mla",
+        "dtype",
+        "dtype",
+        "fp8_ds_mla",
+        "dtype",
+        "fp8_ds_mla",
+    ]
+    assert rows[-1]["us"] == 3288.654 and rows[-1]["batch"] == 128 and rows[-1]["context"] == 32768
