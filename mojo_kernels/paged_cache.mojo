@@ -92,51 +92,42 @@ struct RaggedBatch(TrivialRegisterPassable):
         return (self.shard.local_count(lo), self.shard.local_count(hi))
 
 
-@always_inline
-def cache_row_offset(
-    lookup: U32Ptr,
-    pages_per_request: Int,
-    page_size: Int,
-    page_stride: Int,
-    layer_offset: Int,
-    key_dim: Int,
-    b: Int,
-    pos: Int,
-) -> Int:
-    """Element offset in the cache blocks of request `b`'s row at position `pos`."""
-    var page = Int(lookup.unsafe_load(b * pages_per_request + pos // page_size))
-    return page * page_stride + layer_offset + (pos % page_size) * key_dim
+@fieldwise_init
+struct PageTable(TrivialRegisterPassable):
+    """Where one layer's rows sit in the paged blocks: request `b`'s position `pos` is row
+    `pos % page_size` of page `lookup[b * pages_per_request + pos // page_size]`; rows are
+    `row_width` elements apart, pages `page_stride`, the layer at `layer_offset` in a page."""
 
+    var lookup: U32Ptr
+    var pages_per_request: Int
+    var page_size: Int
+    var page_stride: Int
+    var layer_offset: Int
+    var row_width: Int
 
-@always_inline
-def cache_tile_offsets[
-    tile: Int
-](
-    lookup: U32Ptr,
-    pages_per_request: Int,
-    page_size: Int,
-    page_stride: Int,
-    layer_offset: Int,
-    key_dim: Int,
-    b: Int,
-    j0: Int,
-    last: Int,
-) -> Array[Int, tile]:
-    """`cache_row_offset` of positions `j0 .. j0 + tile - 1`, positions past `last` at `last`'s row
-    (`j0 <= last`): one page table lookup per page, the rows of a page `key_dim` apart."""
-    var offset = cache_row_offset(lookup, pages_per_request, page_size, page_stride, layer_offset, key_dim, b, j0)
-    var left = page_size - j0 % page_size  # rows of j0's page from j0 on
-    var offsets = Array[Int, tile](fill=offset)
-    comptime for c in range(1, tile):
-        if j0 + c <= last:
-            left -= 1
-            if left == 0:
-                offset = cache_row_offset(lookup, pages_per_request, page_size, page_stride, layer_offset, key_dim, b, j0 + c)
-                left = page_size
-            else:
-                offset += key_dim
-        offsets[c] = offset
-    return offsets^
+    @always_inline
+    def row_offset(self, b: Int, pos: Int) -> Int:
+        """Element offset in the blocks of request `b`'s row at position `pos`."""
+        var page = Int(self.lookup.unsafe_load(b * self.pages_per_request + pos // self.page_size))
+        return page * self.page_stride + self.layer_offset + (pos % self.page_size) * self.row_width
+
+    @always_inline
+    def tile_offsets[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[Int, tile]:
+        """`row_offset` of positions `j0 .. j0 + tile - 1`, positions past `last` at `last`'s row
+        (`j0 <= last`): one page table lookup per page, the rows of a page `row_width` apart."""
+        var offset = self.row_offset(b, j0)
+        var left = self.page_size - j0 % self.page_size  # rows of j0's page from j0 on
+        var offsets = Array[Int, tile](fill=offset)
+        comptime for c in range(1, tile):
+            if j0 + c <= last:
+                left -= 1
+                if left == 0:
+                    offset = self.row_offset(b, j0 + c)
+                    left = self.page_size
+                else:
+                    offset += self.row_width
+            offsets[c] = offset
+        return offsets^
 
 
 @fieldwise_init
@@ -171,21 +162,18 @@ struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
             head_dim,
         )
 
-    def row(self, b: Int, pos: Int) -> DPtr[Self.dtype]:
-        """The `head_dim` values of request `b` at sequence position `pos`."""
-        return self.blocks.unsafe_offset(
-            cache_row_offset(
-                self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
-                self.layer_offset, self.head_dim, b, pos,
-            )
+    def pages(self) -> PageTable:
+        return PageTable(
+            self.lookup_table, self.pages_per_request, self.page_size, self.page_stride, self.layer_offset, self.head_dim
         )
 
+    def row(self, b: Int, pos: Int) -> DPtr[Self.dtype]:
+        """The `head_dim` values of request `b` at sequence position `pos`."""
+        return self.blocks.unsafe_offset(self.pages().row_offset(b, pos))
+
     def tile_rows[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[DPtr[Self.dtype], tile]:
-        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`cache_tile_offsets`)."""
-        var offsets = cache_tile_offsets[tile](
-            self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
-            self.layer_offset, self.head_dim, b, min(j0, last), last,
-        )
+        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`PageTable.tile_offsets`)."""
+        var offsets = self.pages().tile_offsets[tile](b, min(j0, last), last)
         var rows = Array[DPtr[Self.dtype], tile](fill=self.blocks)
         comptime for c in range(tile):
             rows[c] = self.blocks.unsafe_offset(offsets[c])
@@ -247,21 +235,18 @@ struct Fp8LatentRows(TrivialRegisterPassable):
             True,
         )
 
-    def row(self, b: Int, pos: Int) -> U8Ptr:
-        """The `row_bytes` bytes of request `b` at sequence position `pos`."""
-        return self.bytes.unsafe_offset(
-            cache_row_offset(
-                self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
-                self.layer_offset, self.row_bytes, b, pos,
-            )
+    def pages(self) -> PageTable:
+        return PageTable(
+            self.lookup_table, self.pages_per_request, self.page_size, self.page_stride, self.layer_offset, self.row_bytes
         )
 
+    def row(self, b: Int, pos: Int) -> U8Ptr:
+        """The `row_bytes` bytes of request `b` at sequence position `pos`."""
+        return self.bytes.unsafe_offset(self.pages().row_offset(b, pos))
+
     def tile_rows[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[U8Ptr, tile]:
-        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`cache_tile_offsets`)."""
-        var offsets = cache_tile_offsets[tile](
-            self.lookup_table, self.pages_per_request, self.page_size, self.page_stride,
-            self.layer_offset, self.row_bytes, b, min(j0, last), last,
-        )
+        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`PageTable.tile_offsets`)."""
+        var offsets = self.pages().tile_offsets[tile](b, min(j0, last), last)
         var rows = Array[U8Ptr, tile](fill=self.bytes)
         comptime for c in range(tile):
             rows[c] = self.bytes.unsafe_offset(offsets[c])

@@ -54,6 +54,7 @@ BAD_OPTIONS = {
         ("--page-size", "1.5", "expected an integer >= 1, got '1.5'"),
         ("--path", "avx2", "invalid choice: 'avx2'"),
         ("--dtype", "int8", "invalid choice: 'int8'"),
+        ("--cache-format", "fp4", "invalid choice: 'fp4'"),
         ("--repeat", "0", "expected an integer >= 1, got '0'"),
         ("--output-dir", __file__, f"expected a folder, got the file {__file__!r}"),
     ],
@@ -302,6 +303,29 @@ def test_bench_saves_every_case_before_the_next(fast_rooflines, tmp_path, monkey
     assert result["rows"] == measured and result["rows"][0]["context"] == 8
     assert result["meta"]["cases"] == 2
     assert measured[0]["path"] == cpu_paths.resolve_cpu_path("auto", torch.bfloat16)
+
+
+def test_bench_times_the_fp8_cache_beside_the_dtype_cache(fast_rooflines, tmp_path, capsys):
+    argv = ["bench", *SMALL, "--context", "40", "--cache-format", "dtype", "fp8_ds_mla"]
+    assert main([*argv, "--output-dir", str(tmp_path)]) == 0
+    (saved,) = tmp_path.glob("cpu-*.json")
+    dtype_row, fp8_row = json.loads(saved.read_text())["rows"]
+    assert (dtype_row["cache_format"], fp8_row["cache_format"]) == ("dtype", "fp8_ds_mla")
+    assert dtype_row["op_ms"] > 0 and fp8_row["op_ms"] > 0
+    # The roofline reads the rows as stored: 576 bf16 values, or 656 bytes.
+    weights = dtype_row["cache_and_weight_bytes"] - 40 * 576 * 2
+    assert fp8_row["cache_and_weight_bytes"] == weights + 40 * 656
+    assert dtype_row["plain_torch_ms"] > 0 and fp8_row["plain_torch_ms"] is None
+    table = capsys.readouterr().out
+    assert " fp8_ds_mla |" in table and table.rstrip().count("\n") >= 3
+
+
+def test_bench_refuses_the_fp8_cache_with_another_dtype(tmp_path, capsys):
+    argv = ["bench", "--dtype", "float32", "--cache-format", "fp8_ds_mla"]
+    assert main([*argv, "--output-dir", str(tmp_path)]) == 2
+    assert_one_line_usage_error(
+        capsys, "bench", "argument --cache-format: fp8_ds_mla needs --dtype bfloat16, got float32"
+    )
 
 
 def test_bench_keeps_existing_results_without_force(tmp_path, capsys):

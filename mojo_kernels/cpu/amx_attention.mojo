@@ -60,8 +60,22 @@ comptime KEY_BLOCKS = 4
 comptime AMX_KEY_TILE = KEY_BLOCKS * TILE_ROWS
 comptime PACKED_PIECES = AMX_KEY_TILE // TILE_DEPTH
 """Depth steps of P V per key tile with values packed (32 keys each)."""
-comptime VALUES_IN_PLACE_MAX_ROW_BLOCKS = 2
-"""Up to this many 16-row blocks a task reads the values in place; more share one packed copy."""
+
+
+@fieldwise_init
+struct AmxTuning(TrivialRegisterPassable):
+    """The AMX path's tuning choices (data, measured by `tests/cpu/amx_check.mojo`)."""
+
+    var values_in_place_max_row_blocks: Int
+    """Up to this many 16-row blocks a task reads the values in place; more share one packed copy."""
+    var prefetch_line_stride: Int
+    """The score passes prefetch every this-many-th 64-byte line of the next tile's rows (1: every
+    line, 2: every other, the L2's adjacent-line prefetcher fetching the pair; 0: none, the
+    hardware prefetchers alone)."""
+
+
+comptime AMX_TUNING = AmxTuning(values_in_place_max_row_blocks=2, prefetch_line_stride=1)
+"""The op's AMX tuning."""
 
 
 @fieldwise_init
@@ -151,7 +165,7 @@ def pack_values(keys: Array[KeyRows, KEY_BLOCKS], valid: Array[Bool, AMX_KEY_TIL
 
 @always_inline
 def score_group[
-    T: TileUnit, RB: Int, KB: Int
+    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -169,16 +183,18 @@ def score_group[
     Registers: accumulator `i KB + k` (tiles 0-3); with one row block the
     query tile is 4 and the key blocks take 5, 6, 7, 5; with two, keys 4, 5
     and queries 6, 7. With `prefetch_next`, depth step `s` also prefetches
-    64-byte line `s` of the next tile's rows of these key blocks: pages are
-    scattered, so the hardware prefetcher cannot run ahead across them.
+    64-byte line `s` of the next tile's rows of these key blocks (every
+    `prefetch_line_stride`-th line, `AmxTuning`): pages are scattered, so the
+    hardware prefetcher cannot run ahead across them.
     """
     comptime assert RB * KB == 4
     comptime for a in range(4):
         unit.zero[ACC + a]()
     for s in range(steps):
-        if prefetch_next:
-            comptime for j in range(KB * TILE_ROWS):
-                prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
+        comptime if prefetch_line_stride > 0:
+            if prefetch_next and s % prefetch_line_stride == 0:
+                comptime for j in range(KB * TILE_ROWS):
+                    prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
         comptime for i in range(RB):
             comptime q_reg = 4 if RB == 1 else 6 + i
             unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
@@ -198,7 +214,7 @@ def score_group[
 
 
 def tile_scores_amx[
-    T: TileUnit
+    T: TileUnit, prefetch_line_stride: Int
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -220,11 +236,11 @@ def tile_scores_amx[
     var rb = 0
     while rb + 1 < row_blocks:
         comptime for kb0 in range(0, KEY_BLOCKS, 2):
-            score_group[T, 2, 2](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+            score_group[T, 2, 2, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
         rb += 2
     if rb < row_blocks:
         comptime for kb0 in range(0, KEY_BLOCKS, 4):
-            score_group[T, 1, 4](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+            score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
 
 
 @fieldwise_init

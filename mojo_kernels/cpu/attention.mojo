@@ -45,9 +45,10 @@ from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from .amx import TILE_DEPTH, TILE_ROWS, AmxTiles, TileUnit, untracked_bf16
 from .amx_attention import (
     AMX_KEY_TILE,
+    AMX_TUNING,
     KEY_BLOCKS,
-    VALUES_IN_PLACE_MAX_ROW_BLOCKS,
     AmxScratch,
+    AmxTuning,
     KeyRows,
     accumulate_values_amx,
     gather_keys,
@@ -313,7 +314,7 @@ def key_block[
 
 
 def attend_tiles_amx[
-    dtype: DType, tiles: TileUnit, in_place_max_row_blocks: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
+    dtype: DType, tiles: TileUnit, tuning: AmxTuning = AMX_TUNING
 ](
     mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
     key_dim: Int, rank: Int,
@@ -321,7 +322,7 @@ def attend_tiles_amx[
     """The task's keys on AMX tiles (`cpu/amx_attention.mojo`), key tiles aligned to multiples of AMX_KEY_TILE slots.
 
     `rows.padded` is a multiple of 16. Values are read in place up to
-    `in_place_max_row_blocks` row blocks, else packed once per key tile.
+    `tuning.values_in_place_max_row_blocks` row blocks, else packed once per key tile.
     """
     comptime assert dtype == DType.bfloat16, "the AMX path serves bfloat16 caches"
     comptime tile = AMX_KEY_TILE
@@ -330,7 +331,7 @@ def attend_tiles_amx[
     var buffers = AmxScratch(rows.padded, key_dim, rank)
     var steps = buffers.steps
     var padded_dim = steps * TILE_DEPTH
-    var in_place = rows.padded // TILE_ROWS <= in_place_max_row_blocks
+    var in_place = rows.padded // TILE_ROWS <= tuning.values_in_place_max_row_blocks
     var q_packed = untracked_bf16(buffers.q_packed)
     var out = scratch(buffers.out)
     pack_queries(scratch(rows.q_buf), q_packed, rows.padded, key_dim, steps)
@@ -347,7 +348,7 @@ def attend_tiles_amx[
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
         var next_keys = keys.stored_rows[tile](b, min(j0 + tile, k_hi - 1), k_hi)
-        tile_scores_amx(
+        tile_scores_amx[tiles, tuning.prefetch_line_stride](
             unit, blocks, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
         )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
@@ -367,7 +368,7 @@ def attend_tiles_amx[
 
 
 def attend_partitions[
-    dtype: DType, tiles: TileUnit = AmxTiles, in_place_max_row_blocks: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
+    dtype: DType, tiles: TileUnit = AmxTiles, tuning: AmxTuning = AMX_TUNING
 ](
     q_full: DPtr[dtype],
     cache: PagedLatentRows[dtype],
@@ -439,7 +440,7 @@ def attend_partitions[
         var done = False
         comptime if dtype == DType.bfloat16:
             if path == PATH_AMX:
-                attend_tiles_amx[dtype, tiles, in_place_max_row_blocks](
+                attend_tiles_amx[dtype, tiles, tuning](
                     rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank
                 )
                 done = True

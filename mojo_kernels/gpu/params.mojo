@@ -23,7 +23,7 @@ from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 from max.gpu.memory import AddressSpace
 
 from ..common import DPtr, FPtr, U8Ptr, U32Ptr
-from ..paged_cache import FP8_SCALE_BLOCK, CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch, cache_row_offset
+from ..paged_cache import FP8_SCALE_BLOCK, CacheShard, Fp8LatentRows, PagedLatentRows, PageTable, RaggedBatch
 from .addressing import find_request
 
 
@@ -122,10 +122,10 @@ struct DeviceCache[dtype: DType](TrivialRegisterPassable):
     @always_inline
     def row_offset(self, b: Int, pos: Int) -> Int:
         """Element offset in `blocks` of request `b`'s row at position `pos`."""
-        return cache_row_offset(
+        return PageTable(
             self.lookup, Int(self.pages_per_request), Int(self.page_size), Int(self.page_stride),
-            Int(self.layer_offset), Int(self.key_dim), b, pos,
-        )
+            Int(self.layer_offset), Int(self.key_dim),
+        ).row_offset(b, pos)
 
 
 @fieldwise_init

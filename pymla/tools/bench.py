@@ -11,7 +11,9 @@ x context x page size x CPU path, everything measured in the same run:
   2 x keys x heads x (576 + 512) (scores and P V);
 - the op's time per call and its ratio to the roofline;
 - plain torch (pymla.tools.plain_torch: the faster of its matmul and SDPA
-  attention) and the op's speed-up over it.
+  attention) and the op's speed-up over it; not run on an ``fp8_ds_mla``
+  cache (``--cache-format``: plain torch has no such cache), where the
+  roofline counts the stored 656-byte rows.
 
 Each row names the CPU path that ran (``auto`` resolved for the dtype); a
 requested path the compiled kernel lacks is skipped with the reason. The JSON
@@ -37,6 +39,7 @@ from pathlib import Path
 import torch
 
 from ..__main__ import CommandParser, int_at_least
+from ..cache_format import CACHE_FORMATS, DTYPE_FORMAT, FP8_DS_MLA, FP8_VALUE_DTYPE
 from ..cpu_paths import REQUESTS, cpu_model, kernel_cpu_paths, resolve_cpu_path
 from ..op import mla_decode_branch_fp8
 from .plain_torch import PlainTorchDecode
@@ -69,8 +72,8 @@ def visible_keys(case: Case) -> int:
 
 
 def cache_and_weight_bytes(case: Case) -> int:
-    """Bytes a call must read at least: every visible cache row and both fp8 weights with scales."""
-    row = case.cache.head_dim * case.cache.blocks.element_size()
+    """Bytes a call must read at least: every visible cache row as stored and both fp8 weights with scales."""
+    row = case.cache.blocks.shape[-1] * case.cache.blocks.element_size()
     weights = sum(
         case.weights[k].numel() * case.weights[k].element_size()
         for k in ("w_uk", "w_uk_scale", "w_uv", "w_uv_scale")
@@ -119,6 +122,7 @@ def bench_one(
     context: int,
     page_size: int,
     path: str,
+    cache_format: str,
     dtype: torch.dtype,
     copy_bw: float,
     mm_rate: float,
@@ -136,6 +140,7 @@ def bench_one(
         layer_idx=0,
         freqs="rope",
         extra_rows=1,
+        cache_format=cache_format,
     )
     options = dict(case.options, check_values=False)
     previous = os.environ.get("PYMLA_CPU_PATH")
@@ -154,7 +159,7 @@ def bench_one(
             os.environ["PYMLA_CPU_PATH"] = previous
     plain = {}
     kv = case.cache_tensors()
-    for attention in ("matmul", "sdpa"):
+    for attention in ("matmul", "sdpa") if cache_format == DTYPE_FORMAT else ():
         fn = PlainTorchDecode(
             case.weights["w_uk"],
             case.weights["w_uk_scale"],
@@ -168,7 +173,7 @@ def bench_one(
         plain[attention] = time_call(
             lambda fn=fn, args=args: fn(*args), warmup=1, repeat=max(3, repeat // 2)
         )
-    torch_kind = min(plain, key=plain.get)
+    torch_kind = min(plain, key=plain.get) if plain else None
     nbytes = cache_and_weight_bytes(case)
     flops = attention_flops(case)
     memory_s = nbytes / copy_bw
@@ -180,13 +185,14 @@ def bench_one(
         "context": context,
         "page_size": page_size,
         "path": path,
+        "cache_format": cache_format,
         "op_ms": op_s * 1e3,
         "roofline_ms": roofline_s * 1e3,
         "roofline_bound": "memory" if memory_s >= compute_s else "compute",
         "op_over_roofline": op_s / roofline_s,
-        "plain_torch_ms": plain[torch_kind] * 1e3,
+        "plain_torch_ms": plain[torch_kind] * 1e3 if plain else None,
         "plain_torch_attention": torch_kind,
-        "speedup_vs_plain_torch": plain[torch_kind] / op_s,
+        "speedup_vs_plain_torch": plain[torch_kind] / op_s if plain else None,
         "cache_and_weight_bytes": nbytes,
         "attention_flops": flops,
         "memory_floor_ms": memory_s * 1e3,
@@ -196,17 +202,20 @@ def bench_one(
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'heads':>5} {'batch':>5} {'ctx':>6} {'page':>4} {'path':>10} | {'op ms':>8} "
+        f"{'heads':>5} {'batch':>5} {'ctx':>6} {'page':>4} {'path':>10} {'cache':>10} | {'op ms':>8} "
         f"{'roof ms':>8} {'bound':>7} {'x roof':>6} | {'torch ms':>9} {'x faster':>8}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
+        torch_ms, faster = r["plain_torch_ms"], r["speedup_vs_plain_torch"]
         print(
-            f"{r['heads']:>5} {r['batch']:>5} {r['context']:>6} {r['page_size']:>4} {r['path']:>10} | "
-            f"{r['op_ms']:>8.2f} {r['roofline_ms']:>8.2f} {r['roofline_bound']:>7} "
-            f"{r['op_over_roofline']:>6.2f} | {r['plain_torch_ms']:>9.2f} "
-            f"{r['speedup_vs_plain_torch']:>8.2f}",
+            f"{r['heads']:>5} {r['batch']:>5} {r['context']:>6} {r['page_size']:>4} {r['path']:>10} "
+            f"{r['cache_format']:>10} | {r['op_ms']:>8.2f} {r['roofline_ms']:>8.2f} "
+            f"{r['roofline_bound']:>7} {r['op_over_roofline']:>6.2f} | "
+            + (
+                f"{torch_ms:>9.2f} {faster:>8.2f}" if torch_ms is not None else f"{'-':>9} {'-':>8}"
+            ),
             flush=True,
         )
 
@@ -219,6 +228,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
     labels = [
         f"{r['heads']}h b{r['batch']} {r['context'] // 1024}k p{r['page_size']}\n{r['path']}"
+        + ("" if r["cache_format"] == DTYPE_FORMAT else f" {r['cache_format']}")
         for r in rows
     ]
     x = range(len(rows))
@@ -227,7 +237,8 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     for i, (key, name) in enumerate(
         (("op_ms", "pymla op"), ("roofline_ms", "roofline"), ("plain_torch_ms", "plain torch"))
     ):
-        axes[0].bar([v + (i - 1) * width for v in x], [r[key] for r in rows], width, label=name)
+        heights = [r[key] if r[key] is not None else 0 for r in rows]  # no plain torch: no bar
+        axes[0].bar([v + (i - 1) * width for v in x], heights, width, label=name)
     axes[0].set_yscale("log")
     axes[0].set_ylabel("ms per call")
     axes[0].legend(fontsize=8)
@@ -278,6 +289,13 @@ def run(argv: list[str], prog: str) -> int:
     parser.add_argument(
         "--dtype", default="bfloat16", choices=list(DTYPES), help="activation dtype"
     )
+    parser.add_argument(
+        "--cache-format",
+        nargs="+",
+        default=[DTYPE_FORMAT],
+        choices=CACHE_FORMATS,
+        help=f"cache row formats (pymla.cache_format; {FP8_DS_MLA} with bfloat16 only)",
+    )
     parser.add_argument("--repeat", type=count, default=5, help="timed calls per case (median)")
     parser.add_argument(
         "--output-dir",
@@ -301,6 +319,10 @@ def run(argv: list[str], prog: str) -> int:
         )
 
     dtype = DTYPES[args.dtype]
+    if FP8_DS_MLA in args.cache_format and dtype != FP8_VALUE_DTYPE:
+        parser.error(
+            f"argument --cache-format: {FP8_DS_MLA} needs --dtype bfloat16, got {args.dtype}"
+        )
     kernel_paths = kernel_cpu_paths()
     paths = paths_to_run(args.path, dtype)
     if not paths:
@@ -321,7 +343,11 @@ def run(argv: list[str], prog: str) -> int:
         f"bf16 matmul (torch mm 2048^3): {mm_rate / 1e9:.0f} GFLOP/s",
         flush=True,
     )
-    configs = list(itertools.product(args.heads, args.batch, args.context, args.page_size, paths))
+    configs = list(
+        itertools.product(
+            args.heads, args.batch, args.context, args.page_size, paths, args.cache_format
+        )
+    )
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_model": model,
@@ -338,15 +364,26 @@ def run(argv: list[str], prog: str) -> int:
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    for i, (heads, batch, context, page_size, path) in enumerate(configs, 1):
+    for i, (heads, batch, context, page_size, path, cache_format) in enumerate(configs, 1):
         print(
             f"[{i}/{len(configs)}] heads {heads}, batch {batch}, context {context}, "
-            f"page {page_size}, path {path} ...",
+            f"page {page_size}, path {path}, cache {cache_format} ...",
             file=sys.stderr,
             flush=True,
         )
         rows.append(
-            bench_one(heads, batch, context, page_size, path, dtype, copy_bw, mm_rate, args.repeat)
+            bench_one(
+                heads,
+                batch,
+                context,
+                page_size,
+                path,
+                cache_format,
+                dtype,
+                copy_bw,
+                mm_rate,
+                args.repeat,
+            )
         )
         save_json(outputs[0], {"meta": meta, "rows": rows})  # a later crash keeps these rows
     print()

@@ -21,7 +21,7 @@
 # with the thread count: step 5 alone, then the whole CPU op (mla_decode_branch_fp8_cpu with
 # DeepSeek-V3 dims, blockwise fp8 weights; PYMLA_CPU_PATH set per path). The AMX line also times
 # the path with `tdpbf16ps` left out and with no tile instruction at all (wrong results, where the
-# time goes). Steps 3 and 6 on tiles (cpu/amx_matmul.mojo): checks and timings in
+# time goes), and the AmxTuning variants of the next tile's prefetch (every 2nd / 4th line, none). Steps 3 and 6 on tiles (cpu/amx_matmul.mojo): checks and timings in
 # projection_check.mojo; the tile emulation in check_common.mojo. Exit status 1 if any check fails.
 
 from std.memory import bitcast
@@ -33,7 +33,7 @@ from std.time import perf_counter_ns
 from mojo_kernels.common import DPtr, FPtr, U32Ptr, ceil_div
 from mojo_kernels.fp8 import NO_SHIFT, bf16_scale_shift, power_of_two, widen_e4m3, widen_e4m3_bf16
 from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, TileUnit, amx_permitted
-from mojo_kernels.cpu.amx_attention import VALUES_IN_PLACE_MAX_ROW_BLOCKS
+from mojo_kernels.cpu.amx_attention import AMX_TUNING, AmxTuning
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
 from mojo_kernels.cpu.merge import AttentionShape, PartialResults, merge_partitions
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
@@ -50,8 +50,15 @@ comptime TOLERANCE: Float32 = 0.02
 """Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
 
 comptime BF16 = DType.bfloat16
-comptime ALWAYS = 1 << 20
-"""`in_place_max` that reads values in place at any row count."""
+comptime PACKED = AmxTuning(0, AMX_TUNING.prefetch_line_stride)
+"""The op's tuning with values always packed."""
+comptime IN_PLACE = AmxTuning(1 << 20, AMX_TUNING.prefetch_line_stride)
+"""The op's tuning with values always read in place."""
+
+
+def prefetching(stride: Int) -> AmxTuning:
+    """The op's tuning with the next tile's rows prefetched every `stride`-th line (0: none)."""
+    return AmxTuning(AMX_TUNING.values_in_place_max_row_blocks, stride)
 
 
 struct Case(Movable):
@@ -185,11 +192,11 @@ struct Case(Movable):
         return plan
 
     def attend[
-        tiles: TileUnit, in_place_max: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
+        tiles: TileUnit, tuning: AmxTuning = AMX_TUNING
     ](mut self, path: Int, partitions: Int) raises -> List[BFloat16]:
         """`attend_partitions` + `merge_partitions` on `path`: the attention output `[T, H, rank]`.
 
-        `in_place_max`: the AMX path reads values in place up to that many row blocks (0: always packed).
+        `tuning`: the AMX path's (`AmxTuning`; e.g. PACKED, IN_PLACE).
         """
         var shape = self.shape(partitions)
         var rows = shape.num_partitions * self.num_tokens * self.num_heads
@@ -203,7 +210,7 @@ struct Case(Movable):
         )
         var raw = List[BFloat16](length=max(self.num_tokens * self.num_heads * self.rank, 1), fill=0)
         var q = self.q_full.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        attend_partitions[BF16, tiles, in_place_max](
+        attend_partitions[BF16, tiles, tuning](
             q, self.cache(), self.batch(), shape, Float32(0.0416), self.mask, 0, partials, path, self.fp8_rows(),
         )
         merge_partitions[BF16](
@@ -237,11 +244,11 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
     var expected = c.attend[AmxTiles](PATH_F32, partitions)
     comptime if HAS_AVX512_BF16:
         check(name, "avx512bf16", expected, c.attend[AmxTiles](PATH_AVX512BF16, partitions), failures)
-    check(name, "amx-emulated packed", expected, c.attend[EmulatedTiles, 0](PATH_AMX, partitions), failures)
-    check(name, "amx-emulated in-place", expected, c.attend[EmulatedTiles, ALWAYS](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated packed", expected, c.attend[EmulatedTiles, PACKED](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated in-place", expected, c.attend[EmulatedTiles, IN_PLACE](PATH_AMX, partitions), failures)
     if amx_runs():
-        check(name, "amx packed", expected, c.attend[AmxTiles, 0](PATH_AMX, partitions), failures)
-        check(name, "amx in-place", expected, c.attend[AmxTiles, ALWAYS](PATH_AMX, partitions), failures)
+        check(name, "amx packed", expected, c.attend[AmxTiles, PACKED](PATH_AMX, partitions), failures)
+        check(name, "amx in-place", expected, c.attend[AmxTiles, IN_PLACE](PATH_AMX, partitions), failures)
     if c.rank % 128 != 0:
         return  # no fp8_ds_mla rows: 128-value scale blocks
     # The same keys as fp8_ds_mla rows: every path dequantizes them to the same bf16 values.
@@ -249,9 +256,9 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
     var expected_fp8 = c.attend[AmxTiles](PATH_F32, partitions)
     comptime if HAS_AVX512_BF16:
         check(name, "fp8 avx512bf16", expected_fp8, c.attend[AmxTiles](PATH_AVX512BF16, partitions), failures)
-    check(name, "fp8 amx-emulated packed", expected_fp8, c.attend[EmulatedTiles, 0](PATH_AMX, partitions), failures)
+    check(name, "fp8 amx-emulated packed", expected_fp8, c.attend[EmulatedTiles, PACKED](PATH_AMX, partitions), failures)
     check(
-        name, "fp8 amx-emulated in-place", expected_fp8, c.attend[EmulatedTiles, ALWAYS](PATH_AMX, partitions), failures
+        name, "fp8 amx-emulated in-place", expected_fp8, c.attend[EmulatedTiles, IN_PLACE](PATH_AMX, partitions), failures
     )
     if amx_runs():
         check(name, "fp8 amx", expected_fp8, c.attend[AmxTiles](PATH_AMX, partitions), failures)
@@ -294,13 +301,13 @@ def mask(kind: Int, window: Int = 0) -> MaskSpec:
 
 
 def time_path[
-    tiles: TileUnit, in_place_max: Int = VALUES_IN_PLACE_MAX_ROW_BLOCKS
+    tiles: TileUnit, tuning: AmxTuning = AMX_TUNING
 ](mut c: Case, path: Int, iters: Int) raises -> Float64:
-    _ = c.attend[tiles, in_place_max](path, 0)  # warm-up
+    _ = c.attend[tiles, tuning](path, 0)  # warm-up
     var best = Float64(1e30)
     for _ in range(iters):
         var t0 = perf_counter_ns()
-        _ = c.attend[tiles, in_place_max](path, 0)
+        _ = c.attend[tiles, tuning](path, 0)
         best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
     return best
 
@@ -452,13 +459,16 @@ def main() raises:
                 line += String(", avx512bf16 ", time_path[AmxTiles](c, PATH_AVX512BF16, 5), " ms")
             if amx_runs():
                 line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms (values packed ")
-                line += String(time_path[AmxTiles, 0](c, PATH_AMX, 5), " ms, in place ")
-                line += String(time_path[AmxTiles, ALWAYS](c, PATH_AMX, 5), " ms; hot cache ")
+                line += String(time_path[AmxTiles, PACKED](c, PATH_AMX, 5), " ms, in place ")
+                line += String(time_path[AmxTiles, IN_PLACE](c, PATH_AMX, 5), " ms; hot cache ")
                 line += String(time_hot_cache(c, 5), " ms; reading the cache once ", read_cache_ms(c, 5), " ms)")
                 var err = max_error(c.attend[AmxTiles](PATH_F32, 0), c.attend[AmxTiles](PATH_AMX, 0))
                 line += String(" (amx vs f32 max|err| ", err, "; without tdpbf16ps ")
                 line += String(time_path[AmxWithoutDots](c, PATH_AMX, 5), " ms, without tile instructions ")
-                line += String(time_path[NoTiles](c, PATH_AMX, 5), " ms)")
+                line += String(time_path[NoTiles](c, PATH_AMX, 5), " ms; next tile prefetched every 2nd line ")
+                line += String(time_path[AmxTiles, prefetching(2)](c, PATH_AMX, 5), " ms, every 4th ")
+                line += String(time_path[AmxTiles, prefetching(4)](c, PATH_AMX, 5), " ms, not at all ")
+                line += String(time_path[AmxTiles, prefetching(0)](c, PATH_AMX, 5), " ms)")
                 if not (err <= TOLERANCE):
                     failures += 1
             print(line)
