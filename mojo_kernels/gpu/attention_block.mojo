@@ -282,18 +282,24 @@ def fp8_staging_stride(row_bytes: Int) -> Int:
 
 
 @always_inline
-def key_tile_bytes[dtype: DType](kt: Int, key_bytes: Int, fp8_row_bytes: Int) -> Int:
+def key_tile_bytes[dtype: DType](kt: Int, key_bytes: Int, fp8_row_bytes: Int, stages: Int = 1) -> Int:
     """Shared memory of a kernel's key tiles (`key_bytes` per key of one buffer, 16-byte aligned):
-    two buffers of `dtype` keys, or (`fp8_row_bytes > 0`) one bfloat16 buffer and the staging of `kt` fp8 rows."""
+    two buffers of `dtype` keys, or (`fp8_row_bytes > 0`) one bfloat16 buffer and `stages` stagings
+    of `kt` fp8 rows (`KeyTiles.stages`)."""
     var buffer = ceil_div(kt * key_bytes, 16) * 16
     if fp8_row_bytes > 0:
-        return buffer + kt * fp8_staging_stride(fp8_row_bytes)
+        return buffer + stages * kt * fp8_staging_stride(fp8_row_bytes)
     return 2 * buffer
 
 
 @fieldwise_init
 struct KeyTiles[
-    dtype: DType, kt: Int, fp8: Bool = False, core_layout: Bool = False, dims: Tuple[Int, Int] = (0, 0)
+    dtype: DType,
+    kt: Int,
+    fp8: Bool = False,
+    core_layout: Bool = False,
+    dims: Tuple[Int, Int] = (0, 0),
+    stages: Int = 1,
 ](TrivialRegisterPassable):
     """Double-buffered key tiles of `kt` keys over keys `[j0, end)`: tile `j0` in `k_s[cur]` while the next is copied.
 
@@ -303,11 +309,14 @@ struct KeyTiles[
     barrier. The kernel starts each copy (`copy_key_tile*`): the first of `rowoff[0]`'s rows into
     `k_s0`, then at each step `next_rows()` into `next_keys()`.
 
-    `fp8`: the keys are `fp8_ds_mla` rows (`p.fp8`, byte offsets in `rowoff`).
-    The kernel starts each copy with `copy_staged` (into `staging`, rows of
-    `fp8_staging_stride` bytes); `wait` widens the staged tile into `k_s0`
-    (`k_s1` is the same buffer), then a second barrier frees the staging for
-    the next copy. The tile layout: rows of `stride` elements, or
+    `fp8`: the keys are `fp8_ds_mla` rows (`p.fp8`, byte offsets in `rowoff`),
+    copied into a staging area (rows of `fp8_staging_stride` bytes) and widened
+    by `wait` into `k_s0` (`k_s1` is the same buffer). With one staging
+    (`stages` 1) the kernel starts each copy with `copy_staged` after `wait`,
+    whose second barrier frees the staging. With two (`stages` 2, tile `j0`
+    staged in slot `cur`), `wait` itself starts the next tile's copy into the
+    other slot before it widens this one, so the copy overlaps the widening
+    too (`COPIES_IN_WAIT`; the kernel's loop then starts none). The tile layout: rows of `stride` elements, or
     (`core_layout`) wgmma's core matrices of 8 rows x 16 bytes. `dims`:
     (kv_lora_rank, rope_dim) when the kernel knows them at compile time.
     """
@@ -364,18 +373,30 @@ struct KeyTiles[
         """The next tile's buffer."""
         return self.k_s1 if self.cur == 0 else self.k_s0
 
+    comptime COPIES_IN_WAIT = Self.fp8 and Self.stages == 2
+    """Whether `wait` starts the next tile's copy (and its look-ahead) itself."""
+
     @always_inline
-    def wait[fence: Bool, threads: Int](mut self, p: AttentionParams[Self.dtype], tid: Int) -> SPtr[Scalar[Self.dtype]]:
+    def wait[
+        fence: Bool, threads: Int
+    ](mut self, blk: AttentionBlock, p: AttentionParams[Self.dtype], tid: Int) -> SPtr[Scalar[Self.dtype]]:
         """At the top of tile `j0`'s step: the next tile's rows into `next_rows()`, then waits for
         this tile's copy and the block (`fence`: also orders shared writes before wgmma reads); this tile's keys.
-        `fp8`: widens the staged tile into the keys between two barriers."""
+        `fp8`: widens the staged tile into the keys between two barriers (`COPIES_IN_WAIT`: after
+        starting the next tile's copy into the other staging slot)."""
+        comptime assert Self.stages == 1 or (Self.fp8 and Self.stages == 2), "two stagings are for fp8 rows"
         self.has_next = self.j0 + Self.kt < self.end
         var nxt = self.next_rows()
         if tid < Self.kt:
             nxt.unsafe_store(tid, self.ahead)
         async_copy_wait_group(0)
         comptime if Self.fp8:
-            barrier()  # the staged rows are in; the previous tile's products are done
+            barrier()  # the staged rows are in; the previous tile's products are done; `nxt` is written
+            comptime if Self.COPIES_IN_WAIT:
+                # The other slot held the previous tile, widened before the last step's second barrier.
+                if self.has_next:
+                    self.copy_staged[threads](p, nxt, tid, 1 - self.cur)
+                    self.look_ahead(blk, p, tid)
             self.widen_staged[threads](p, tid)
         comptime if fence:
             fence_async_proxy()
@@ -387,21 +408,28 @@ struct KeyTiles[
         return self.k_s0 if self.cur == 0 else self.k_s1
 
     @always_inline
-    def copy_staged[threads: Int](self, p: AttentionParams[Self.dtype], rows: SPtr[Int64], tid: Int):
+    def staged(self, slot: Int, row_bytes: Int) -> SPtr[UInt8]:
+        """Staging slot `slot` (0 with one staging) for rows of `row_bytes` bytes."""
+        comptime if Self.stages == 1:
+            return self.staging
+        return self.staging.unsafe_offset(slot * Self.kt * fp8_staging_stride(row_bytes))
+
+    @always_inline
+    def copy_staged[threads: Int](self, p: AttentionParams[Self.dtype], rows: SPtr[Int64], tid: Int, slot: Int = 0):
         """`fp8`: starts the copy of the `fp8_ds_mla` rows at byte offsets `rows [kt]` (-1: zeros)
-        into the staging area; one commit group. 16-byte copies when rows are 16-byte multiples, else 4."""
+        into staging slot `slot`; one commit group. 16-byte copies when rows are 16-byte multiples, else 4."""
         var src = to_global(p.fp8.rows.blocks)
         comptime if Self.dims[0] > 0:
             comptime row_bytes = fp8_row_bytes(Self.dims[0], Self.dims[1])
             comptime vec = 16 if row_bytes % 16 == 0 else 4
-            copy_rows_async[Self.kt, threads, vec](src, rows, self.staging, tid, row_bytes)
+            copy_rows_async[Self.kt, threads, vec](src, rows, self.staged(slot, row_bytes), tid, row_bytes)
             async_copy_commit_group()
             return
         var row_bytes = opaque(p.fp8.row_bytes())  # its divisions here, not held across the loop
         if row_bytes % 16 == 0:
-            copy_rows_async[Self.kt, threads, 16](src, rows, self.staging, tid, row_bytes)
+            copy_rows_async[Self.kt, threads, 16](src, rows, self.staged(slot, row_bytes), tid, row_bytes)
         else:
-            copy_rows_async[Self.kt, threads, 4](src, rows, self.staging, tid, row_bytes)
+            copy_rows_async[Self.kt, threads, 4](src, rows, self.staged(slot, row_bytes), tid, row_bytes)
         async_copy_commit_group()
 
     @always_inline
@@ -416,13 +444,14 @@ struct KeyTiles[
             rope = Self.dims[1]
         var chunks = (rank + rope) // 8  # per key
         var srow = fp8_staging_stride(fp8_row_bytes(rank, rope))
+        var staging = self.staged(self.cur, fp8_row_bytes(rank, rope))
         comptime if Self.core_layout:  # lanes 8 apart fill one core matrix: linear stores
             var v = tid
             while v < Self.kt * chunks:
                 var r = (v // (8 * chunks)) * 8 + v % 8
                 var c = (v // 8) % chunks
                 self.k_s0.unsafe_offset(v * 8).unsafe_store[alignment=16](
-                    0, widen_chunk[Self.dtype](self.staging.unsafe_offset(r * srow), c, rank)
+                    0, widen_chunk[Self.dtype](staging.unsafe_offset(r * srow), c, rank)
                 )
                 v += threads
         else:  # consecutive threads: consecutive chunks of a row (stepped without divisions)
@@ -432,7 +461,7 @@ struct KeyTiles[
             var step_c = threads % chunks
             while r < Self.kt:
                 self.k_s0.unsafe_offset(r * self.stride + c * 8).unsafe_store[alignment=16](
-                    0, widen_chunk[Self.dtype](self.staging.unsafe_offset(r * srow), c, rank)
+                    0, widen_chunk[Self.dtype](staging.unsafe_offset(r * srow), c, rank)
                 )
                 r += step_r
                 c += step_c

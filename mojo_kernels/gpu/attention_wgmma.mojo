@@ -265,7 +265,7 @@ def attention_wgmma_kernel[
             copy_key_tile_core[dtype, kt](blocks_global, rowoff_s, k_s0, tid, chunks)
     while tiles.more():
         # This tile is in k_s; the previous tile's P V is done in both warpgroups.
-        var k_s = tiles.wait[fence=True, threads=WG_BLOCK_THREADS](p, tid)
+        var k_s = tiles.wait[fence=True, threads=WG_BLOCK_THREADS](blk, p, tid)
         var j0 = tiles.j0
         if tiles.has_next:
             comptime if fp8:
