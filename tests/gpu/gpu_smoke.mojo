@@ -2,6 +2,7 @@
 #
 # Run on a machine with an NVIDIA GPU, from the repository root:
 #     mojo run -I . tests/gpu/gpu_smoke.mojo            # the correctness cases
+#     mojo run -I . tests/gpu/gpu_smoke.mojo fp8        # the fp8_ds_mla cache's cases alone
 # (timings: tests/gpu/gpu_bench.mojo). Build without a GPU (checks that every kernel compiles
 # for sm_90, emits PTX):
 #     mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/gpu_smoke.mojo -o /tmp/smoke/smoke.s
@@ -22,7 +23,7 @@
 # Exit status 1 if any check fails.
 
 from std.memory import bitcast
-from std.sys import has_accelerator
+from std.sys import argv, has_accelerator
 from std.utils.numerics import nan
 
 from max.gpu.host import DeviceContext
@@ -456,8 +457,11 @@ def ints(*values: Int) -> List[Int]:
     return out^
 
 
-def correctness(ctx: DeviceContext) raises -> Bool:
+def correctness(ctx: DeviceContext, fp8_only: Bool = False) raises -> Bool:
+    """Every case; `fp8_only` (`smoke fp8`): the fp8_ds_mla cache's cases alone."""
     var ok = True
+    if fp8_only:
+        return fp8_cases(ctx)
     ok = run_case[DType.bfloat16](ctx, "decode bf16", Case.__init__[DType.bfloat16](1, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
     ok = run_case[DType.float32](ctx, "decode f32", Case.__init__[DType.float32](2, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
     ok = run_case[DType.float16](ctx, "decode f16 page 1", Case.__init__[DType.float16](3, 8, ints(40, 7), ints(2, 1), page_size=1)) and ok
@@ -494,8 +498,13 @@ def correctness(ctx: DeviceContext) raises -> Bool:
     ok = run_case[DType.float16](
         ctx, "73 tokens, per_channel", Case.__init__[DType.float16](12, 4, ints(5, 60, 0), ints(33, 40, 0), gm=1, gn=1, gk=0)
     ) and ok
+    return fp8_cases(ctx) and ok
+
+
+def fp8_cases(ctx: DeviceContext) raises -> Bool:
     # The fp8_ds_mla cache (bfloat16 ops): 16 heads (mma.sync) and 128 (wgmma), ragged, masks, page sizes 1 / 16 / 64;
     # every case also runs 1 and 3 partitions and the pinned tensor-core kernels.
+    var ok = True
     ok = run_case[DType.bfloat16](
         ctx, "fp8 cache, 16 heads", Case.__init__[DType.bfloat16](20, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1), fp8=True)
     ) and ok
@@ -527,7 +536,7 @@ def main() raises:
         print("gpu_smoke: no GPU in this build (compile with --target-accelerator=sm_90 on a GPU machine)")
         return
     else:
-        var ok = correctness(DeviceContext())
+        var ok = correctness(DeviceContext(), fp8_only=len(argv()) > 1 and argv()[1] == "fp8")
         print("ALL PASS" if ok else "SOME CHECKS FAILED")
         if not ok:
             raise Error("gpu_smoke failed")
