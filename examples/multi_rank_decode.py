@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--interleave", type=int, default=1)
     args = parser.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # inherited by the spawned ranks
+    pymla.distributed.nccl_environment()  # NVLink multicast off, inherited by the spawned ranks
     with tempfile.TemporaryDirectory() as folder:
         args.store = os.path.join(folder, "store")
         torch.multiprocessing.spawn(rank_main, args=(args,), nprocs=args.ranks)

@@ -24,7 +24,7 @@ COMMANDS = {
     "bench": ("bench", "benchmark table: op vs torch reference vs best plain torch"),
     "overhead": ("overhead", "host overhead per run() over MAX's execute on prepared buffers"),
     "step": ("overhead", "one 61-layer decode step: wall time vs the sum of its kernel times"),
-    "dcp": ("dcp", "context-parallel decode over N CPU processes: ms and bytes per layer"),
+    "dcp": ("dcp", "decode over N ranks (gloo or NCCL), DCP and heads split: ms, bytes per layer"),
     "accuracy": (
         "accuracy",
         "fp8_ds_mla cache: relative error vs the float32 reference, per shape",

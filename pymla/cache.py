@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import torch
 
+from . import host_memory
 from .args import ACTIVATION_DTYPES
 from .cache_format import (
     FP8_DS_MLA,
@@ -175,7 +176,7 @@ class PagedLatentCache:
         self._dtype = dtype
         width = row_width(self.cache_format, self.kv_lora_rank, self.qk_rope_head_dim)
         storage = FP8_STORAGE if self.cache_format == FP8_DS_MLA else dtype
-        self.blocks = torch.zeros(
+        self.blocks = host_memory.zeros(
             num_blocks, 1, num_layers, page_size, 1, width, dtype=storage, device=device
         )
         self.device = self.blocks.device

@@ -34,9 +34,9 @@ the dtype's size (:meth:`ContextParallelPlan.bytes_received`):
 The partials cross in the cache's dtype: for bfloat16 and float16 each is
 rounded once before the merge (one rounding more than the one-process op;
 :mod:`pymla.parity` derives the bound). The code is the same for gloo (CPU
-tensors) and NCCL (CUDA tensors); with NCCL, keep NVLink multicast off
-(``NCCL_NVLS_ENABLE=0``, which :func:`nccl_environment` sets, also for
-spawned processes).
+tensors) and NCCL (CUDA tensors); with NCCL, keep NVLink multicast off in
+NCCL, torch's symmetric memory and NVSHMEM (:data:`NVLINK_MULTICAST_OFF`,
+which :func:`nccl_environment` sets, also for processes spawned after it).
 
 **Tensor parallel over heads** (:class:`TensorParallelHeads`): rank ``r``
 of ``N`` takes heads ``[r H / N, (r + 1) H / N)``: its slice of q, w_uk,
@@ -51,6 +51,7 @@ import dataclasses
 import math
 import os
 import weakref
+from collections.abc import MutableMapping
 
 import torch
 import torch.distributed as dist
@@ -65,17 +66,32 @@ __all__ = [
     "ContextParallel",
     "ContextParallelPlan",
     "TensorParallelHeads",
+    "NVLINK_MULTICAST_OFF",
     "merge_attention_states",
     "nccl_environment",
 ]
 
 
-def nccl_environment() -> None:
-    """Sets ``NCCL_NVLS_ENABLE=0`` (NVLink multicast off) unless set: call before NCCL starts.
+NVLINK_MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",  # NCCL's NVLink SHARP (multicast) collectives
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",  # torch's symmetric memory
+    "NVSHMEM_DISABLE_NVLS": "1",  # NVSHMEM
+}
+"""The environment variables that keep NVLink multicast off, and their values."""
 
-    Environment variables reach processes spawned afterwards too.
+
+def nccl_environment(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+    """Sets each variable of :data:`NVLINK_MULTICAST_OFF` in ``env`` unless set; returns ``env``.
+
+    ``env``: ``os.environ`` (the default: call before NCCL starts; processes
+    spawned afterwards inherit it) or the environment of a process to start
+    (``subprocess.Popen(env=nccl_environment(dict(os.environ)))``). A
+    variable already set keeps its value.
     """
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    env = os.environ if env is None else env
+    for name, value in NVLINK_MULTICAST_OFF.items():
+        env.setdefault(name, value)
+    return env
 
 
 def merge_attention_states(

@@ -15,14 +15,12 @@ import json
 import os
 import sys
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, were this NCCL
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import pymla  # noqa: E402
-from pymla.parity import compare_cache  # noqa: E402
-from pymla.tools.scenario import make_case, reference_stages  # noqa: E402
+import pymla
+from pymla.parity import compare_cache
+from pymla.tools.scenario import make_case, reference_stages
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -157,6 +155,7 @@ def main() -> None:
     rank, world = int(rank), int(world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
+        pymla.distributed.nccl_environment()  # NVLink multicast off, before NCCL starts
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     for spec in json.loads(cases):

@@ -8,12 +8,16 @@ per-layer step bookkeeping exactly as they were (tests/helpers.py's snapshot).
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import pathlib
 import re
 
 import pytest
 import torch
 
 import pymla
+from pymla import host_memory
 from pymla.cache import UNUSED_PAGE
 
 from helpers import assert_cache_unchanged, cache_snapshot
@@ -440,3 +444,53 @@ def test_to_returns_the_cache_and_checks_the_device():
         TypeError,
         "device: expected a torch.device or a device name such as 'cpu' or 'cuda:0', got NoneType",
     )
+
+
+def _anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping of this process holding ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+THP_MODE = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(
+    not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
+    reason="this Linux gives no transparent huge pages",
+)
+def test_cpu_cache_blocks_sit_on_huge_pages():
+    """The blocks are advised onto 2 MiB pages before they are zeroed (pymla.host_memory): in
+    Linux's default `madvise` mode, without the advice they stay on 4 KiB pages. 40.5 MiB: past
+    glibc's largest mmap threshold (32 MiB), so a fresh mapping, not reused heap memory."""
+    cache = pymla.PagedLatentCache(num_blocks=576, page_size=64, dtype=torch.bfloat16)
+    nbytes = cache.blocks.numel() * cache.blocks.element_size()
+    if _anon_huge_bytes(cache.blocks.data_ptr() + nbytes // 2) < host_memory.HUGE_PAGE:
+        # Fails only where Linux does give huge pages to a fresh mapping advised the same way.
+        region = mmap.mmap(
+            -1, 8 * host_memory.HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        region.madvise(mmap.MADV_HUGEPAGE)
+        region.write(b"x" * len(region))
+        control = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        if _anon_huge_bytes(control + 4 * host_memory.HUGE_PAGE) < host_memory.HUGE_PAGE:
+            pytest.skip(
+                "Linux gave no huge page to a fresh advised mapping either (fragmented memory)"
+            )
+        pytest.fail(
+            "the cache's blocks are on 4 KiB pages where an advised mapping gets huge pages"
+        )
+    assert not cache.blocks.any()
+
+
+def test_host_zeros_are_zeros_of_every_size():
+    for shape in ((3, 5), (2, host_memory.HUGE_PAGE + 7)):
+        t = host_memory.zeros(*shape, dtype=torch.uint8, device=torch.device("cpu"))
+        assert t.shape == shape and t.dtype == torch.uint8 and not t.any()

@@ -76,6 +76,7 @@ BAD_OPTIONS = {
     ],
     "dcp": [
         ("--ranks", "1", "expected an integer >= 2, got '1'"),
+        ("--device", "tpu", "invalid choice: 'tpu'"),
         ("--heads", "0", "expected an integer >= 1, got '0'"),
         ("--batch", "0", "expected an integer >= 1, got '0'"),
         ("--context", "0", "expected an integer >= 1, got '0'"),
@@ -130,6 +131,18 @@ def test_cuda_on_a_torch_without_cuda_is_a_one_line_error(capsys):
         assert_one_line_usage_error(
             capsys, command, f"argument --device: cuda: this torch ({torch.__version__}) sees no"
         )
+
+
+def test_dcp_on_more_gpus_than_this_torch_sees_is_a_one_line_error(capsys):
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = max(gpus + 1, 2)  # one more than it sees
+    assert main(["dcp", "--device", "cuda", "--ranks", str(ranks)]) == 2
+    assert_one_line_usage_error(
+        capsys,
+        "dcp",
+        f"argument --device: cuda with --ranks {ranks} needs {ranks} GPUs, this torch "
+        f"({torch.__version__}) sees {gpus}",
+    )
 
 
 @pytest.mark.parametrize("argv", [["benchmark"], ["help", "nosuch"]])
@@ -224,6 +237,43 @@ def test_overhead_and_step_run_and_save_json(tmp_path, capsys):
     assert main(["step", "--device", "cpu", "--batch", "1", "--context", "8", "--repeat", "1"]) == 0
     text = capsys.readouterr().out
     assert "61 layers" in text and "saved" not in text.split("61 layers")[1]
+
+
+def test_dcp_times_both_exchanges_and_heads_split_over_two_gloo_ranks(
+    tmp_path, monkeypatch, capsys
+):
+    from pymla.distributed import NVLINK_MULTICAST_OFF
+
+    for name in NVLINK_MULTICAST_OFF:  # unset here; what the command sets is undone afterwards
+        monkeypatch.setenv(name, "placeholder")
+        monkeypatch.delenv(name)
+    path = tmp_path / "dcp.json"
+    heads, batch, new, ranks = 4, 2, 2, 2
+    argv = ["dcp", "--heads", str(heads), "--batch", str(batch), "--context", "40"]
+    argv += ["--new-tokens", str(new), "--page-size", "16", "--repeat", "2", "--warmup", "1"]
+    assert main([*argv, "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    saved = json.loads(path.read_text())
+    meta = saved["meta"]
+    assert meta["device"] == "cpu" and meta["device_name"] == cpu_paths.cpu_model()
+    assert meta["environment"] == dict(NVLINK_MULTICAST_OFF)
+    tokens, b = batch * new, 2  # bf16
+    for rank, row in enumerate(saved["ranks"]):
+        timed = ["local op", "exchange", "merge", "step 6", "run", "run a2a", "run tp", "tp gather"]
+        assert all(0 < row[k] < 60e3 for k in timed), (rank, row)
+        assert row["tp gather"] < row["run tp"]  # the gather is part of the heads-split layer
+        assert row["merge + step 6"] == pytest.approx(row["merge"] + row["step 6"])
+        phased = row["local op"] + row["exchange"] + row["merge"] + row["step 6"]
+        assert row["merge share"] == pytest.approx(row["merge"] / phased)
+        assert row["bytes received"] == (ranks - 1) * tokens * heads * (512 * b + 4)
+        per = heads // ranks
+        assert row["bytes received a2a"] == (ranks - 1) * tokens * per * (512 * b + 4 + 128 * b)
+        assert row["bytes received tp"] == (ranks - 1) * tokens * per * 128 * b
+    assert saved["ranks"][0]["one-process op"] > 0 and "one-process op" not in saved["ranks"][1]
+    assert sum(row["cache rows held"] for row in saved["ranks"]) == batch * (40 + new)
+    header = next(line for line in text.splitlines() if line.startswith("rank "))
+    assert "run tp" in header and "bytes in tp" in header
+    assert "heads split: " in text and f"= {100 * saved['ranks'][0]['merge share']:.1f}%" in text
 
 
 # ---------------------------------------------------------------- bench

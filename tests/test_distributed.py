@@ -132,7 +132,7 @@ def spawned(tmp_path_factory):
 
 def _spawn(folder, backend: str, world: int):
     store = folder / "store"
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
+    env = pymla.distributed.nccl_environment(dict(os.environ, OMP_NUM_THREADS="1"))
     procs = [
         subprocess.Popen(
             [
@@ -272,3 +272,64 @@ def test_a_second_step_with_new_rows(spawned, backend, world):
                 ref = whole[mine].float()
                 err = (held.float() - ref).abs().max()
                 assert err <= CACHE_TOLERANCE[dtype] * ref.abs().max(), (rank, b, float(err))
+
+
+# ---------------------------------------------------------------- NVLink multicast off
+
+MULTICAST_OFF = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+"""NCCL's, torch's symmetric memory's and NVSHMEM's switches (the device machines' KINDS.md)."""
+CHILD = "import json, os, sys; print(json.dumps({k: os.environ.get(k) for k in sys.argv[1:]}))"
+
+
+def test_nccl_environment_turns_multicast_off_for_processes_spawned_after_it(monkeypatch):
+    names = list(pymla.distributed.NVLINK_MULTICAST_OFF)
+    assert names == list(MULTICAST_OFF)
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(names[2], "kept")  # a variable already set keeps its value
+    assert pymla.distributed.nccl_environment() is os.environ
+    expected = {names[0]: "0", names[1]: "1", names[2]: "kept"}
+    assert {name: os.environ.get(name) for name in names} == expected
+    # A process started afterwards, with no env= of its own, inherits them.
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, *names], capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == expected
+
+
+def test_nccl_environment_of_a_process_to_start_leaves_this_ones_alone(monkeypatch):
+    names = list(pymla.distributed.NVLINK_MULTICAST_OFF)
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    env = {"PATH": os.environ.get("PATH", ""), names[0]: "2"}
+    assert pymla.distributed.nccl_environment(env) is env
+    assert env == {"PATH": env["PATH"], names[0]: "2", names[1]: "1", names[2]: "1"}
+    assert all(name not in os.environ for name in names)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, *names], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert child.returncode == 0, child.stderr
+    assert json.loads(child.stdout) == {names[0]: "2", names[1]: "1", names[2]: "1"}
+
+
+def test_the_multicast_variables_are_named_only_in_pymla_distributed():
+    """Every place that starts NCCL or spawns ranks calls nccl_environment: no copies of the list."""
+    root = HERE.parent
+    owner = root / "pymla" / "distributed.py"
+    files = [
+        f
+        for folder in ("pymla", "tests", "examples", "scripts")
+        for f in (root / folder).rglob("*")
+        if f.suffix in (".py", ".sh") and f != owner
+    ]
+    assert len(files) > 20
+    here = pathlib.Path(__file__).resolve()
+    copies = [
+        f"{f.relative_to(root)}: {name}"
+        for f in files
+        for name in MULTICAST_OFF
+        if f.read_text().count(name) > (f.resolve() == here)  # here: MULTICAST_OFF only
+    ]
+    assert copies == []
+    assert all(name in owner.read_text() for name in MULTICAST_OFF)

@@ -99,11 +99,7 @@ struct CacheKeys[dtype: DType](TrivialRegisterPassable):
         """Where the stored rows of keys `j0 ..` start (bf16 rows, or fp8 bytes), as `tile_rows`: what to prefetch."""
         if not self.fp8.active:
             return tile_rows[Self.dtype, tile](self.rows, b, j0, k_hi)
-        var stored = self.fp8.tile_rows[tile](b, j0, k_hi - 1)
-        var rows = Array[BF16Ptr, tile](fill=stored[0].unsafe_bitcast[BFloat16]())
-        comptime for c in range(tile):
-            rows[c] = stored[c].unsafe_bitcast[BFloat16]()
-        return rows^
+        return as_bf16_rows(self.fp8.tile_rows[tile](b, j0, k_hi - 1))
 
 
 def load_key_tile[
@@ -209,7 +205,11 @@ def tile_rows[
     dtype: DType, tile: Int
 ](cache: PagedLatentRows[dtype], b: Int, j0: Int, k_hi: Int) -> Array[BF16Ptr, tile]:
     """Pointers to the cache rows of keys `j0 .. j0 + tile - 1` of request `b`; keys from `k_hi` on point at key `k_hi - 1`."""
-    var rows = cache.tile_rows[tile](b, j0, k_hi - 1)
+    return as_bf16_rows(cache.tile_rows[tile](b, j0, k_hi - 1))
+
+
+def as_bf16_rows[dtype: DType, tile: Int](rows: Array[DPtr[dtype], tile]) -> Array[BF16Ptr, tile]:
+    """`rows` as bfloat16 pointers (the tile paths' currency; bf16 rows as they are, others to prefetch)."""
     var keys = Array[BF16Ptr, tile](fill=rows[0].unsafe_bitcast[BFloat16]())
     comptime for c in range(tile):
         keys[c] = rows[c].unsafe_bitcast[BFloat16]()

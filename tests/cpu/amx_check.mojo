@@ -43,7 +43,7 @@ from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows,
 from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
 
-from check_common import AmxWithoutDots, EmulatedTiles, NoTiles, Rng, amx_runs, cpu_has_amx
+from check_common import AmxWithoutDots, EmulatedTiles, NoTiles, Rng, amx_runs, cpu_has_amx, cpu_model, huge_page_list
 from projection_check import check_projections, time_projections
 
 comptime TOLERANCE: Float32 = 0.02
@@ -123,7 +123,7 @@ struct Case(Movable):
         for i in range(n * self.pages_per_request):
             self.lookup[i] = order[i]
         var size = num_pages * page_size * key_dim
-        self.blocks = List[BFloat16](length=size, fill=0)
+        self.blocks = huge_page_list[BF16](size)  # as the op's caches (pymla/host_memory.py)
         self.q_full = List[BFloat16](length=max(self.num_tokens, 1) * num_heads * key_dim, fill=0)
         if random_values:
             for i in range(size):
@@ -176,7 +176,7 @@ struct Case(Movable):
 
     def quantize_to_fp8(mut self):
         """Fills `fp8_bytes` with every slot's row quantized (the rule of `Fp8LatentRows.store_row`)."""
-        self.fp8_bytes = List[UInt8](length=len(self.blocks) // self.key_dim * self.fp8_row_bytes(), fill=0)
+        self.fp8_bytes = huge_page_list[DType.uint8](len(self.blocks) // self.key_dim * self.fp8_row_bytes())
         self.use_fp8 = True
         var rows = self.fp8_rows()
         var cache = self.cache()
@@ -419,9 +419,9 @@ def main() raises:
         # The AMX path's work outside the unit (no tile instruction: `NoTiles`), on any CPU: a
         # target for a profiler (`perf record`), batch 8, 16k, page 64, 16 heads.
         var c = Case(99, 16, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
-        print("overhead: AMX path without tile instructions, 16 heads:", time_path[NoTiles](c, PATH_AMX, 20), "ms")
+        print("overhead on", cpu_model(), ": AMX path without tile instructions, 16 heads:", time_path[NoTiles](c, PATH_AMX, 20), "ms")
         return
-    print("amx_check: compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
+    print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
     if amx_runs() and not amx_permitted():
         raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")

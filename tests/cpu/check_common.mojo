@@ -2,6 +2,9 @@
 # the AMX instructions emulated in plain loops (layouts checked on any CPU), two timing-only units,
 # a small random generator, and whether this CPU runs AMX.
 
+from std.ffi import external_call
+from std.sys import size_of
+
 from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, BytePtr, TileUnit
 
 
@@ -142,6 +145,33 @@ def cpu_has_amx() -> Bool:
             return " amx_tile" in text and " amx_bf16" in text
     except:
         return False
+
+
+def huge_page_list[dtype: DType](length: Int) -> List[Scalar[dtype]]:
+    """`length` zeros on 2 MiB pages where Linux allows, as the op's CPU caches are
+    (`pymla/host_memory.py`): the memory advised (`madvise(MADV_HUGEPAGE)`) before it is touched."""
+    var values = List[Scalar[dtype]](unsafe_uninit_length=length)
+    comptime HUGE = 2 << 20
+    var address = Int(values.unsafe_ptr())
+    var start = (address + HUGE - 1) // HUGE * HUGE
+    var end = (address + length * size_of[dtype]()) // HUGE * HUGE
+    if end > start:
+        _ = external_call["madvise", Int32](start, end - start, Int32(14))  # MADV_HUGEPAGE; best effort
+    for i in range(length):
+        values[i] = 0
+    return values^
+
+
+def cpu_model() -> String:
+    """The first `model name` of /proc/cpuinfo (what every benchmark prints), or "unknown"."""
+    try:
+        with open("/proc/cpuinfo", "r") as f:
+            for line in f.read().split("\n"):
+                if line.startswith("model name"):
+                    return String(line.split(":", 1)[1].strip())
+    except:
+        pass
+    return "unknown"
 
 
 def amx_runs() -> Bool:

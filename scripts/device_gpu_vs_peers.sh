@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Runs ON the H200 machine: pymla (the carried .devbin, no MAX needed) and its peers at the shapes
+# of issue 23, all in ONE call, so every ratio comes from one run (the issue's rule). Writes into
+# $OUT the inputs of `python -m pymla.tools.peers FOLDER` (run here afterwards): gpu_op_bench.log
+# (the whole op), gpu_variants.log (step 5 alone), peers.json (FlashMLA, and Triton with
+# PEERS_WHICH=flashmla,triton) and, when FlashInfer's wheels are staged, flashinfer.json.
+#
+#   call 1 (optional, FlashInfer), carry [".whl/fi/a"]:
+#       mkdir -p /tmp/fi_stage && cp .whl/fi/a/*.whl /tmp/fi_stage/
+#   call 2, carry [".devbin", ".peers"] (+ ".whl/fi/b" after call 1), timeout_s 600:
+#       bash scripts/device_gpu_vs_peers.sh
+#
+# (.devbin: scripts/build_devbin.sh, or a branch's build carried under another name and moved
+# to .devbin first; .peers: a copy of ../shared/peers.) Order: FlashMLA's build starts in the
+# background (CPU only); FlashInfer JIT-compiles and times meanwhile; then FlashMLA; pymla last,
+# once no compiler competes for the host's cores.
+set -u
+out=${OUT:-/tmp/pymla-out}
+mkdir -p "$out"
+CFGS=(64:128:8191:5 128:128:32767:5 8:128:8191:5 128:16:32767:5 64:16:8191:5 8:16:8191:5)
+SHAPES=(--heads 16,128 --batches 8,64,128 --contexts 8192,32768)
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
+
+bash .peers/flashmla_start.sh
+if [ -d .whl/fi/b ] && ls /tmp/fi_stage/flashinfer_python-*.whl > /dev/null 2>&1; then
+  cp .whl/fi/b/*.whl /tmp/fi_stage/
+  pip install -q --no-index --no-deps --no-compile --target /tmp/fi /tmp/fi_stage/*.whl
+  stamp "FlashInfer"
+  PYTHONPATH=/tmp/fi PATH=/tmp/fi/bin:$PATH timeout 200 python3 scripts/flashinfer_peer.py "${SHAPES[@]}" \
+    --json "$out/flashinfer.json" > "$out/flashinfer.log" 2>&1 || echo "flashinfer_peer: exit $?"
+else
+  echo "FlashInfer not staged (call 1, and .whl/fi/b in this call's carry): left out"
+fi
+stamp "waiting for FlashMLA's build"
+for _ in $(seq 1 150); do [ -f /tmp/fmla_build.rc ] && break; sleep 2; done
+echo "FlashMLA build exit: $(cat /tmp/fmla_build.rc 2> /dev/null || echo 'not finished')"
+stamp "FlashMLA"
+timeout 200 python3 .peers/peers.py "${SHAPES[@]}" --which "${PEERS_WHICH:-flashmla}" --budget 180 \
+  --json "$out/peers.json" > "$out/peers.log" 2>&1 || echo "peers.py: exit $?"
+stamp "pymla step 5 alone"
+bash scripts/device_kernel_profile.sh variants "${CFGS[@]}" > "$out/gpu_variants.log" 2>&1
+stamp "pymla whole op"
+bash scripts/device_kernel_profile.sh bench "${CFGS[@]}" > "$out/gpu_op_bench.log" 2>&1
+stamp "done"
+grep -h -E "^copy|attention groups 0|B [0-9]+ H [0-9]+" "$out/gpu_variants.log" "$out/gpu_op_bench.log" | head -40
