@@ -112,22 +112,28 @@ struct PageTable(TrivialRegisterPassable):
         return page * self.page_stride + self.layer_offset + (pos % self.page_size) * self.row_width
 
     @always_inline
-    def tile_offsets[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[Int, tile]:
-        """`row_offset` of positions `j0 .. j0 + tile - 1`, positions past `last` at `last`'s row
-        (`j0 <= last`): one page table lookup per page, the rows of a page `row_width` apart."""
-        var offset = self.row_offset(b, j0)
-        var left = self.page_size - j0 % self.page_size  # rows of j0's page from j0 on
-        var offsets = Array[Int, tile](fill=offset)
-        comptime for c in range(1, tile):
-            if j0 + c <= last:
-                left -= 1
-                if left == 0:
-                    offset = self.row_offset(b, j0 + c)
-                    left = self.page_size
-                else:
-                    offset += self.row_width
-            offsets[c] = offset
-        return offsets^
+    def run(self, b: Int, pos: Int, end: Int) -> Tuple[Int, Int]:
+        """`row_offset(b, pos)` and how many of positions `pos ..< end` share its page (rows
+        `row_width` apart from there): the one walk over a run of positions, a lookup per page."""
+        return (self.row_offset(b, pos), min(self.page_size - pos % self.page_size, end - pos))
+
+    @always_inline
+    def tile_rows[
+        dtype: DType, tile: Int
+    ](self, base: DPtr[dtype], b: Int, j0: Int, last: Int) -> Array[DPtr[dtype], tile]:
+        """The rows in `base` of positions `j0 .. j0 + tile - 1`, positions past `last` at `last`'s row."""
+        var first = min(j0, last)
+        var count = min(tile, last + 1 - first)
+        var rows = Array[DPtr[dtype], tile](fill=base)
+        var c = 0
+        while c < count:
+            var run = self.run(b, first + c, first + count)
+            for i in range(run[1]):
+                rows[c + i] = base.unsafe_offset(run[0] + i * self.row_width)
+            c += run[1]
+        for i in range(count, tile):
+            rows[i] = rows[count - 1]
+        return rows^
 
 
 @fieldwise_init
@@ -172,12 +178,8 @@ struct PagedLatentRows[dtype: DType](TrivialRegisterPassable):
         return self.blocks.unsafe_offset(self.pages().row_offset(b, pos))
 
     def tile_rows[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[DPtr[Self.dtype], tile]:
-        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`PageTable.tile_offsets`)."""
-        var offsets = self.pages().tile_offsets[tile](b, min(j0, last), last)
-        var rows = Array[DPtr[Self.dtype], tile](fill=self.blocks)
-        comptime for c in range(tile):
-            rows[c] = self.blocks.unsafe_offset(offsets[c])
-        return rows^
+        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`PageTable.tile_rows`)."""
+        return self.pages().tile_rows[Self.dtype, tile](self.blocks, b, j0, last)
 
 
 comptime FP8_SCALE_BLOCK = 128
@@ -245,12 +247,8 @@ struct Fp8LatentRows(TrivialRegisterPassable):
         return self.bytes.unsafe_offset(self.pages().row_offset(b, pos))
 
     def tile_rows[tile: Int](self, b: Int, j0: Int, last: Int) -> Array[U8Ptr, tile]:
-        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`PageTable.tile_offsets`)."""
-        var offsets = self.pages().tile_offsets[tile](b, min(j0, last), last)
-        var rows = Array[U8Ptr, tile](fill=self.bytes)
-        comptime for c in range(tile):
-            rows[c] = self.bytes.unsafe_offset(offsets[c])
-        return rows^
+        """The rows of positions `j0 .. j0 + tile - 1`, those past `last` at `last`'s (`PageTable.tile_rows`)."""
+        return self.pages().tile_rows[DType.uint8, tile](self.bytes, b, j0, last)
 
     def scales(self, row: U8Ptr) -> FPtr:
         return row.unsafe_offset(self.kv_lora_rank).unsafe_bitcast[Float32]()
@@ -267,13 +265,13 @@ struct Fp8LatentRows(TrivialRegisterPassable):
     def dequantize_rows[out_dtype: DType](self, b: Int, pos: Int, count: Int, dst: DPtr[out_dtype], dst_stride: Int):
         """`dequantize_row` of positions `pos .. pos + count - 1` into rows `dst_stride` apart: one page
         table lookup per page they span (rows within a page are `row_bytes` apart)."""
-        var p = pos
-        while p < pos + count:
-            var row = self.row(b, p)
-            var run = min(self.page_size - p % self.page_size, pos + count - p)
-            for i in range(run):
-                self.dequantize(row.unsafe_offset(i * self.row_bytes), dst.unsafe_offset((p - pos + i) * dst_stride))
-            p += run
+        var pages = self.pages()
+        var c = 0
+        while c < count:
+            var run = pages.run(b, pos + c, pos + count)
+            for i in range(run[1]):
+                self.dequantize(self.bytes.unsafe_offset(run[0] + i * self.row_bytes), dst.unsafe_offset((c + i) * dst_stride))
+            c += run[1]
 
     @always_inline
     def dequantize[out_dtype: DType](self, row: U8Ptr, dst: DPtr[out_dtype]):

@@ -22,7 +22,7 @@ import torch
 from max import driver, engine
 from max.graph import DeviceRef
 
-from . import bridge
+from . import bridge, max_threads
 from .cpu_paths import check_cpu_path
 from .graph import OpConfig, build_graph
 
@@ -162,6 +162,18 @@ def op_stream(device: torch.device | str) -> torch.cuda.ExternalStream:
     return _queues_for(device).stream
 
 
+_log_threads_idled = False
+
+
+def _idle_log_threads() -> None:
+    """Once per process, after the first launch (when MAX has started it): MAX's log-polling
+    thread under ``SCHED_IDLE`` (:mod:`pymla.max_threads`)."""
+    global _log_threads_idled
+    _log_threads_idled = True
+    changed = max_threads.idle_log_threads()
+    log.debug("pymla: MAX's log-polling threads %s under SCHED_IDLE", changed)
+
+
 def launcher(model: engine.Model, device: torch.device):
     """``launch(model, device, ·)`` with the per-device lookups done once: a function of the buffers.
 
@@ -171,7 +183,8 @@ def launcher(model: engine.Model, device: torch.device):
     enqueued, torch's current stream waits for MAX's queue (an event recorded
     there); both waits are ``cudaStreamWaitEvent``, so the host never waits,
     and under ``torch.cuda.graph`` capture they fork MAX's queue into the
-    capture and join it back.
+    capture and join it back. After the process's first launch MAX's
+    log-polling thread goes under ``SCHED_IDLE`` (:mod:`pymla.max_threads`).
     """
     execute = executor(model)
     if device.type == "cpu":
@@ -179,6 +192,8 @@ def launcher(model: engine.Model, device: torch.device):
         def launch_on_cpu(buffers: list) -> None:
             check_cpu_path()  # PYMLA_CPU_PATH refused here, before the kernel touches anything
             execute(buffers)
+            if not _log_threads_idled:
+                _idle_log_threads()
 
         return launch_on_cpu
     queues = _queues_for(device)
@@ -190,6 +205,8 @@ def launcher(model: engine.Model, device: torch.device):
         current = current_stream(index)
         if current.cuda_stream == max_handle:  # one stream: already in order
             execute(buffers)
+            if not _log_threads_idled:
+                _idle_log_threads()
             return
         inputs_ready, outputs_ready = _events(index)
         inputs_ready.record(current)
@@ -197,6 +214,8 @@ def launcher(model: engine.Model, device: torch.device):
         execute(buffers)
         outputs_ready.record(max_stream)
         outputs_ready.wait(current)  # torch's next work waits for the outputs
+        if not _log_threads_idled:
+            _idle_log_threads()
 
     return launch_on_gpu
 
