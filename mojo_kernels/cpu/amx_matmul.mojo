@@ -254,9 +254,10 @@ def fp8_projection[
     depth: Int,
     blocks: BlockShape,
     on_amx: Bool,
+    bf16_dots: Bool = False,
 ) raises:
-    """Step 3 or 6: `fp8_batched_matmul`, on tiles where `on_amx` (`projection_on_amx`): the same `c`,
-    up to the order of the float32 sums.
+    """Step 3 or 6: `fp8_batched_matmul` (with `bf16_dots`: on the AVX512-BF16 unit where it serves),
+    on tiles where `on_amx` (`projection_on_amx`): the same `c`, up to the order of the float32 sums.
 
     On tiles: quantizes `a` (`quantize_activations`) and packs it as right
     operands; each task widens AMX_WEIGHT_ROWS_PER_TASK weight rows of one
@@ -265,7 +266,7 @@ def fp8_projection[
     `pipeline.attention_path`).
     """
     if not on_amx:
-        fp8_batched_matmul[in_dtype, out_dtype](a, w, w_scale, c, num_groups, num_rows, n_out, depth, blocks)
+        fp8_batched_matmul[in_dtype, out_dtype](a, w, w_scale, c, num_groups, num_rows, n_out, depth, blocks, bf16_dots)
         return
     var m_blocks = ceil_div(num_rows, blocks.m)
     var kb = KBlocks.of(depth, blocks.k)

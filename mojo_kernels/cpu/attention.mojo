@@ -66,7 +66,7 @@ from .bf16 import (
 )
 from .merge import AttentionShape, PartialResults
 from .online_softmax import BF16_KEY_TILE, COL_BLOCK, KEY_TILE, ROW_BLOCK, TaskRows, softmax_update
-from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, dot_block, run_tasks, scratch
+from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, dot_block, narrow_to_bf16, run_tasks, scratch
 
 comptime PATH_F32 = 0
 """Keys widened to float32, float32 FMAs (every dtype, every CPU)."""
@@ -232,10 +232,8 @@ def attend_tiles_bf16[
     if k_lo >= k_hi:
         return
     var q_buf = List[BFloat16](length=rows.padded * key_dim, fill=0)
-    var q_f32 = scratch(rows.q_buf)
-    for i in range(rows.num_rows * key_dim):
-        q_buf[i] = q_f32.unsafe_load(i).cast[DType.bfloat16]()  # exact: q_full holds bf16 values
     var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    narrow_to_bf16(scratch(rows.q_buf), q, rows.num_rows * key_dim)  # exact: q_full holds bf16 values
     var probs_buf = List[BFloat16](length=rows.padded * tile, fill=0)
     var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var staging_buf = List[BFloat16](length=2 * tile * key_dim if keys.fp8.active else 0, fill=0)

@@ -30,7 +30,7 @@ from std.sys.info import CompilationTarget
 from std.utils import IndexList
 
 from ..common import FPtr
-from .simd import sum_lanes_of_16
+from .simd import dpbf16, sum_lanes_of_16
 
 comptime HAS_AVX512_BF16 = CompilationTarget._has_feature["avx512bf16"]()
 """Whether the CPU the op is compiled for (MAX compiles it on the machine that runs it) has the unit."""
@@ -46,12 +46,6 @@ comptime PV_ROWS_TAIL = 4  # rows of the last block (task rows are padded to a m
 comptime NEXT_TILE_PREFETCH = PrefetchOptions().for_read().low_locality().to_data_cache()
 """How the scores prefetch the next tile's key rows: toward L2 (`prefetcht2`); into L1
 (`prefetcht0`) measured slower, the next tile evicting the current one."""
-
-
-@always_inline
-def dpbf16(acc: F32x16, a: BF16x32, b: BF16x32) -> F32x16:
-    """`acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1]`, products exact, sums in float32."""
-    return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", F32x16](acc, a, b)
 
 
 @fieldwise_init
@@ -144,15 +138,23 @@ def stored_column(m: Int) -> Int:
     return 8 * (k // 4) + k % 4 + (4 if m >= 16 else 0)
 
 
+def unpermute_mask() -> IndexList[32]:
+    """`mask[j]`: the offset `m` of a 32-column chunk that holds column `j` (`stored_column(m) == j`)."""
+    var mask = IndexList[32]()
+    for m in range(32):
+        mask[stored_column(m)] = m
+    return mask
+
+
 def unpermute_value_columns(rows: FPtr, num_rows: Int, rank: Int):
-    """Puts the columns of `rows [num_rows, rank]` kept by `accumulate_values_bf16` back in order."""
+    """Puts the columns of `rows [num_rows, rank]` kept by `accumulate_values_bf16` back in order
+    (one two-register shuffle per 32-column chunk)."""
     var main = rank - rank % STEP
     for r in range(num_rows):
         var row = rows.unsafe_offset(r * rank)
         for c in range(0, main, STEP):
             var chunk = row.unsafe_load[width=STEP](c)
-            for m in range(STEP):
-                row.unsafe_store(c + stored_column(m), chunk[m])
+            row.unsafe_store(c, chunk.shuffle[unpermute_mask()](chunk))
 
 
 @always_inline

@@ -6,17 +6,28 @@ Both projections are `c[g, m, :] = a[g, m, :] @ w[g].T` over heads `g`, with
 quantized here, one scale per `m_block x k_block` block:
 `s = amax / 448` (1 when amax is 0), `a_q = fp8(clamp(a / s, -448, 448))`
 rounded to nearest-even, as `pymla/quant.py` specifies. Then per K block the
-exact fp8 products are summed and scaled by `sa * sw`.
+exact fp8 products are summed and scaled by `sa * sw`. Where the CPU has
+AVX512-BF16 and step 5 takes a bf16 path, the products are summed with
+`vdpbf16ps` on bf16 copies of both operands (fp8 values are exact in bf16):
+the same sums up to their float32 order, at twice the multiply rate of
+float32 FMAs and with weights widened in 4 integer operations per 32.
 """
 
 from std.math import min
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
-from ..fp8 import activation_scale, round_to_e4m3, scaled_into_range, widen_e4m3
+from ..fp8 import activation_scale, round_to_e4m3, scaled_into_range, widen_e4m3, widen_e4m3_bf16
 from ..spec import BlockShape
-from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, dot_lanes, run_tasks, scratch, sum_lanes
+from .bf16 import HAS_AVX512_BF16, STEP, BF16Ptr
+from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, dot_lanes, narrow_to_bf16, run_tasks, scratch, scratch_of, sum_lanes
 
-comptime WEIGHT_ROWS_PER_TASK = 64
+comptime WEIGHT_BYTES_PER_TASK = 32768
+"""fp8 weight bytes per task (whole rows, at least one): 64 rows of step 6 (K 512), 256 of step 3
+(K 128), so both projections make the same number of tasks, each a slice that stays in L2 widened."""
+
+
+def weight_rows_per_task(depth: Int) -> Int:
+    return max(1, WEIGHT_BYTES_PER_TASK // max(depth, 1))
 
 
 @fieldwise_init
@@ -80,14 +91,19 @@ def quantize_activations[
     run_tasks(block_row_task, num_groups * m_blocks, num_groups * num_rows * depth)
 
 
-def widen_weight_rows(w: U8Ptr, dst: FPtr, count: Int):
-    """`dst[i] = e4m3(w[i])` for `count` bytes, vectorized (`fp8.widen_e4m3`)."""
-    comptime W = F32_WIDTH
+def widen_weight_rows[elem: DType](w: U8Ptr, dst: Pointer[Scalar[elem], MutUntrackedOrigin], count: Int):
+    """`dst[i] = e4m3(w[i])` for `count` bytes, exactly: as float32 (`fp8.widen_e4m3`) or, for the
+    bf16 dots, as bfloat16 (`fp8.widen_e4m3_bf16`, 32 at a time)."""
+    comptime W = STEP if elem == DType.bfloat16 else F32_WIDTH
     var main = count - count % W
     for i in range(0, main, W):
-        dst.unsafe_store(i, widen_e4m3[W](w.unsafe_load[width=W](i)))
+        var bytes = w.unsafe_load[width=W](i)
+        comptime if elem == DType.bfloat16:
+            dst.unsafe_store(i, rebind[SIMD[elem, W]](widen_e4m3_bf16[W](bytes, 0)))
+        else:
+            dst.unsafe_store(i, widen_e4m3[W](bytes).cast[elem]())
     for i in range(main, count):
-        dst.unsafe_store(i, widen_e4m3[W](SIMD[DType.uint8, W](w.unsafe_load(i)))[0])
+        dst.unsafe_store(i, widen_e4m3[F32_WIDTH](SIMD[DType.uint8, F32_WIDTH](w.unsafe_load(i)))[0].cast[elem]())
 
 
 @fieldwise_init
@@ -95,6 +111,7 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
     """One fp8 batched matmul, its activations already quantized."""
 
     var a_q: FPtr  # [G, M, K] fp8 values as float32
+    var a_bf16: BF16Ptr  # the same values as bfloat16 for the bf16 dots (else not read)
     var a_scale: FPtr  # [G, MB, KB]
     var w: U8Ptr  # [G, N, K] fp8 bytes
     var w_scale: FPtr  # [G, NB, KB]
@@ -104,17 +121,20 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
     var depth: Int
     var blocks: BlockShape
 
-    def output_block[rows: Int, cols: Int](self, w_rows: FPtr, g: Int, m0: Int, n0: Int):
+    def output_block[
+        rows: Int, cols: Int, elem: DType
+    ](self, w_rows: Pointer[Scalar[elem], MutUntrackedOrigin], g: Int, m0: Int, n0: Int):
         """`c[g, m0 : m0 + rows, n0 : n0 + cols]`: per K block, exact fp8 dot products times `sa * sw`.
 
-        `w_rows` holds weight rows `n0 ..` of head `g`, widened to float32.
-        The per-block products stay in vector lanes, scaled lane-wise, and
-        are summed across lanes once at the end.
+        `w_rows` holds weight rows `n0 ..` of head `g`, widened to `elem`:
+        float32 (against `a_q`) or bfloat16 (against `a_bf16`; `dot_lanes` on
+        `vdpbf16ps`). The per-block products stay in vector lanes, scaled
+        lane-wise, and are summed across lanes once at the end.
         """
         var m_blocks = ceil_div(self.num_rows, self.blocks.m)
         var n_blocks = ceil_div(self.n_out, self.blocks.n)
         var k_blocks = ceil_div(self.depth, self.blocks.k)
-        var a_rows = self.a_q.unsafe_offset((g * self.num_rows + m0) * self.depth)
+        var a_at = (g * self.num_rows + m0) * self.depth
         var sa = Array[FPtr, rows](fill=self.a_scale)
         comptime for r in range(rows):
             sa[r] = self.a_scale.unsafe_offset((g * m_blocks + (m0 + r) // self.blocks.m) * k_blocks)
@@ -125,8 +145,13 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
         for kb in range(k_blocks):
             var k0 = kb * self.blocks.k
             var k1 = min(k0 + self.blocks.k, self.depth)
-            var part = dot_lanes[rows, cols](
-                a_rows.unsafe_offset(k0), self.depth, w_rows.unsafe_offset(k0), self.depth, k1 - k0
+            var a_rows: Pointer[Scalar[elem], MutUntrackedOrigin]
+            comptime if elem == DType.bfloat16:
+                a_rows = rebind[Pointer[Scalar[elem], MutUntrackedOrigin]](self.a_bf16)
+            else:
+                a_rows = rebind[Pointer[Scalar[elem], MutUntrackedOrigin]](self.a_q)
+            var part = dot_lanes[rows, cols, elem](
+                a_rows.unsafe_offset(a_at + k0), self.depth, w_rows.unsafe_offset(k0), self.depth, k1 - k0
             )
             comptime for r in range(rows):
                 var s_a = sa[r].unsafe_load(kb)
@@ -137,7 +162,9 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
             comptime for cc in range(cols):
                 self.c.row(g, m0 + r).unsafe_store(n0 + cc, sums[r * cols + cc].cast[Self.out_dtype]())
 
-    def output_rows[rows: Int](self, w_rows: FPtr, g: Int, m0: Int, n0: Int, n1: Int):
+    def output_rows[
+        rows: Int, elem: DType
+    ](self, w_rows: Pointer[Scalar[elem], MutUntrackedOrigin], g: Int, m0: Int, n0: Int, n1: Int):
         """Columns `n0 .. n1 - 1` of `rows` output rows, in blocks of DOT_COLS columns."""
         var n = n0
         while n + DOT_COLS <= n1:
@@ -146,6 +173,21 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
         while n < n1:
             self.output_block[rows, 1](w_rows.unsafe_offset((n - n0) * self.depth), g, m0, n)
             n += 1
+
+    def slice_outputs[elem: DType](self, g: Int, n0: Int, n1: Int):
+        """Columns `n0 .. n1 - 1` of head `g` for every row: the slice's weights widened to `elem`
+        once (a scratch slice that stays in L2), then multiplied with every token."""
+        var w_buf = List[Scalar[elem]](unsafe_uninit_length=(n1 - n0) * self.depth)
+        var w_rows = scratch_of(w_buf)
+        widen_weight_rows(self.w.unsafe_offset((g * self.n_out + n0) * self.depth), w_rows, (n1 - n0) * self.depth)
+        var m = 0
+        while m + DOT_ROWS <= self.num_rows:
+            self.output_rows[DOT_ROWS](w_rows, g, m, n0, n1)
+            m += DOT_ROWS
+        while m < self.num_rows:
+            self.output_rows[1](w_rows, g, m, n0, n1)
+            m += 1
+        _ = w_buf^
 
 
 def fp8_batched_matmul[
@@ -160,42 +202,52 @@ def fp8_batched_matmul[
     n_out: Int,
     depth: Int,
     blocks: BlockShape,
+    bf16_dots: Bool = False,
 ) raises:
     """`c[g, m, n] = sum_kb sa[g, m, kb] * sw[g, n, kb] * sum_{k in kb} a_q[g, m, k] * w[g, n, k]`.
 
     Quantizes `a` first. Each task takes a slice of one head's weight rows
-    (WEIGHT_ROWS_PER_TASK), widens its fp8 bytes to float32 once (a scratch
-    slice that stays in L2) and multiplies it with every token: the weights
-    are read once per call, as bytes, and widened once per call.
+    (`weight_rows_per_task`) and widens its fp8 bytes once per call
+    (`QuantizedMatmul.slice_outputs`): the weights are read once per call,
+    as bytes. With `bf16_dots` where the unit is compiled in the products
+    are summed with `vdpbf16ps`, else with float32 FMAs.
     """
     var m_blocks = ceil_div(num_rows, blocks.m)
     var k_blocks = ceil_div(depth, blocks.k)
-    var a_q_buf = List[Float32](length=max(num_groups * num_rows * depth, 1), fill=0)
+    var on_bf16 = bf16_dots and HAS_AVX512_BF16
+    var values = max(num_groups * num_rows * depth, 1)
+    var a_q_buf = List[Float32](length=values, fill=0)
+    var a_bf16_buf = List[BFloat16](unsafe_uninit_length=values if on_bf16 else 0)
     var a_scale_buf = List[Float32](length=max(num_groups * m_blocks * k_blocks, 1), fill=0)
     var mm = QuantizedMatmul[out_dtype](
-        scratch(a_q_buf), scratch(a_scale_buf), w, w_scale, c, num_rows, n_out, depth, blocks
+        scratch(a_q_buf), scratch_of(a_bf16_buf), scratch(a_scale_buf), w, w_scale, c, num_rows, n_out, depth, blocks
     )
     quantize_activations[in_dtype](a, num_groups, num_rows, depth, blocks, mm.a_q, mm.a_scale)
+    if on_bf16:  # exact: the quantized values are e4m3's
+        var a_q = mm.a_q
+        var a_bf16 = mm.a_bf16
+        var count = num_groups * num_rows * depth
 
-    var slices = ceil_div(n_out, WEIGHT_ROWS_PER_TASK)
+        def bf16_task(g: Int) {var a_q, var a_bf16, var num_rows, var depth}:
+            var n = num_rows * depth
+            narrow_to_bf16(a_q.unsafe_offset(g * n), a_bf16.unsafe_offset(g * n), n)
 
-    def slice_task(i: Int) {var mm, var num_rows, var n_out, var depth, var slices}:
+        run_tasks(bf16_task, num_groups, count)
+
+    var rows_per_task = weight_rows_per_task(depth)
+    var slices = ceil_div(n_out, rows_per_task)
+
+    def slice_task(i: Int) {var mm, var n_out, var slices, var rows_per_task, var on_bf16}:
         var g = i // slices
-        var n0 = (i % slices) * WEIGHT_ROWS_PER_TASK
-        var n1 = min(n0 + WEIGHT_ROWS_PER_TASK, n_out)
-        # The slice's weights, widened once for every token.
-        var w_buf = List[Float32](length=(n1 - n0) * depth, fill=0)
-        var w_rows = scratch(w_buf)
-        widen_weight_rows(mm.w.unsafe_offset((g * n_out + n0) * depth), w_rows, (n1 - n0) * depth)
-        var m = 0
-        while m + DOT_ROWS <= num_rows:
-            mm.output_rows[DOT_ROWS](w_rows, g, m, n0, n1)
-            m += DOT_ROWS
-        while m < num_rows:
-            mm.output_rows[1](w_rows, g, m, n0, n1)
-            m += 1
-        _ = w_buf^
+        var n0 = (i % slices) * rows_per_task
+        var n1 = min(n0 + rows_per_task, n_out)
+        comptime if HAS_AVX512_BF16:
+            if on_bf16:
+                mm.slice_outputs[DType.bfloat16](g, n0, n1)
+                return
+        mm.slice_outputs[DType.float32](g, n0, n1)
 
     run_tasks(slice_task, num_groups * slices, num_groups * n_out * depth * max(num_rows, 1))
     _ = a_q_buf^
+    _ = a_bf16_buf^
     _ = a_scale_buf^

@@ -45,7 +45,8 @@ def project_q_nope[
     granularity: Granularity,
     path: Int = PATH_F32,
 ) raises:
-    """Step 3: `q_full[t, h, :R] = rnd(fp8mm(q[t, h, :nope], w_uk[h]))`; on AMX tiles where `projection_on_amx`."""
+    """Step 3: `q_full[t, h, :R] = rnd(fp8mm(q[t, h, :nope], w_uk[h]))`; on AMX tiles where
+    `projection_on_amx`, else on the AVX512-BF16 unit where step 5 takes a bf16 path."""
     var a = StridedMatrices[dtype](q, nope_dim + rope_dim, num_heads * (nope_dim + rope_dim))
     var c = StridedMatrices[dtype](
         q_full, kv_lora_rank + rope_dim, num_heads * (kv_lora_rank + rope_dim)
@@ -53,7 +54,7 @@ def project_q_nope[
     var blocks = granularity.resolve(num_tokens, kv_lora_rank, nope_dim)
     fp8_projection[dtype, dtype](
         a, w_uk, w_uk_scale, c, num_heads, num_tokens, kv_lora_rank, nope_dim, blocks,
-        projection_on_amx(path, num_tokens, num_heads),
+        projection_on_amx(path, num_tokens, num_heads), path != PATH_F32,
     )
 
 
@@ -71,13 +72,14 @@ def project_output[
     granularity: Granularity,
     path: Int = PATH_F32,
 ) raises:
-    """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`; on AMX tiles where `projection_on_amx`."""
+    """Step 6: `output[t, h, :] = rnd(fp8mm(raw[t, h, :], w_uv[h]))`; on AMX tiles where
+    `projection_on_amx`, else on the AVX512-BF16 unit where step 5 takes a bf16 path."""
     var a = StridedMatrices[dtype](raw, kv_lora_rank, num_heads * kv_lora_rank)
     var c = StridedMatrices[dtype](output, v_head_dim, num_heads * v_head_dim)
     var blocks = granularity.resolve(num_tokens, v_head_dim, kv_lora_rank)
     fp8_projection[dtype, dtype](
         a, w_uv, w_uv_scale, c, num_heads, num_tokens, v_head_dim, kv_lora_rank, blocks,
-        projection_on_amx(path, num_tokens, num_heads),
+        projection_on_amx(path, num_tokens, num_heads), path != PATH_F32,
     )
 
 
@@ -149,7 +151,7 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     if p.project_only:  # step 6 alone, on the attention output given
         project_output[dtype](
             p.attention_output, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank,
-            p.v_head_dim, p.granularity,
+            p.v_head_dim, p.granularity, attention_path[dtype](),
         )
         return
     # The attention path first: a refused PYMLA_CPU_PATH raises before any cache row changes.

@@ -1,5 +1,6 @@
 """Host SIMD helpers of the CPU stages: scratch pointers, the task runner, register-blocked dot products."""
 
+from std.sys import llvm_intrinsic
 from std.sys.info import simd_width_of
 from std.utils import IndexList
 from max.algorithm import sync_parallelize
@@ -46,33 +47,68 @@ comptime DOT_COLS = 4
 comptime F32Vec = SIMD[DType.float32, F32_WIDTH]
 
 
+def narrow_to_bf16(src: FPtr, dst: Pointer[BFloat16, MutUntrackedOrigin], count: Int):
+    """`dst[i] = bf16(src[i])` for `count` values, vectorized (exact where `src` holds bf16 values)."""
+    comptime W = F32_WIDTH
+    var main = count - count % W
+    for i in range(0, main, W):
+        dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.bfloat16]())
+    for i in range(main, count):
+        dst.unsafe_store(i, src.unsafe_load(i).cast[DType.bfloat16]())
+
+
+@always_inline
+def dpbf16(acc: SIMD[DType.float32, 16], a: SIMD[DType.bfloat16, 32], b: SIMD[DType.bfloat16, 32]) -> SIMD[DType.float32, 16]:
+    """`acc[i] + a[2i] b[2i] + a[2i+1] b[2i+1]`, products exact, sums in float32 (`vdpbf16ps`, AVX512-BF16)."""
+    return llvm_intrinsic["llvm.x86.avx512bf16.dpbf16ps.512", SIMD[DType.float32, 16]](acc, a, b)
+
+
 @always_inline
 def dot_lanes[
-    rows: Int, cols: Int
-](a: FPtr, a_stride: Int, b: FPtr, b_stride: Int, depth: Int) -> Array[F32Vec, rows * cols]:
+    rows: Int, cols: Int, elem: DType = DType.float32
+](
+    a: Pointer[Scalar[elem], MutUntrackedOrigin],
+    a_stride: Int,
+    b: Pointer[Scalar[elem], MutUntrackedOrigin],
+    b_stride: Int,
+    depth: Int,
+) -> Array[F32Vec, rows * cols]:
     """Lane-wise partial sums of `<a[r, :depth], b[c, :depth]>` for a `rows x cols` block.
 
     The micro-kernel of the float32 attention scores and of the fp8 matmuls
-    (on weights widened once per call): each step loads
-    `rows + cols` vectors and does `rows * cols` FMAs in registers. A tail of
-    `depth` past the last whole vector is added into lane 0. Summing the
+    (on weights widened once per call): each step loads `rows + cols`
+    vectors and does `rows * cols` multiply-adds in registers: float32
+    FMAs, or for `elem` bfloat16 (AVX512-BF16 only) `vdpbf16ps` on 32 values
+    (lane `i` adds the products of values `2i` and `2i + 1`). A tail of
+    `depth` past the last whole step is added into lane 0. Summing the
     lanes (`reduce_add`) gives the dot products.
     """
     comptime W = F32_WIDTH
+    comptime STEP = 2 * W if elem == DType.bfloat16 else W
     var acc = Array[F32Vec, rows * cols](fill=F32Vec(0))
-    var main = depth - depth % W
-    for d in range(0, main, W):
-        var av = Array[F32Vec, rows](fill=F32Vec(0))
+    var main = depth - depth % STEP
+    for d in range(0, main, STEP):
+        var av = Array[SIMD[elem, STEP], rows](fill=SIMD[elem, STEP](0))
         comptime for r in range(rows):
-            av[r] = a.unsafe_load[width=W](r * a_stride + d)
+            av[r] = a.unsafe_load[width=STEP](r * a_stride + d)
         comptime for c in range(cols):
-            var bv = b.unsafe_load[width=W](c * b_stride + d)
+            var bv = b.unsafe_load[width=STEP](c * b_stride + d)
             comptime for r in range(rows):
-                acc[r * cols + c] += av[r] * bv
+                comptime if elem == DType.bfloat16:
+                    acc[r * cols + c] = rebind[F32Vec](
+                        dpbf16(
+                            rebind[SIMD[DType.float32, 16]](acc[r * cols + c]),
+                            rebind[SIMD[DType.bfloat16, 32]](av[r]),
+                            rebind[SIMD[DType.bfloat16, 32]](bv),
+                        )
+                    )
+                else:
+                    acc[r * cols + c] += rebind[F32Vec](av[r]) * rebind[F32Vec](bv)
     for d in range(main, depth):
         comptime for r in range(rows):
             comptime for c in range(cols):
-                acc[r * cols + c][0] += a.unsafe_load(r * a_stride + d) * b.unsafe_load(c * b_stride + d)
+                var x = a.unsafe_load(r * a_stride + d).cast[DType.float32]()
+                acc[r * cols + c][0] += x * b.unsafe_load(c * b_stride + d).cast[DType.float32]()
     return acc^
 
 

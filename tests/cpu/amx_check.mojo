@@ -6,6 +6,7 @@
 #     /tmp/amx_check            # correctness: every case on the emulated tiles, and on the AMX unit
 #                               # where the CPU has it; then timings where the CPU has AMX
 #     /tmp/amx_check quick      # correctness only
+#     /tmp/amx_check projections  # steps 3 and 6 alone: checks, then timings per path
 #     /tmp/amx_check overhead   # the AMX path with no tile instruction, 16 heads, on any CPU:
 #                               # `perf record /tmp/amx_check overhead` shows where the rest goes
 #
@@ -423,6 +424,14 @@ def main() raises:
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
+    if len(argv()) > 1 and argv()[1] == "projections":
+        # Steps 3 and 6 alone: their checks, then their timings per path, side by side.
+        var failed = 0
+        check_projections(failed)
+        time_projections(7, failed)
+        if failed:
+            raise Error(String(failed, " checks failed"))
+        return
     if amx_runs() and not amx_permitted():
         raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
     var failures = 0

@@ -1,16 +1,16 @@
-# Steps 3 and 6 on AMX tiles (mojo_kernels/cpu/amx_matmul.mojo) against the float32 fp8 matmul
-# (cpu/fp8_matmul.mojo, tested against the torch reference by tests/test_op_parity.py); run from
-# tests/cpu/amx_check.mojo.
+# Steps 3 and 6 on AMX tiles (mojo_kernels/cpu/amx_matmul.mojo) and on the AVX512-BF16 unit (the
+# bf16 dots of cpu/fp8_matmul.mojo) against the float32 fp8 matmul (cpu/fp8_matmul.mojo, tested
+# against the torch reference by tests/test_op_parity.py); run from tests/cpu/amx_check.mojo.
 #
 # Checks: random bf16 activations and e4m3 weight bytes, random block scales, for per_tensor,
 # per_channel, blockwise and arbitrary (m, n, k) blocks (k blocks of 16, 40, 100, larger than K),
 # several (tokens, heads, N, K) with tails (tokens 1..33: one to three 16-token blocks; N and K not
 # multiples of 16 or 32), strided activations and outputs like the op's. The tile path runs on
 # `EmulatedTiles` everywhere and on the unit where the CPU has AMX, with float32 outputs (NaN before
-# the call): every output within TOLERANCE of the float32 path relative to sum |terms| (the same
+# the call); the bf16 dots where compiled in: every output within TOLERANCE of the float32 path relative to sum |terms| (the same
 # exact products summed in another order), and the gaps between output rows unchanged.
 # Timings: steps 3 and 6 alone (pipeline.project_q_nope / project_output, DeepSeek-V3 dims, bf16,
-# blockwise weights) per path, batch 8 at 16 and 128 heads and batch 1 at 128 heads, with the
+# blockwise weights distributed as quantized model weights: `model_weight_byte`) per path, batch 8 at 16 and 128 heads and batch 1 at 128 heads, with the
 # thread count and the largest difference between the paths' bf16 outputs; also the tile matmul
 # with no tile instruction (`NoTiles`, wrong results: what it costs besides the unit, on any CPU).
 
@@ -20,8 +20,10 @@ from std.time import perf_counter_ns
 from mojo_kernels.common import DPtr, FPtr, U8Ptr
 from mojo_kernels.cpu.amx import AmxTiles, TileUnit
 from mojo_kernels.cpu.amx_matmul import fp8_projection, projection_on_amx
-from mojo_kernels.cpu.attention import PATH_AMX, PATH_F32
+from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32
+from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.fp8_matmul import StridedMatrices
+from mojo_kernels.fp8 import e4m3_bytes, round_to_e4m3
 from mojo_kernels.cpu.pipeline import project_output, project_q_nope
 from mojo_kernels.spec import BlockShape, Granularity
 
@@ -80,7 +82,7 @@ struct Projection(Movable):
     def activations(mut self) -> StridedMatrices[BF16]:
         return StridedMatrices[BF16](untracked(self.a), self.depth + GAP, self.heads * (self.depth + GAP))
 
-    def run[tiles: TileUnit](mut self, on_tiles: Bool) raises -> List[Float32]:
+    def run[tiles: TileUnit](mut self, on_tiles: Bool, bf16_dots: Bool = False) raises -> List[Float32]:
         """`c [M, G, N + GAP]` in float32: NaN before the call, SENTINEL in the gaps."""
         var c = List[Float32](length=max(self.tokens * self.heads * (self.n_out + GAP), 1), fill=Float32.MAX * 0 / 0)
         for i in range(len(c)):
@@ -90,7 +92,9 @@ struct Projection(Movable):
         var w = self.w.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
         var ws = untracked(self.w_scale)
         var a = self.activations()
-        fp8_projection[BF16, F32, tiles](a, w, ws, out, self.heads, self.tokens, self.n_out, self.depth, self.blocks, on_tiles)
+        fp8_projection[BF16, F32, tiles](
+            a, w, ws, out, self.heads, self.tokens, self.n_out, self.depth, self.blocks, on_tiles, bf16_dots
+        )
         return c^
 
     def magnitudes(mut self) raises -> List[Float32]:
@@ -124,7 +128,8 @@ def compare(mut p: Projection, path_name: String, got: List[Float32], expected: 
 
 
 def check_projections(mut failures: Int) raises:
-    """Every case on the emulated tiles, and on the unit where the CPU has AMX."""
+    """Every case on the emulated tiles, on the AVX512-BF16 unit where compiled in, and on the AMX unit
+    where the CPU has it."""
     # (tokens, heads, N, K, bm, bn, bk): the op's shapes with blockwise scales, then tails and other blocks.
     comptime FIELDS = 7
     var cases: List[Int] = [
@@ -136,7 +141,8 @@ def check_projections(mut failures: Int) raises:
         1, 3, 64, 128, 2, 48, 16,  # K blocks of 16 (half a step)
         20, 1, 33, 300, 7, 5, 100,  # K blocks of 100; N blocks of 5
         3, 2, 40, 50, 8, 64, 64,  # blocks larger than the axes
-        16, 2, 200, 128, 16, 128, 128,  # 16-token blocks, slices of 64 rows and a tail slice
+        16, 2, 200, 128, 16, 128, 128,  # 16-token blocks; tiles: slices of 64 rows and a tail slice
+        2, 2, 600, 128, 1, 128, 128,  # vectors: slices of 256 rows and a tail slice (K 128)
     ]
     for i in range(len(cases) // FIELDS):
         var f = i * FIELDS
@@ -146,8 +152,18 @@ def check_projections(mut failures: Int) raises:
         var expected = p.run[AmxTiles](False)
         var mags = p.magnitudes()
         compare(p, "amx-emulated", p.run[EmulatedTiles](True), expected, mags, failures)
+        comptime if HAS_AVX512_BF16:
+            compare(p, "avx512bf16", p.run[AmxTiles](False, bf16_dots=True), expected, mags, failures)
         if amx_runs():
             compare(p, "amx", p.run[AmxTiles](True), expected, mags, failures)
+
+
+def model_weight_byte(mut rng: Rng) -> UInt8:
+    """An e4m3 weight as block quantization makes them: a roughly normal value (sum of four uniforms)
+    whose block's largest magnitude (about 4.5 sigma) maps to 448, rounded to e4m3 (few subnormals)."""
+    var x = (rng.uniform() + rng.uniform() + rng.uniform() + rng.uniform()) * Float32(0.866)  # sigma 1
+    var v = SIMD[DType.float32, 1](max(min(x * 100.0, 448.0), -448.0))
+    return e4m3_bytes[1](round_to_e4m3[1](v))[0]
 
 
 struct ProjectionInputs(Movable):
@@ -179,8 +195,8 @@ struct ProjectionInputs(Movable):
         self.w_uk = List[UInt8](length=heads * 512 * 128, fill=0)
         self.w_uv = List[UInt8](length=heads * 128 * 512, fill=0)
         for i in range(len(self.w_uk)):
-            self.w_uk[i] = UInt8(rng.next() % 256) & 0xF7
-            self.w_uv[i] = UInt8(rng.next() % 256) & 0xF7
+            self.w_uk[i] = model_weight_byte(rng)
+            self.w_uv[i] = model_weight_byte(rng)
         self.w_uk_scale = List[Float32](length=heads * 4, fill=0.01)
         self.w_uv_scale = List[Float32](length=heads * 4, fill=0.01)
 
@@ -257,6 +273,13 @@ def time_projections(iters: Int, mut failures: Int) raises:
         var output = x.output.copy()
         var line = String("timing: steps 3 + 6 alone, batch ", tokens, ", heads ", heads, ", threads ", threads, ":")
         line += String(" f32 vectors ", f32[0], " + ", f32[1], " ms")
+        comptime if HAS_AVX512_BF16:
+            var bf16 = x.time(PATH_AVX512BF16, iters)
+            var diff = max(bf16_diff(q_full, x.q_full), bf16_diff(output, x.output))
+            line += String(", avx512bf16 dots ", bf16[0], " + ", bf16[1], " ms (max|diff|/max(|x|, 1) ", diff, ")")
+            if not (diff <= Float32(1.0 / 128)):
+                failures += 1
+                line += " FAIL"
         # The tile matmul with no tile instruction (wrong results): quantize, pack, widen, scale, store.
         var bare = x.time[NoTiles](PATH_AMX, iters, tiles_direct=True)
         line += String(", tile path without tile instructions ", bare[0], " + ", bare[1], " ms")
