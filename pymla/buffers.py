@@ -26,13 +26,25 @@ _I_OUT, _I_ATTENTION, _I_LSE, _I_Q, _I_ROWS, _I_LAYER, _I_FIRST = (ARG_INDEX[n] 
 _STEP_NAMES = tuple(a.name for a in ARGS if a.source is Source.STEP)
 
 
-def max_buffers(values: dict[str, object]) -> dict[str, object]:
-    """MAX buffers of tensors and scalars named by :data:`pymla.args.ARGS`."""
+def max_buffers(
+    values: dict[str, object], unordered: tuple[int, int] | None = None
+) -> dict[str, object]:
+    """MAX buffers of tensors and scalars named by :data:`pymla.args.ARGS`.
+
+    With ``unordered`` (the tensors' DLPack device), contiguous tensors are
+    wrapped as :func:`wrap_call_tensor` wraps a run's (no DLPack stream
+    ordering): for buffers made for one launch right away, whose own ordering
+    after torch's current stream covers them (the one-shot call, the torch
+    op's body). A plan or weights kept for later launches, perhaps on another
+    stream, keep DLPack's ordering at the time they are made.
+    """
     out = {}
     for name, value in values.items():
         arg = BY_NAME[name]
         if arg.is_scalar:
             out[name] = runtime.scalar_buffer(value, TORCH_SCALAR_DTYPES[arg.dtype])
+        elif unordered is not None and value.is_contiguous():
+            out[name] = wrap_call_tensor(value, unordered)
         else:
             out[name] = bridge.to_max(value)
     return out
@@ -77,10 +89,18 @@ def first_step_buffer(first_step: int):
     return found
 
 
-def step_template(input_row_offsets, freqs_cis, kv, options, dtype, device) -> list:
+def step_template(
+    input_row_offsets,
+    freqs_cis,
+    kv,
+    options,
+    dtype,
+    device,
+    unordered: tuple[int, int] | None = None,
+) -> list:
     """The kernel's argument list, in ARGS order: the step's tensors (``kv``: the cache's
     three) and ``options``' scalars as buffers in place, empty buffers of ``dtype`` on
-    ``device`` where a run's tensors go."""
+    ``device`` where a run's tensors go; ``unordered`` as :func:`max_buffers`'."""
     buffers = max_buffers(
         {
             "input_row_offsets": input_row_offsets,
@@ -89,7 +109,8 @@ def step_template(input_row_offsets, freqs_cis, kv, options, dtype, device) -> l
             "cache_lengths": kv.cache_lengths,
             "lookup_table": kv.lookup_table,
             **options.scalars(),
-        }
+        },
+        unordered,
     )
     assert set(buffers) == set(_STEP_NAMES)
     template = [buffers.get(a.name) for a in ARGS]

@@ -204,8 +204,9 @@ def mla_decode_branch_fp8(
     # Plan then run, through the one launch path of DecodePlan.run (the checks above
     # cover everything run() and plan() check; the launch checks the cache's rows).
     weights = LayerWeights(
-        w_uk, w_uk_scale, w_uv, w_uv_scale, kv_norm_gamma, scale_granularity=g, _checked=True
-    )
+        w_uk, w_uk_scale, w_uv, w_uv_scale, kv_norm_gamma, scale_granularity=g, _checked=True,
+        _launch_now=True,
+    )  # fmt: skip
     step = DecodePlan(
         kv,
         input_row_offsets,
@@ -214,6 +215,7 @@ def mla_decode_branch_fp8(
         num_tokens=num_tokens,
         new_rows=new_rows is not None,
         _op_check_values=bool(check_values),
+        _launch_now=True,
         **tracking,
     )
     step._launch(q, layer_idx, weights, out, attention_out, new_rows, lse)

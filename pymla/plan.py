@@ -60,6 +60,7 @@ class DecodePlan:
         _cache: PagedLatentCache | None = None,
         _new_requests: frozenset[int] = frozenset(),
         _rerun_layers: bool = False,
+        _launch_now: bool = False,
     ) -> None:
         self.kv = kv
         self.input_row_offsets = input_row_offsets
@@ -84,6 +85,9 @@ class DecodePlan:
         self._launch_fn = None  # runtime.launcher(model, device), made with the model
         self._template: list | None = None  # ARGS-ordered buffers, the step's filled in
         self._dl_device = bridge.dlpack_device(self.device)
+        # Made for one launch right away (the one-shot call, the torch op's body): the step's
+        # tensors are wrapped without DLPack's stream ordering (buffers.max_buffers).
+        self._launch_now = _launch_now
         self._kv_span: tuple[int, int] | None = None  # kv_blocks' bytes, read on the first run
         # Stale-row tracking (plan() of a PagedLatentCache with check_values): the requests
         # with new tokens must be in the cache's per-layer set run() tests (appended raw, and
@@ -100,8 +104,9 @@ class DecodePlan:
     def _prepare(self) -> list:
         """The kernel's argument list with the step's buffers in place (made once)."""
         self._template = step_template(
-            self.input_row_offsets, self.freqs_cis, self.kv, self.options, self.dtype, self.device
-        )
+            self.input_row_offsets, self.freqs_cis, self.kv, self.options, self.dtype, self.device,
+            self._dl_device if self._launch_now else None,
+        )  # fmt: skip
         return self._template
 
     # ------------------------------------------------------------------ run

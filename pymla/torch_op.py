@@ -111,6 +111,7 @@ def _torch_op_impl(*values) -> None:
         a["kv_norm_gamma"],
         granularity,
         _checked=True,
+        _launch_now=True,
     )
     options = DecodeOptions(
         scale=a["scale"],
@@ -127,6 +128,7 @@ def _torch_op_impl(*values) -> None:
         options,
         num_tokens=dims.num_tokens,
         new_rows=new_rows is not None,
+        _launch_now=True,
     )
     if a["first_step"] == STEP_6_ONLY:
         step.project(attention_out, a["q"], a["layer_idx"], weights, out)

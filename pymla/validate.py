@@ -127,6 +127,9 @@ class _Size:
 
 def _majority(values: list) -> object:
     """The most frequent value; ties go to the one listed first."""
+    first = values[0]
+    if all(v == first for v in values):  # the usual case, without the counting below
+        return first
     return max(values, key=lambda v: (values.count(v), -values.index(v)))
 
 

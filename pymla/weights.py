@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from . import bridge, value_checks
 from . import validate as v
-from . import value_checks
 from .args import ARGS, BY_NAME, Source
 from .buffers import ARG_INDEX, max_buffers
 from .quant import ScaleGranularity
@@ -44,6 +44,7 @@ class LayerWeights:
         *,
         check_values: bool = True,
         _checked: bool = False,
+        _launch_now: bool = False,
     ) -> None:
         # Parsed here, where the option enters; the one-shot call and the torch op's body
         # pass the ScaleGranularity they parsed (with _checked).
@@ -67,6 +68,9 @@ class LayerWeights:
         self._compat = (self.dtype, self.device, self.kv_lora_rank)
         self._buffers: dict | None = None
         self._indexed: tuple | None = None  # ((position in ARGS, buffer), ...)
+        # Made for one launch right away (the one-shot call, the torch op's body): wrapped
+        # without DLPack's stream ordering (buffers.max_buffers).
+        self._launch_now = _launch_now
         if not torch.compiler.is_compiling():  # traced by torch.compile: wrapped when run eagerly
             self._prepare()
 
@@ -82,7 +86,8 @@ class LayerWeights:
                 "m_scale_granularity": g.m,
                 "n_scale_granularity": g.n,
                 "k_scale_granularity": g.k,
-            }
+            },
+            bridge.dlpack_device(self.device) if self._launch_now else None,
         )
         self._indexed = tuple((ARG_INDEX[n], self._buffers[n]) for n in _WEIGHT_NAMES)
         return self._indexed

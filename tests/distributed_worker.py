@@ -41,15 +41,6 @@ def case_options(spec: dict) -> dict:
     )
 
 
-def layer_weights(case) -> pymla.LayerWeights:
-    w = case.weights
-    return pymla.LayerWeights(
-        *(w[k] for k in ("w_uk", "w_uk_scale", "w_uv", "w_uv_scale")),
-        case.kv_norm_gamma,
-        case.options["scale_granularity"],
-    )
-
-
 def second_step(case, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """After ``advance``: reserves the next step's tokens; ``(q, offsets, new_rows)`` from ``seed``."""
     g = torch.Generator().manual_seed(seed)
@@ -68,7 +59,7 @@ def run_dcp(spec: dict, context: pymla.ContextParallel, device: torch.device) ->
     _, ref_blocks = reference_stages(case)
     case.to(device)
     before = case.cache.blocks.clone()
-    weights = layer_weights(case)
+    weights = case.layer_weights()
     o = {k: v for k, v in case.options.items() if k not in ("scale_granularity", "shard")}
     step = context.plan(
         case.cache, case.input_row_offsets, case.freqs_cis, pymla.DecodeOptions(**o)
@@ -139,7 +130,7 @@ def run_tp(spec: dict, device: torch.device) -> dict:
         **{k: v for k, v in case.options.items() if k != "scale_granularity"}
     )
     tp.check_options(options)
-    weights = tp.weights(layer_weights(case))
+    weights = tp.weights(case.layer_weights())
     step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, options)
     local = step.run(tp.q(case.q), case.layer_idx, weights)
     return dict(

@@ -318,7 +318,7 @@ def test_bench_skips_paths_the_kernel_lacks_and_labels_the_path_that_ran(
     result = json.loads(saved.read_text())
     assert [r["path"] for r in result["rows"]] == ["f32"]
     assert result["meta"]["cpu_paths"] == ["f32"] and result["meta"]["cases"] == 1
-    assert result["rows"][0]["op_ms"] > 0
+    assert result["rows"][0]["op_ms"] > 0 and result["rows"][0]["run_ms"] > 0
 
 
 def test_bench_with_no_path_the_kernel_has_is_a_one_line_error(f32_only_kernel, tmp_path, capsys):
@@ -362,6 +362,7 @@ def test_bench_times_the_fp8_cache_beside_the_dtype_cache(fast_rooflines, tmp_pa
     dtype_row, fp8_row = json.loads(saved.read_text())["rows"]
     assert (dtype_row["cache_format"], fp8_row["cache_format"]) == ("dtype", "fp8_ds_mla")
     assert dtype_row["op_ms"] > 0 and fp8_row["op_ms"] > 0
+    assert dtype_row["run_ms"] > 0 and fp8_row["run_ms"] > 0
     # The roofline reads the rows as stored: 576 bf16 values, or 656 bytes.
     weights = dtype_row["cache_and_weight_bytes"] - 40 * 576 * 2
     assert fp8_row["cache_and_weight_bytes"] == weights + 40 * 656

@@ -141,7 +141,7 @@ def test_bad_input_is_refused_before_any_kernel():
     with pytest.raises(ValueError, match=r"^kv_blocks: expected size 656 in dim 5"):
         pymla.mla_decode_branch_fp8(*case.args(narrow), **case.options)
     with pytest.raises(ValueError, match=r"^kv_blocks: expected fp8_ds_mla rows"):
-        pymla.plan(narrow, case.input_row_offsets, case.freqs_cis, _options(case))
+        pymla.plan(narrow, case.input_row_offsets, case.freqs_cis, case.decode_options())
     # kv_lora_rank 100: no fp8 layout
     odd = make_case(4401, kv_lora_rank=100, cache_lengths=(3,), new_tokens=(1,))
     blocks = torch.zeros(*odd.cache.blocks.shape[:-1], 100 + 4 + 128, dtype=torch.uint8)
@@ -161,18 +161,13 @@ def test_bad_input_is_refused_before_any_kernel():
     validate.check_fp8_gpu_sizes(640, 64, torch.device("cpu"))
 
 
-def _options(case) -> pymla.DecodeOptions:
-    o = {k: v for k, v in case.options.items() if k != "scale_granularity"}
-    return pymla.DecodeOptions(**o)
-
-
 def test_plan_and_run_over_layers():
     """The serving loop on an fp8 cache: plan once, run every layer with new_rows."""
     case = make_case(
         4500, num_layers=3, layer_idx=0, cache_lengths=(20, 7), new_tokens=(1, 2), **FP8
     )
     step = pymla.plan(
-        case.cache, case.input_row_offsets, case.freqs_cis, _options(case), new_rows=True
+        case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options(), new_rows=True
     )
     w = case.weights
     weights = pymla.LayerWeights(

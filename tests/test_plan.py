@@ -26,23 +26,6 @@ from helpers import assert_cache_unchanged, cache_snapshot, make_case
 KERNELS = pathlib.Path(__file__).resolve().parent.parent / "mojo_kernels"
 
 
-def _layer_weights(case) -> pymla.LayerWeights:
-    w = case.weights
-    return pymla.LayerWeights(
-        w["w_uk"],
-        w["w_uk_scale"],
-        w["w_uv"],
-        w["w_uv_scale"],
-        case.kv_norm_gamma,
-        case.options["scale_granularity"],
-    )
-
-
-def _options(case) -> pymla.DecodeOptions:
-    o = {k: v for k, v in case.options.items() if k != "scale_granularity"}
-    return pymla.DecodeOptions(**o)
-
-
 # ---------------------------------------------------------------- one owner of the argument list
 
 
@@ -155,8 +138,8 @@ def test_plan_then_run_per_layer_equals_the_one_shot_call(dtype):
             **case.options,
         )
 
-    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
-    layer_weights = {layer: _layer_weights(weights[layer]) for layer in (0, 1)}
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options())
+    layer_weights = {layer: weights[layer].layer_weights() for layer in (0, 1)}
     for layer in (0, 1):
         out = torch.full_like(expected[layer], float("nan"))
         result = step.run(qs[layer], layer, layer_weights[layer], out=out)
@@ -171,9 +154,9 @@ def test_plan_with_new_rows_equals_appending_them():
     appended = copy.deepcopy(case)
     rows = case.take_new_rows(seed=5)  # case's slots now hold noise
     step = pymla.plan(
-        case.cache, case.input_row_offsets, case.freqs_cis, _options(case), new_rows=True
+        case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options(), new_rows=True
     )
-    weights = _layer_weights(case)
+    weights = case.layer_weights()
     with pytest.raises(ValueError, match=r"^new_rows: expected a tensor"):
         step.run(case.q, case.layer_idx, weights)
     out = step.run(case.q, case.layer_idx, weights, new_rows=rows)
@@ -191,15 +174,15 @@ def test_plan_checks_values_once():
     table[0, 0] = case.cache.blocks.shape[0]
     kv = pymla.KVCacheTensors(case.cache.blocks, case.cache.cache_lengths, table)
     with pytest.raises(ValueError, match=r"^lookup_table: expected entries < "):
-        pymla.plan(kv, case.input_row_offsets, case.freqs_cis, _options(case))
+        pymla.plan(kv, case.input_row_offsets, case.freqs_cis, case.decode_options())
     with pytest.raises(TypeError, match=r"^options: expected a pymla.DecodeOptions"):
         pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, {"scale": 0.1})
 
 
 def test_run_checks_shapes_dtypes_and_layer():
     case = make_case(52, num_heads=4)
-    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
-    weights = _layer_weights(case)
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options())
+    weights = case.layer_weights()
     before = case.cache.blocks.clone()
     with pytest.raises(ValueError, match=r"^q: expected shape"):
         step.run(case.q[:-1], case.layer_idx, weights)
@@ -280,9 +263,9 @@ def _two_layer_step(seed: int, **plan_kwargs):
         case.cache._appended[1].discard(b)
         case.cache._unrotated[1].discard(b)
     step = pymla.plan(
-        case.cache, case.input_row_offsets, case.freqs_cis, _options(case), **plan_kwargs
+        case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options(), **plan_kwargs
     )
-    return case, step, _layer_weights(case)
+    return case, step, case.layer_weights()
 
 
 def _one_shot(case, layer, **kwargs):
@@ -361,11 +344,11 @@ def test_rerun_layers_skips_only_the_rotated_check():
     assert case.cache.new_rows_state(0, 0) == "rotated"
     _refused(case, lambda: step.run(case.q, 1, weights), NOT_APPENDED)
     # A plan without the switch in the same step sees the rows as rotated.
-    strict = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
+    strict = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options())
     _refused(case, lambda: strict.run(case.q, 0, weights), ROTATED)
     _one_shot(case, 0, rerun_layers=True)
     with pytest.raises(TypeError, match=r"^rerun_layers: expected a bool, got int$"):
-        pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case),
+        pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options(),
                    rerun_layers=1)  # fmt: skip
 
 
@@ -375,7 +358,7 @@ def test_untracked_plans_do_not_check_rows(untracked):
     case, _, weights = _two_layer_step(95)
     cache = case.cache_tensors() if untracked == "cache tensors" else case.cache
     step = pymla.plan(
-        cache, case.input_row_offsets, case.freqs_cis, _options(case),
+        cache, case.input_row_offsets, case.freqs_cis, case.decode_options(),
         check_values=untracked != "check_values=False",
     )  # fmt: skip
     step.run(case.q, 1, weights)  # layer 1 was never appended: not known here
@@ -387,8 +370,8 @@ def test_runs_with_new_rows_may_repeat_and_mark_the_layer_rotated():
     """The op writes new_rows into the slots itself: running the layer again is harmless."""
     case = make_case(96, num_heads=2, cache_lengths=(5, 9), new_tokens=(1, 2), num_layers=2)
     rows = case.take_new_rows(seed=3)
-    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
-    weights = _layer_weights(case)
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options())
+    weights = case.layer_weights()
     first = step.run(case.q, case.layer_idx, weights, new_rows=rows)
     blocks = case.cache.blocks.clone()
     again = step.run(case.q, case.layer_idx, weights, new_rows=rows)
@@ -407,9 +390,9 @@ def test_reserved_rows_never_appended_are_refused_at_run():
     case.cache.reserve(0, 1)
     case.q = torch.randn(1, 2, 192).to(case.q.dtype)
     case.input_row_offsets = torch.tensor([0, 1], dtype=torch.uint32)
-    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options())
     message = NOT_APPENDED.replace("layer 1", "layer 0").replace("(0, 1,", "(0, 0,")
-    _refused(case, lambda: step.run(case.q, 0, _layer_weights(case)), message)
+    _refused(case, lambda: step.run(case.q, 0, case.layer_weights()), message)
 
 
 def test_a_failed_launch_leaves_the_rows_raw(monkeypatch):
@@ -433,8 +416,8 @@ def test_a_released_request_rides_along_empty():
     free = case.cache.num_free_pages
     case.cache.release(0)
     assert case.cache.num_free_pages == free + 1 and case.cache.cache_lengths.tolist() == [0, 9]
-    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
-    out = step.run(case.q, 0, _layer_weights(case))
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options())
+    out = step.run(case.q, 0, case.layer_weights())
     assert out.shape == (1, 2, 128) and not torch.isnan(out).any()
 
 
@@ -454,8 +437,8 @@ def test_concurrent_runs_on_separate_caches_equal_serial_runs():
     def work(i: int) -> None:
         try:
             c = cases[i]
-            step = pymla.plan(c.cache, c.input_row_offsets, c.freqs_cis, _options(c))
-            weights = _layer_weights(c)
+            step = pymla.plan(c.cache, c.input_row_offsets, c.freqs_cis, c.decode_options())
+            weights = c.layer_weights()
             barrier.wait()
             results[i] = step.run(c.q, c.layer_idx, weights)
         except BaseException as e:  # reported below

@@ -19,20 +19,6 @@ from pymla import bridge, runtime
 from helpers import make_case, torch_op_args
 
 
-def _weights(case) -> pymla.LayerWeights:
-    w = case.weights
-    return pymla.LayerWeights(
-        w["w_uk"], w["w_uk_scale"], w["w_uv"], w["w_uv_scale"], case.kv_norm_gamma,
-        case.options["scale_granularity"],
-    )  # fmt: skip
-
-
-def _options(case) -> pymla.DecodeOptions:
-    return pymla.DecodeOptions(
-        **{k: v for k, v in case.options.items() if k != "scale_granularity"}
-    )
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_call_tensors_cross_to_max_without_copies(dtype):
     t = torch.arange(24, dtype=torch.float32).to(dtype).reshape(2, 3, 4)
@@ -46,9 +32,9 @@ def test_call_tensors_cross_to_max_without_copies(dtype):
 def test_run_refuses_written_tensors_sharing_memory():
     case = make_case(81, num_heads=4, cache_lengths=(5, 9), new_tokens=(1, 2))
     step = pymla.plan(
-        case.cache, case.input_row_offsets, case.freqs_cis, _options(case), new_rows=True
+        case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options(), new_rows=True
     )
-    weights = _weights(case)
+    weights = case.layer_weights()
     tokens, heads = case.q.shape[:2]
     dtype = case.q.dtype
     rows = torch.randn(tokens, 576).to(dtype)
@@ -105,10 +91,14 @@ def test_one_shot_plan_run_and_torch_op_give_the_same_bytes():
     )
 
     step = pymla.plan(
-        by_run.cache, by_run.input_row_offsets, by_run.freqs_cis, _options(by_run), new_rows=True
+        by_run.cache,
+        by_run.input_row_offsets,
+        by_run.freqs_cis,
+        by_run.decode_options(),
+        new_rows=True,
     )
     run_att = torch.full_like(att, float("nan"))
-    run_out = step.run(by_run.q, by_run.layer_idx, _weights(by_run), attention_out=run_att,
+    run_out = step.run(by_run.q, by_run.layer_idx, by_run.layer_weights(), attention_out=run_att,
                        new_rows=rows)  # fmt: skip
 
     args = list(torch_op_args(by_op))
@@ -133,23 +123,41 @@ def test_launcher_is_what_run_launches():
     """A prepared launch of a plan's buffers writes what run() writes."""
     case = make_case(83, num_heads=2, cache_lengths=(7,), new_tokens=(1,))
     again = copy.deepcopy(case)
-    expected = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case)).run(
-        case.q, case.layer_idx, _weights(case)
-    )
-    step = pymla.plan(again.cache, again.input_row_offsets, again.freqs_cis, _options(again))
+    expected = pymla.plan(
+        case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options()
+    ).run(case.q, case.layer_idx, case.layer_weights())
+    step = pymla.plan(again.cache, again.input_row_offsets, again.freqs_cis, again.decode_options())
     out = torch.full_like(expected, float("nan"))
     launch = runtime.launcher(runtime.model_for(step.dtype, step.device), step.device)
-    launch(step.buffers(again.q, again.layer_idx, _weights(again), out))
+    launch(step.buffers(again.q, again.layer_idx, again.layer_weights(), out))
     assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(again.cache.blocks.view(torch.uint8), case.cache.blocks.view(torch.uint8))
 
 
 def test_run_bumps_the_versions_of_what_it_writes():
     case = make_case(84, num_heads=2, cache_lengths=(4,), new_tokens=(1,))
-    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, _options(case))
+    step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options())
     out = torch.empty(1, 2, 128, dtype=case.q.dtype)
     att = torch.empty(1, 2, 512, dtype=case.q.dtype)
     before = (out._version, att._version, case.cache.blocks._version)
-    step.run(case.q, case.layer_idx, _weights(case), out=out, attention_out=att)
+    step.run(case.q, case.layer_idx, case.layer_weights(), out=out, attention_out=att)
     after = (out._version, att._version, case.cache.blocks._version)
     assert all(a > b for a, b in zip(after, before, strict=True))
+
+
+def test_only_a_plan_kept_for_later_wraps_its_tensors_with_dlpack_stream_ordering(monkeypatch):
+    """The one-shot call and the torch op's body launch right away on the current stream, whose
+    ordering covers their tensors: no ordered DLPack wrap (bridge.to_max). plan() and
+    LayerWeights, kept for launches later, perhaps on another stream, keep it."""
+    case = make_case(83, num_heads=2, cache_lengths=(5, 3), new_tokens=(1, 1))
+    options = dict(case.options, check_values=False, rerun_layers=True)
+    pymla.mla_decode_branch_fp8(*case.args(), **options)  # compiles; caches the scalar buffers
+    ordered = []
+    to_max = bridge.to_max
+    monkeypatch.setattr(bridge, "to_max", lambda t: ordered.append(t) or to_max(t))
+    pymla.mla_decode_branch_fp8(*case.args(), **options)
+    torch.ops.pymla.mla_decode_branch_fp8(*torch_op_args(case, check_values=False))
+    assert ordered == []
+    pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options())
+    case.layer_weights()
+    assert len(ordered) == 10  # the step's five tensors and the layer's five

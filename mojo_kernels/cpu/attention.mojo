@@ -66,7 +66,7 @@ from .bf16 import (
 )
 from .merge import AttentionShape, PartialResults
 from .online_softmax import BF16_KEY_TILE, COL_BLOCK, KEY_TILE, ROW_BLOCK, TaskRows, softmax_update
-from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, dot_block, narrow_to_bf16, run_tasks, scratch
+from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, copy_as_f32, dot_block, narrow_to_bf16, run_tasks, scratch
 
 comptime PATH_F32 = 0
 """Keys widened to float32, float32 FMAs (every dtype, every CPU)."""
@@ -422,10 +422,7 @@ def attend_partitions[
             k_lo = min(k_lo, lo)
             k_hi = max(k_hi, hi)
             for h in range(h0, h1):
-                var src = q_full.unsafe_offset((t * shape.num_heads + h) * key_dim)
-                var dst = q_rows.unsafe_offset(r * key_dim)
-                for d in range(key_dim):
-                    dst.unsafe_store(d, src.unsafe_load(d).cast[DType.float32]())
+                copy_as_f32(q_full.unsafe_offset((t * shape.num_heads + h) * key_dim), q_rows.unsafe_offset(r * key_dim), key_dim)
                 rows.meta[5 * r] = lo
                 rows.meta[5 * r + 1] = hi
                 rows.meta[5 * r + 2] = position
@@ -455,10 +452,7 @@ def attend_partitions[
             var row = (part * shape.num_tokens + rows.meta[5 * r + 3]) * shape.num_heads + rows.meta[5 * r + 4]
             partials.row_max.unsafe_store(row, rows.row_max().unsafe_load(r))
             partials.row_sum.unsafe_store(row, rows.row_sum().unsafe_load(r))
-            var dst = partials.out.unsafe_offset(row * rank)
-            var src = out_rows.unsafe_offset(r * rank)
-            for c in range(rank):
-                dst.unsafe_store(c, src.unsafe_load(c))
+            copy_as_f32(out_rows.unsafe_offset(r * rank), partials.out.unsafe_offset(row * rank), rank)
         _ = rows^
 
     var total_keys = 0

@@ -47,6 +47,16 @@ comptime DOT_COLS = 4
 comptime F32Vec = SIMD[DType.float32, F32_WIDTH]
 
 
+def copy_as_f32[dtype: DType](src: DPtr[dtype], dst: FPtr, count: Int):
+    """`dst[i] = float32(src[i])` for `count` values, vectorized (exact from bf16, f16 and float32)."""
+    comptime W = F32_WIDTH
+    var main = count - count % W
+    for i in range(0, main, W):
+        dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.float32]())
+    for i in range(main, count):
+        dst.unsafe_store(i, src.unsafe_load(i).cast[DType.float32]())
+
+
 def narrow_to_bf16(src: FPtr, dst: Pointer[BFloat16, MutUntrackedOrigin], count: Int):
     """`dst[i] = bf16(src[i])` for `count` values, vectorized (exact where `src` holds bf16 values)."""
     comptime W = F32_WIDTH

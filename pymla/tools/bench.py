@@ -9,7 +9,9 @@ x context x page size x CPU path, everything measured in the same run:
 - roofline = max((cache + weight bytes) / copy bandwidth,
   attention flops / bf16 matmul rate), where attention flops are
   2 x keys x heads x (576 + 512) (scores and P V);
-- the op's time per call and its ratio to the roofline;
+- the op's time per call and its ratio to the roofline: the one-shot call
+  (``pymla.mla_decode_branch_fp8``, every input checked and wrapped per
+  call) and a serving loop's ``run()`` on a plan made once;
 - plain torch (pymla.tools.plain_torch: the faster of its matmul and SDPA
   attention) and the op's speed-up over it; not run on an ``fp8_ds_mla``
   cache (``--cache-format``: plain torch has no such cache), where the
@@ -42,6 +44,7 @@ from ..__main__ import CommandParser, int_at_least
 from ..cache_format import CACHE_FORMATS, DTYPE_FORMAT, FP8_DS_MLA, FP8_VALUE_DTYPE
 from ..cpu_paths import REQUESTS, cpu_model, kernel_cpu_paths, resolve_cpu_path
 from ..op import mla_decode_branch_fp8
+from ..plan import plan
 from .plain_torch import PlainTorchDecode
 from .scenario import Case, make_case
 from .timing import time_call
@@ -143,11 +146,24 @@ def bench_one(
         cache_format=cache_format,
     )
     options = dict(case.options, check_values=False)
+    # The serving path beside the one-shot call: a plan made once, its run() per call (both
+    # rotate the layer's new rows again each time: the same work).
+    step = plan(
+        case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options(),
+        check_values=False, rerun_layers=True,
+    )  # fmt: skip
+    weights = case.layer_weights()
     previous = os.environ.get("PYMLA_CPU_PATH")
     os.environ["PYMLA_CPU_PATH"] = path
     try:
         op_s = time_call(
             lambda: mla_decode_branch_fp8(*case.args(), **options),
+            warmup=1,
+            repeat=repeat,
+            min_seconds=0.2,
+        )
+        run_s = time_call(
+            lambda: step.run(case.q, case.layer_idx, weights),
             warmup=1,
             repeat=repeat,
             min_seconds=0.2,
@@ -187,9 +203,11 @@ def bench_one(
         "path": path,
         "cache_format": cache_format,
         "op_ms": op_s * 1e3,
+        "run_ms": run_s * 1e3,
         "roofline_ms": roofline_s * 1e3,
         "roofline_bound": "memory" if memory_s >= compute_s else "compute",
         "op_over_roofline": op_s / roofline_s,
+        "run_over_roofline": run_s / roofline_s,
         "plain_torch_ms": plain[torch_kind] * 1e3 if plain else None,
         "plain_torch_attention": torch_kind,
         "speedup_vs_plain_torch": plain[torch_kind] / op_s if plain else None,
@@ -203,7 +221,8 @@ def bench_one(
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'heads':>5} {'batch':>5} {'ctx':>6} {'page':>4} {'path':>10} {'cache':>10} | {'op ms':>8} "
-        f"{'roof ms':>8} {'bound':>7} {'x roof':>6} | {'torch ms':>9} {'x faster':>8}"
+        f"{'run ms':>8} {'roof ms':>8} {'bound':>7} {'x roof':>6} {'run x':>6} | "
+        f"{'torch ms':>9} {'x faster':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -211,8 +230,8 @@ def print_table(rows: list[dict]) -> None:
         torch_ms, faster = r["plain_torch_ms"], r["speedup_vs_plain_torch"]
         print(
             f"{r['heads']:>5} {r['batch']:>5} {r['context']:>6} {r['page_size']:>4} {r['path']:>10} "
-            f"{r['cache_format']:>10} | {r['op_ms']:>8.2f} {r['roofline_ms']:>8.2f} "
-            f"{r['roofline_bound']:>7} {r['op_over_roofline']:>6.2f} | "
+            f"{r['cache_format']:>10} | {r['op_ms']:>8.2f} {r['run_ms']:>8.2f} {r['roofline_ms']:>8.2f} "
+            f"{r['roofline_bound']:>7} {r['op_over_roofline']:>6.2f} {r['run_over_roofline']:>6.2f} | "
             + (
                 f"{torch_ms:>9.2f} {faster:>8.2f}" if torch_ms is not None else f"{'-':>9} {'-':>8}"
             ),
@@ -233,18 +252,26 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     ]
     x = range(len(rows))
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows) + 4), 5))
-    width = 0.27
-    for i, (key, name) in enumerate(
-        (("op_ms", "pymla op"), ("roofline_ms", "roofline"), ("plain_torch_ms", "plain torch"))
-    ):
+    width = 0.2
+    bars = (
+        ("op_ms", "pymla one-shot call"),
+        ("run_ms", "pymla plan().run()"),
+        ("roofline_ms", "roofline"),
+        ("plain_torch_ms", "plain torch"),
+    )
+    for i, (key, name) in enumerate(bars):
         heights = [r[key] if r[key] is not None else 0 for r in rows]  # no plain torch: no bar
-        axes[0].bar([v + (i - 1) * width for v in x], heights, width, label=name)
+        axes[0].bar([v + (i - 1.5) * width for v in x], heights, width, label=name)
     axes[0].set_yscale("log")
     axes[0].set_ylabel("ms per call")
     axes[0].legend(fontsize=8)
-    axes[1].bar(list(x), [r["op_over_roofline"] for r in rows])
+    for i, (key, name) in enumerate(
+        (("op_over_roofline", "one-shot call"), ("run_over_roofline", "plan().run()"))
+    ):
+        axes[1].bar([v + (i - 0.5) * 0.35 for v in x], [r[key] for r in rows], 0.35, label=name)
     axes[1].axhline(1.0, color="k", lw=0.8)
-    axes[1].set_ylabel("op time / roofline")
+    axes[1].set_ylabel("time / roofline")
+    axes[1].legend(fontsize=8)
     for ax in axes:
         ax.set_xticks(list(x), labels, fontsize=7)
     fig.suptitle(title, fontsize=9)

@@ -49,7 +49,6 @@ from .. import (
     CacheShard,
     ContextParallel,
     DecodeOptions,
-    LayerWeights,
     TensorParallelHeads,
     merge_attention_states,
 )
@@ -78,15 +77,6 @@ def _case(config: dict, shard: CacheShard | None):
         num_layers=1,
         layer_idx=0,
         shard=shard,
-    )
-
-
-def _weights(case) -> LayerWeights:
-    w = case.weights
-    return LayerWeights(
-        *(w[k] for k in ("w_uk", "w_uk_scale", "w_uv", "w_uv_scale")),
-        case.kv_norm_gamma,
-        case.options["scale_granularity"],
     )
 
 
@@ -127,7 +117,7 @@ def _rank(rank: int, world: int, store: str, config: dict, out: str) -> None:
     splits = heads % world == 0  # all_to_all and heads split need H a multiple of N
     context = ContextParallel(interleave=config["interleave"])
     case = _case(config, context.shard).to(device)
-    weights = _weights(case)
+    weights = case.layer_weights()
     options = DecodeOptions(scale=case.options["scale"], shard=context.shard)
     step = context.plan(
         case.cache, case.input_row_offsets, case.freqs_cis, options, rerun_layers=True
@@ -140,7 +130,7 @@ def _rank(rank: int, world: int, store: str, config: dict, out: str) -> None:
         )
     # The whole cache (the same on every rank): heads split, and rank 0's one-process op.
     whole = _case(config, None).to(device)
-    whole_weights = _weights(whole)
+    whole_weights = whole.layer_weights()
     whole_step = make_plan(
         whole.cache,
         whole.input_row_offsets,

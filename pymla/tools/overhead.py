@@ -28,7 +28,7 @@ import torch
 from .. import runtime
 from ..__main__ import CommandParser, int_at_least, json_file, torch_device
 from ..cpu_paths import cpu_model
-from ..plan import DecodeOptions, LayerWeights, plan
+from ..plan import plan
 from .scenario import make_case
 from .timing import time_call
 
@@ -41,27 +41,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _weights(case) -> LayerWeights:
-    w = case.weights
-    g = case.options["scale_granularity"]
-    return LayerWeights(
-        w["w_uk"], w["w_uk_scale"], w["w_uv"], w["w_uv_scale"], case.kv_norm_gamma, g
-    )
-
-
-def _options(case) -> DecodeOptions:
-    return DecodeOptions(**{k: v for k, v in case.options.items() if k != "scale_granularity"})
-
-
 def measure_overhead(device: str, dtype: torch.dtype, repeat: int, inner: int) -> dict:
     """Seconds per run(), per execute on prepared buffers, and per one-shot call, tiny problem."""
     dev = torch.device(device)
     case = make_case(7, dtype=dtype, num_heads=1, cache_lengths=(16,), new_tokens=(1,))
     case.to(dev)
-    weights = _weights(case)
+    weights = case.layer_weights()
     # Every timed call runs the same layer again (its new rows are rotated once more each time).
     step = plan(
-        case.cache, case.input_row_offsets, case.freqs_cis, _options(case), rerun_layers=True
+        case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options(), rerun_layers=True
     )
     out = torch.empty(1, 1, 128, dtype=dtype, device=dev)
     layer = case.layer_idx
@@ -289,9 +277,9 @@ def measure_step(device: str, dtype: torch.dtype, batch: int, context: int, repe
         torch.randn(case.q.shape, generator=g).to(dtype=dtype, device=dev)
         for _ in range(NUM_LAYERS)
     ]
-    weights = [_weights(case) for _ in range(NUM_LAYERS)]  # same values, one object per layer
+    weights = [case.layer_weights() for _ in range(NUM_LAYERS)]  # same values, one object per layer
     outs = [torch.empty(batch, HEADS, 128, dtype=dtype, device=dev) for _ in range(NUM_LAYERS)]
-    options = _options(case)
+    options = case.decode_options()
 
     def step() -> None:
         s = plan(case.cache, case.input_row_offsets, case.freqs_cis, options, check_values=False,

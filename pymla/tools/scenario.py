@@ -13,6 +13,8 @@ import torch
 
 from ..cache import PagedLatentCache
 from ..cache_format import stored
+from ..options import DecodeOptions
+from ..plan import LayerWeights
 from ..quant import ScaleGranularity, make_mla_weights
 from ..reference import (
     KVCacheTensors,
@@ -54,6 +56,18 @@ class Case:
 
     def cache_tensors(self) -> KVCacheTensors:
         return KVCacheTensors(self.cache.blocks, self.cache.cache_lengths, self.cache.lookup_table)
+
+    def layer_weights(self) -> LayerWeights:
+        """The case's weights as one :class:`pymla.LayerWeights` (checked and wrapped once)."""
+        w = self.weights
+        return LayerWeights(
+            w["w_uk"], w["w_uk_scale"], w["w_uv"], w["w_uv_scale"], self.kv_norm_gamma,
+            self.options["scale_granularity"],
+        )  # fmt: skip
+
+    def decode_options(self) -> DecodeOptions:
+        """The case's options (all but the weights' scale granularity) as :class:`pymla.DecodeOptions`."""
+        return DecodeOptions(**{k: v for k, v in self.options.items() if k != "scale_granularity"})
 
     def to(self, device: str | torch.device) -> Case:
         """Moves every tensor (and the cache) to ``device``, in place; returns self."""
