@@ -9,6 +9,7 @@ comptime DPtr[dtype: DType] = Pointer[Scalar[dtype], MutUntrackedOrigin]
 """An untracked pointer to tensor data of `dtype`."""
 
 comptime U32Ptr = Pointer[UInt32, MutUntrackedOrigin]
+comptime IPtr = Pointer[Int, MutUntrackedOrigin]
 comptime U8Ptr = Pointer[UInt8, MutUntrackedOrigin]
 
 

@@ -327,10 +327,11 @@ def partition_keys(part: Int, num_partitions: Int, visible: Int) -> Tuple[Int, I
 
     The one definition of step 5's split-KV partitions, for every CPU and GPU
     attention kernel (the merge weighs a partition that saw no key by 0).
-    Partitions are consecutive runs of `ceil(visible / num_partitions)` keys;
-    the plan sizes `num_partitions` on the batch's longest request, so a
+    Partitions are consecutive runs of `ceil(visible / num_partitions)` keys.
+    The GPU plan sizes `num_partitions` on the batch's longest request, so a
     shorter request's high partitions are empty: `k0 == k1 == visible`,
-    never a start past the request's last key.
+    never a start past the request's last key; the CPU plan gives each request
+    its own count (`cpu/pipeline.plan_attention`).
     """
     var part_len = (visible + num_partitions - 1) // num_partitions
     var k0 = min(part * part_len, visible)

@@ -205,15 +205,13 @@ def launcher(model: engine.Model, device: torch.device):
         current = current_stream(index)
         if current.cuda_stream == max_handle:  # one stream: already in order
             execute(buffers)
-            if not _log_threads_idled:
-                _idle_log_threads()
-            return
-        inputs_ready, outputs_ready = _events(index)
-        inputs_ready.record(current)
-        inputs_ready.wait(max_stream)  # MAX's queue waits for the inputs
-        execute(buffers)
-        outputs_ready.record(max_stream)
-        outputs_ready.wait(current)  # torch's next work waits for the outputs
+        else:
+            inputs_ready, outputs_ready = _events(index)
+            inputs_ready.record(current)
+            inputs_ready.wait(max_stream)  # MAX's queue waits for the inputs
+            execute(buffers)
+            outputs_ready.record(max_stream)
+            outputs_ready.wait(current)  # torch's next work waits for the outputs
         if not _log_threads_idled:
             _idle_log_threads()
 

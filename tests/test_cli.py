@@ -51,6 +51,7 @@ BAD_OPTIONS = {
         ("--heads", "0", "expected an integer >= 1, got '0'"),
         ("--batch", "-1", "expected an integer >= 1, got '-1'"),
         ("--context", "0", "expected an integer >= 1, got '0'"),
+        ("--requests", "two-long", "invalid choice: 'two-long'"),
         ("--page-size", "1.5", "expected an integer >= 1, got '1.5'"),
         ("--path", "avx2", "invalid choice: 'avx2'"),
         ("--dtype", "int8", "invalid choice: 'int8'"),
@@ -369,6 +370,21 @@ def test_bench_times_the_fp8_cache_beside_the_dtype_cache(fast_rooflines, tmp_pa
     assert dtype_row["plain_torch_ms"] > 0 and fp8_row["plain_torch_ms"] is None
     table = capsys.readouterr().out
     assert " fp8_ds_mla |" in table and table.rstrip().count("\n") >= 3
+
+
+def test_bench_times_a_long_request_beside_short_ones(fast_rooflines, tmp_path, capsys):
+    argv = ["bench", *SMALL, "--batch", "3", "--context", "64", "--requests", "equal", "one-long"]
+    assert main([*argv, "--output-dir", str(tmp_path)]) == 0
+    (saved,) = tmp_path.glob("cpu-*.json")
+    equal, one_long = json.loads(saved.read_text())["rows"]
+    assert (equal["requests"], one_long["requests"]) == ("equal", "one-long")
+    assert equal["cache_lengths"] == [63, 63, 63] and one_long["cache_lengths"] == [63, 3, 3]
+    # The roofline counts the keys each request sees: 64 + 4 + 4 rows of 576 bf16 values.
+    weights = equal["cache_and_weight_bytes"] - 3 * 64 * 576 * 2
+    assert one_long["cache_and_weight_bytes"] == weights + (64 + 4 + 4) * 576 * 2
+    assert equal["op_ms"] > 0 and one_long["op_ms"] > 0
+    table = capsys.readouterr().out
+    assert "    equal " in table and " one-long " in table
 
 
 def test_bench_refuses_the_fp8_cache_with_another_dtype(tmp_path, capsys):

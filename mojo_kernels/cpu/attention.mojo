@@ -66,7 +66,7 @@ from .bf16 import (
 )
 from .merge import AttentionShape, PartialResults
 from .online_softmax import BF16_KEY_TILE, COL_BLOCK, KEY_TILE, ROW_BLOCK, TaskRows, softmax_update
-from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, copy_as_f32, dot_block, narrow_to_bf16, run_tasks, scratch
+from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, cast_copy, dot_block, run_tasks, scratch
 
 comptime PATH_F32 = 0
 """Keys widened to float32, float32 FMAs (every dtype, every CPU)."""
@@ -233,7 +233,7 @@ def attend_tiles_bf16[
         return
     var q_buf = List[BFloat16](length=rows.padded * key_dim, fill=0)
     var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    narrow_to_bf16(scratch(rows.q_buf), q, rows.num_rows * key_dim)  # exact: q_full holds bf16 values
+    cast_copy(scratch(rows.q_buf), q, rows.num_rows * key_dim)  # exact: q_full holds bf16 values
     var probs_buf = List[BFloat16](length=rows.padded * tile, fill=0)
     var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
     var staging_buf = List[BFloat16](length=2 * tile * key_dim if keys.fp8.active else 0, fill=0)
@@ -388,17 +388,15 @@ def attend_partitions[
     the cache's rows in the `fp8_ds_mla` format, when active (`CacheKeys`).
     """
     var keys = CacheKeys[dtype](cache, fp8)
-    var head_groups = ceil_div(shape.num_heads, shape.heads_per_group)
-    var tasks_per_request = head_groups * shape.num_partitions
 
-    def task(i: Int) {var q_full, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var head_groups, var tasks_per_request, var path}:
-        var b = i // tasks_per_request
-        var hg = (i % tasks_per_request) // shape.num_partitions
-        var part = i % shape.num_partitions
-        var h0 = hg * shape.heads_per_group
+    def task(i: Int) {var q_full, var keys, var batch, var shape, var scale, var mask, var score_mod, var partials, var path}:
+        var which = shape.task(i)
+        var b = which[0]
+        var part = which[2]
+        var h0 = which[1] * shape.heads_per_group
         var h1 = min(h0 + shape.heads_per_group, shape.num_heads)
         var visible = batch.visible(b)  # positions: the mask's
-        var part_keys = partition_keys(part, shape.num_partitions, batch.local_keys(b))  # key slots
+        var part_keys = partition_keys(part, shape.partitions(b), batch.local_keys(b))  # key slots
         var k0 = part_keys[0]
         var k1 = part_keys[1]
         var t0 = batch.start(b)
@@ -422,7 +420,7 @@ def attend_partitions[
             k_lo = min(k_lo, lo)
             k_hi = max(k_hi, hi)
             for h in range(h0, h1):
-                copy_as_f32(q_full.unsafe_offset((t * shape.num_heads + h) * key_dim), q_rows.unsafe_offset(r * key_dim), key_dim)
+                cast_copy(q_full.unsafe_offset((t * shape.num_heads + h) * key_dim), q_rows.unsafe_offset(r * key_dim), key_dim)
                 rows.meta[5 * r] = lo
                 rows.meta[5 * r + 1] = hi
                 rows.meta[5 * r + 2] = position
@@ -449,13 +447,13 @@ def attend_partitions[
         # Hand the rows' state to the merge.
         var out_rows = scratch(rows.out_buf)
         for r in range(rows.num_rows):
-            var row = (part * shape.num_tokens + rows.meta[5 * r + 3]) * shape.num_heads + rows.meta[5 * r + 4]
+            var row = shape.row(b, part, rows.meta[5 * r + 3], rows.meta[5 * r + 4])
             partials.row_max.unsafe_store(row, rows.row_max().unsafe_load(r))
             partials.row_sum.unsafe_store(row, rows.row_sum().unsafe_load(r))
-            copy_as_f32(out_rows.unsafe_offset(r * rank), partials.out.unsafe_offset(row * rank), rank)
+            cast_copy(out_rows.unsafe_offset(r * rank), partials.out.unsafe_offset(row * rank), rank)
         _ = rows^
 
     var total_keys = 0
     for b in range(batch.num_requests):
         total_keys += batch.local_keys(b)
-    run_tasks(task, batch.num_requests * tasks_per_request, total_keys * shape.num_heads * shape.key_dim)
+    run_tasks(task, shape.num_tasks, total_keys * shape.num_heads * shape.key_dim)

@@ -25,7 +25,7 @@ Which path runs is chosen per call (`cpu_pipeline.attention_path`,
 """
 
 from std.memory import bitcast
-from std.sys import PrefetchOptions, llvm_intrinsic, prefetch
+from std.sys import PrefetchOptions, prefetch
 from std.sys.info import CompilationTarget
 from std.utils import IndexList
 

@@ -19,7 +19,7 @@ from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..fp8 import activation_scale, round_to_e4m3, scaled_into_range, widen_e4m3, widen_e4m3_bf16
 from ..spec import BlockShape
 from .bf16 import HAS_AVX512_BF16, STEP, BF16Ptr
-from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, dot_lanes, narrow_to_bf16, run_tasks, scratch, scratch_of, sum_lanes
+from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, cast_copy, dot_lanes, run_tasks, scratch, scratch_of, sum_lanes
 
 comptime WEIGHT_BYTES_PER_TASK = 32768
 """fp8 weight bytes per task (whole rows, at least one): 64 rows of step 6 (K 512), 256 of step 3
@@ -91,7 +91,7 @@ def quantize_activations[
     run_tasks(block_row_task, num_groups * m_blocks, num_groups * num_rows * depth)
 
 
-def widen_weight_rows[elem: DType](w: U8Ptr, dst: Pointer[Scalar[elem], MutUntrackedOrigin], count: Int):
+def widen_weight_rows[elem: DType](w: U8Ptr, dst: DPtr[elem], count: Int):
     """`dst[i] = e4m3(w[i])` for `count` bytes, exactly: as float32 (`fp8.widen_e4m3`) or, for the
     bf16 dots, as bfloat16 (`fp8.widen_e4m3_bf16`, 32 at a time)."""
     comptime W = STEP if elem == DType.bfloat16 else F32_WIDTH
@@ -121,9 +121,15 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
     var depth: Int
     var blocks: BlockShape
 
+    def activations[elem: DType](self) -> DPtr[elem]:
+        """The quantized activations as `elem` values: `a_q` (float32) or `a_bf16` (bfloat16)."""
+        comptime if elem == DType.bfloat16:
+            return rebind[DPtr[elem]](self.a_bf16)
+        return rebind[DPtr[elem]](self.a_q)
+
     def output_block[
         rows: Int, cols: Int, elem: DType
-    ](self, w_rows: Pointer[Scalar[elem], MutUntrackedOrigin], g: Int, m0: Int, n0: Int):
+    ](self, w_rows: DPtr[elem], g: Int, m0: Int, n0: Int):
         """`c[g, m0 : m0 + rows, n0 : n0 + cols]`: per K block, exact fp8 dot products times `sa * sw`.
 
         `w_rows` holds weight rows `n0 ..` of head `g`, widened to `elem`:
@@ -134,7 +140,7 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
         var m_blocks = ceil_div(self.num_rows, self.blocks.m)
         var n_blocks = ceil_div(self.n_out, self.blocks.n)
         var k_blocks = ceil_div(self.depth, self.blocks.k)
-        var a_at = (g * self.num_rows + m0) * self.depth
+        var a_rows = self.activations[elem]().unsafe_offset((g * self.num_rows + m0) * self.depth)
         var sa = Array[FPtr, rows](fill=self.a_scale)
         comptime for r in range(rows):
             sa[r] = self.a_scale.unsafe_offset((g * m_blocks + (m0 + r) // self.blocks.m) * k_blocks)
@@ -145,13 +151,8 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
         for kb in range(k_blocks):
             var k0 = kb * self.blocks.k
             var k1 = min(k0 + self.blocks.k, self.depth)
-            var a_rows: Pointer[Scalar[elem], MutUntrackedOrigin]
-            comptime if elem == DType.bfloat16:
-                a_rows = rebind[Pointer[Scalar[elem], MutUntrackedOrigin]](self.a_bf16)
-            else:
-                a_rows = rebind[Pointer[Scalar[elem], MutUntrackedOrigin]](self.a_q)
             var part = dot_lanes[rows, cols, elem](
-                a_rows.unsafe_offset(a_at + k0), self.depth, w_rows.unsafe_offset(k0), self.depth, k1 - k0
+                a_rows.unsafe_offset(k0), self.depth, w_rows.unsafe_offset(k0), self.depth, k1 - k0
             )
             comptime for r in range(rows):
                 var s_a = sa[r].unsafe_load(kb)
@@ -164,7 +165,7 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
 
     def output_rows[
         rows: Int, elem: DType
-    ](self, w_rows: Pointer[Scalar[elem], MutUntrackedOrigin], g: Int, m0: Int, n0: Int, n1: Int):
+    ](self, w_rows: DPtr[elem], g: Int, m0: Int, n0: Int, n1: Int):
         """Columns `n0 .. n1 - 1` of `rows` output rows, in blocks of DOT_COLS columns."""
         var n = n0
         while n + DOT_COLS <= n1:
@@ -230,7 +231,7 @@ def fp8_batched_matmul[
 
         def bf16_task(g: Int) {var a_q, var a_bf16, var num_rows, var depth}:
             var n = num_rows * depth
-            narrow_to_bf16(a_q.unsafe_offset(g * n), a_bf16.unsafe_offset(g * n), n)
+            cast_copy(a_q.unsafe_offset(g * n), a_bf16.unsafe_offset(g * n), n)
 
         run_tasks(bf16_task, num_groups, count)
 

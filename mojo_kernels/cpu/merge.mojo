@@ -1,7 +1,10 @@
-"""Step 5's end: the shape of the attention tasks, their partial results, and the partition merge.
+"""Step 5's task plan and its end: the partial results and the partition merge.
 
-Each (request, head group, key partition) task of `cpu/attention.mojo` leaves
-its rows' unnormalized output, running max and sum in `PartialResults`;
+`TaskPlan` splits step 5 into (request, head group, key partition) tasks,
+a request's number of key partitions in proportion to its work, so that a
+long request beside short ones is spread over every core. Each task of
+`cpu/attention.mojo` leaves its rows' unnormalized output, running max and
+sum in `PartialResults`, at the rows of its partition's slot;
 `merge_partitions` combines a row's partitions with their log-sum-exp into the
 attention output (rounded to dtype) and, when asked, the row's LSE (the op's
 optional `lse`).
@@ -10,26 +13,129 @@ optional `lse`).
 from std.math import exp, log
 from std.utils.numerics import neg_inf
 
-from ..common import DPtr, FPtr
+from ..common import DPtr, FPtr, IPtr, ceil_div
 from .simd import F32_WIDTH, run_tasks
+
+comptime MERGE_ROWS_PER_TASK = 16
+"""(token, head) rows per merge task: a task per row made 128 tasks of a few thousand FMAs each at
+128 heads, batch 1."""
+
+comptime REQUEST_FIELDS = 5
+"""Per request in `TaskPlan.requests`: key partitions, new tokens, first token, first slot, first task."""
+
 
 @fieldwise_init
 struct AttentionShape(TrivialRegisterPassable):
+    """Step 5's sizes and its task plan (a view of a `TaskPlan`, which owns the tables).
+
+    Request `b` splits its keys into `partitions(b)` partitions
+    (`paged_cache.partition_keys`), each a task per head group; partition `p`
+    of `b` owns `tokens(b)` slots of partial results from `first_slot(b) + p
+    tokens(b)` on, one per new token, each `num_heads` rows.
+    """
+
     var num_tokens: Int
     var num_heads: Int
     var kv_lora_rank: Int
     var key_dim: Int
     var heads_per_group: Int
-    var num_partitions: Int
+    var num_requests: Int
+    var num_tasks: Int
+    var num_slots: Int
+    var max_partitions: Int
+    var requests: IPtr  # [num_requests + 1, REQUEST_FIELDS] (the last entry: totals)
+    var request_of_token: IPtr  # [num_tokens]
+
+    @always_inline
+    def field(self, b: Int, f: Int) -> Int:
+        return self.requests.unsafe_load(b * REQUEST_FIELDS + f)
+
+    @always_inline
+    def partitions(self, b: Int) -> Int:
+        return self.field(b, 0)
+
+    @always_inline
+    def tokens(self, b: Int) -> Int:
+        return self.field(b, 1)
+
+    @always_inline
+    def head_groups(self) -> Int:
+        return ceil_div(self.num_heads, self.heads_per_group)
+
+    def task(self, i: Int) -> Tuple[Int, Int, Int]:
+        """Task `i` as (request, head group, partition): the request by bisection of the first tasks."""
+        var lo = 0
+        var hi = self.num_requests  # first_task(lo) <= i < first_task(hi)
+        while hi - lo > 1:
+            var mid = (lo + hi) // 2
+            if self.field(mid, 4) <= i:
+                lo = mid
+            else:
+                hi = mid
+        var local = i - self.field(lo, 4)
+        var parts = self.partitions(lo)
+        return (lo, local // parts, local % parts)
+
+    @always_inline
+    def row(self, b: Int, part: Int, t: Int, h: Int) -> Int:
+        """Partial-result row of new token `t` (the op's token index), head `h`, partition `part` of request `b`."""
+        return ((self.field(b, 3) + part * self.tokens(b) + t - self.field(b, 2)) * self.num_heads) + h
+
+
+struct TaskPlan(Movable):
+    """The tables behind an `AttentionShape` (`shape()`, valid while this plan lives)."""
+
+    var requests: List[Int]
+    var request_of_token: List[Int]
+    var dims: AttentionShape
+
+    def __init__(
+        out self, partitions: List[Int], starts: List[Int], num_tokens: Int, num_heads: Int, kv_lora_rank: Int,
+        key_dim: Int, heads_per_group: Int,
+    ):
+        """`partitions[b]` key partitions for request `b`, whose new tokens start at `starts[b]`
+        (`starts` has one more entry: the end); a request without new tokens must have none."""
+        var num_requests = len(partitions)
+        var head_groups = ceil_div(num_heads, heads_per_group)
+        self.requests = List[Int](length=(num_requests + 1) * REQUEST_FIELDS, fill=0)
+        self.request_of_token = List[Int](length=max(num_tokens, 1), fill=0)
+        var slot = 0
+        var task = 0
+        var widest = 1
+        for b in range(num_requests):
+            var tokens = starts[b + 1] - starts[b]
+            var at = b * REQUEST_FIELDS
+            self.requests[at] = partitions[b]
+            self.requests[at + 1] = tokens
+            self.requests[at + 2] = starts[b]
+            self.requests[at + 3] = slot
+            self.requests[at + 4] = task
+            for t in range(starts[b], starts[b + 1]):
+                self.request_of_token[t] = b
+            slot += partitions[b] * tokens
+            task += partitions[b] * head_groups
+            widest = max(widest, partitions[b])
+        self.requests[num_requests * REQUEST_FIELDS + 3] = slot
+        self.requests[num_requests * REQUEST_FIELDS + 4] = task
+        self.dims = AttentionShape(
+            num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group, num_requests, task, slot, widest,
+            self.requests.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.request_of_token.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        )
+
+    def shape(mut self) -> AttentionShape:
+        self.dims.requests = self.requests.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        self.dims.request_of_token = self.request_of_token.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        return self.dims
 
 
 @fieldwise_init
 struct PartialResults(TrivialRegisterPassable):
-    """Per partition, row `(t, h)`: unnormalized output, running max and sum."""
+    """Per slot and head (`AttentionShape.row`): unnormalized output, running max and sum."""
 
-    var out: FPtr  # [P, T, H, kv_lora_rank]
-    var row_max: FPtr  # [P, T, H]
-    var row_sum: FPtr  # [P, T, H]
+    var out: FPtr  # [slots, H, kv_lora_rank]
+    var row_max: FPtr  # [slots, H]
+    var row_sum: FPtr  # [slots, H]
 
 
 def merge_partitions[
@@ -44,40 +150,47 @@ def merge_partitions[
     """
     var rows = shape.num_tokens * shape.num_heads
 
-    def row_task(row: Int) {var partials, var shape, var raw, var rows, var lse, var has_lse}:
+    def rows_task(task: Int) {var partials, var shape, var raw, var rows, var lse, var has_lse}:
         comptime W = F32_WIDTH
         var rank = shape.kv_lora_rank
-        var top = neg_inf[DType.float32]()
-        for p in range(shape.num_partitions):
-            top = max(top, partials.row_max.unsafe_load(p * rows + row))
-        var total = Float32(0)
-        for p in range(shape.num_partitions):
-            var m = partials.row_max.unsafe_load(p * rows + row)
-            if m > neg_inf[DType.float32]():
-                total += exp(m - top) * partials.row_sum.unsafe_load(p * rows + row)
-        var weights = List[Float32](length=shape.num_partitions, fill=0)
-        for p in range(shape.num_partitions):
-            var m = partials.row_max.unsafe_load(p * rows + row)
-            if m > neg_inf[DType.float32]():  # else this partition held none of the row's keys
-                weights[p] = exp(m - top) / total
-        if has_lse:
-            lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
-        var dst = raw.unsafe_offset(row * rank)
-        var c = 0
-        while c < rank:
-            var width = W if c + W <= rank else 1
-            if width == W:
-                var acc = SIMD[DType.float32, W](0)
-                for p in range(shape.num_partitions):
-                    if weights[p] != 0:
-                        acc += weights[p] * partials.out.unsafe_load[width=W]((p * rows + row) * rank + c)
-                dst.unsafe_store(c, acc.cast[dtype]())
-            else:
-                var acc = Float32(0)
-                for p in range(shape.num_partitions):
-                    if weights[p] != 0:
-                        acc += weights[p] * partials.out.unsafe_load((p * rows + row) * rank + c)
-                dst.unsafe_store(c, acc.cast[dtype]())
-            c += width
+        var slots = List[Int](length=shape.max_partitions, fill=0)
+        var weights = List[Float32](length=shape.max_partitions, fill=0)
+        for row in range(task * MERGE_ROWS_PER_TASK, min((task + 1) * MERGE_ROWS_PER_TASK, rows)):
+            var t = row // shape.num_heads
+            var b = shape.request_of_token.unsafe_load(t)
+            var parts = shape.partitions(b)
+            for p in range(parts):
+                slots[p] = shape.row(b, p, t, row % shape.num_heads)
+            var top = neg_inf[DType.float32]()
+            for p in range(parts):
+                top = max(top, partials.row_max.unsafe_load(slots[p]))
+            var total = Float32(0)
+            for p in range(parts):
+                var m = partials.row_max.unsafe_load(slots[p])
+                if m > neg_inf[DType.float32]():
+                    total += exp(m - top) * partials.row_sum.unsafe_load(slots[p])
+            for p in range(parts):
+                var m = partials.row_max.unsafe_load(slots[p])
+                # Zero where this partition held none of the row's keys.
+                weights[p] = exp(m - top) / total if m > neg_inf[DType.float32]() else Float32(0)
+            if has_lse:
+                lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
+            var dst = raw.unsafe_offset(row * rank)
+            var c = 0
+            while c < rank:
+                var width = W if c + W <= rank else 1
+                if width == W:
+                    var acc = SIMD[DType.float32, W](0)
+                    for p in range(parts):
+                        if weights[p] != 0:
+                            acc += weights[p] * partials.out.unsafe_load[width=W](slots[p] * rank + c)
+                    dst.unsafe_store(c, acc.cast[dtype]())
+                else:
+                    var acc = Float32(0)
+                    for p in range(parts):
+                        if weights[p] != 0:
+                            acc += weights[p] * partials.out.unsafe_load(slots[p] * rank + c)
+                    dst.unsafe_store(c, acc.cast[dtype]())
+                c += width
 
-    run_tasks(row_task, rows, rows * shape.kv_lora_rank * shape.num_partitions)
+    run_tasks(rows_task, ceil_div(rows, MERGE_ROWS_PER_TASK), shape.num_slots * shape.num_heads * shape.kv_lora_rank)

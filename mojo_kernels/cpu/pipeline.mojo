@@ -21,7 +21,7 @@ from .attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
 from .bf16 import HAS_AVX512_BF16
 from .amx_matmul import fp8_projection, projection_on_amx
 from .fp8_matmul import StridedMatrices
-from .merge import AttentionShape, PartialResults, merge_partitions
+from .merge import PartialResults, TaskPlan, merge_partitions
 from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows, rotate_normalize_and_quantize_new_rows
 from .simd import scratch, scratch_of
 
@@ -83,19 +83,35 @@ def project_output[
     )
 
 
-def plan_attention(batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_rank: Int, key_dim: Int) -> AttentionShape:
-    """Splits work so every core is busy: head groups, then key partitions for long contexts."""
+def plan_attention(
+    batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_rank: Int, key_dim: Int, partitions: Int = 0
+) -> TaskPlan:
+    """Splits step 5 so every core is busy: head groups, then each request's keys into partitions in
+    proportion to its work (keys x new tokens), about TASKS_PER_WORKER tasks per core of equal work
+    in all, a partition keeping at least MIN_KEYS_PER_PARTITION keys; a request without new tokens
+    gets none. `partitions` > 0 (tests): that many for every request with new tokens.
+    """
     var workers = num_physical_cores()
     var heads_per_group = min(num_heads, MAX_HEADS_PER_TASK)
     var head_groups = ceil_div(num_heads, heads_per_group)
-    var longest = 0
+    var total_work = 0
     for b in range(batch.num_requests):
-        longest = max(longest, batch.local_keys(b))
-    var tasks = max(batch.num_requests * head_groups, 1)
-    var partitions = ceil_div(workers * TASKS_PER_WORKER, tasks)
-    partitions = max(1, min(partitions, ceil_div(longest, MIN_KEYS_PER_PARTITION)))
-    return AttentionShape(num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group, partitions)
-
+        total_work += batch.local_keys(b) * batch.num_tokens(b)
+    var target = workers * TASKS_PER_WORKER
+    var parts = List[Int](length=batch.num_requests, fill=0)
+    var starts = List[Int](length=batch.num_requests + 1, fill=0)
+    for b in range(batch.num_requests):
+        starts[b] = batch.start(b)
+        starts[b + 1] = batch.stop(b)
+        if batch.num_tokens(b) == 0:
+            continue
+        if partitions > 0:
+            parts[b] = partitions
+            continue
+        var keys = batch.local_keys(b)
+        var share = ceil_div(keys * batch.num_tokens(b) * target, total_work * head_groups) if total_work > 0 else 1
+        parts[b] = max(1, min(share, ceil_div(keys, MIN_KEYS_PER_PARTITION)))
+    return TaskPlan(parts, starts, num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group)
 
 
 def attention_path[dtype: DType]() raises -> Int:
@@ -186,8 +202,9 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     )
 
     # Step 5: attention, split into partitions, then merged.
-    var shape = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
-    var rows = shape.num_partitions * p.num_tokens * p.num_heads
+    var plan = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
+    var shape = plan.shape()
+    var rows = shape.num_slots * p.num_heads
     var part_out_buf = List[Float32](unsafe_uninit_length=rows * p.kv_lora_rank)
     var part_max_buf = List[Float32](unsafe_uninit_length=rows)
     var part_sum_buf = List[Float32](unsafe_uninit_length=rows)
@@ -213,3 +230,4 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     _ = part_max_buf^
     _ = part_sum_buf^
     _ = raw_buf^
+    _ = plan^

@@ -47,24 +47,15 @@ comptime DOT_COLS = 4
 comptime F32Vec = SIMD[DType.float32, F32_WIDTH]
 
 
-def copy_as_f32[dtype: DType](src: DPtr[dtype], dst: FPtr, count: Int):
-    """`dst[i] = float32(src[i])` for `count` values, vectorized (exact from bf16, f16 and float32)."""
+def cast_copy[src_dtype: DType, dst_dtype: DType](src: DPtr[src_dtype], dst: DPtr[dst_dtype], count: Int):
+    """`dst[i] = src[i]` cast to `dst_dtype` for `count` values, vectorized (exact for the widenings
+    to float32, and for narrowing values that the narrower dtype holds)."""
     comptime W = F32_WIDTH
     var main = count - count % W
     for i in range(0, main, W):
-        dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.float32]())
+        dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[dst_dtype]())
     for i in range(main, count):
-        dst.unsafe_store(i, src.unsafe_load(i).cast[DType.float32]())
-
-
-def narrow_to_bf16(src: FPtr, dst: Pointer[BFloat16, MutUntrackedOrigin], count: Int):
-    """`dst[i] = bf16(src[i])` for `count` values, vectorized (exact where `src` holds bf16 values)."""
-    comptime W = F32_WIDTH
-    var main = count - count % W
-    for i in range(0, main, W):
-        dst.unsafe_store(i, src.unsafe_load[width=W](i).cast[DType.bfloat16]())
-    for i in range(main, count):
-        dst.unsafe_store(i, src.unsafe_load(i).cast[DType.bfloat16]())
+        dst.unsafe_store(i, src.unsafe_load(i).cast[dst_dtype]())
 
 
 @always_inline
@@ -77,9 +68,9 @@ def dpbf16(acc: SIMD[DType.float32, 16], a: SIMD[DType.bfloat16, 32], b: SIMD[DT
 def dot_lanes[
     rows: Int, cols: Int, elem: DType = DType.float32
 ](
-    a: Pointer[Scalar[elem], MutUntrackedOrigin],
+    a: DPtr[elem],
     a_stride: Int,
-    b: Pointer[Scalar[elem], MutUntrackedOrigin],
+    b: DPtr[elem],
     b_stride: Int,
     depth: Int,
 ) -> Array[F32Vec, rows * cols]:

@@ -12,6 +12,9 @@ x context x page size x CPU path, everything measured in the same run:
 - the op's time per call and its ratio to the roofline: the one-shot call
   (``pymla.mla_decode_branch_fp8``, every input checked and wrapped per
   call) and a serving loop's ``run()`` on a plan made once;
+- ``--requests``: ``equal`` (every request has the context) or
+  ``one-long`` (the first request has it, the others 1/16 of it: a long
+  request beside short ones, as a serving batch mixes them);
 - plain torch (pymla.tools.plain_torch: the faster of its matmul and SDPA
   attention) and the op's speed-up over it; not run on an ``fp8_ds_mla``
   cache (``--cache-format``: plain torch has no such cache), where the
@@ -51,6 +54,16 @@ from .timing import time_call
 
 DEFAULT_OUTPUT_DIR = Path("pymla-bench-results")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+REQUEST_MIXES = ("equal", "one-long")
+SHORT_FRACTION = 16  # one-long: the other requests' context is the context / this
+
+
+def cache_lengths(batch: int, context: int, requests: str) -> tuple[int, ...]:
+    """Each request's cached keys (one new token each makes ``context`` visible for a full request)."""
+    if requests == "equal":
+        return (context - 1,) * batch
+    short = max(context // SHORT_FRACTION, 1)
+    return (context - 1,) + (short - 1,) * (batch - 1)
 
 
 def measure_copy_bandwidth(nbytes: int = 512 * 2**20) -> float:
@@ -130,6 +143,7 @@ def bench_one(
     copy_bw: float,
     mm_rate: float,
     repeat: int,
+    requests: str = "equal",
 ) -> dict:
     """One case with ``PYMLA_CPU_PATH=path``, a path of :func:`paths_to_run` (so ``path`` runs)."""
     case = make_case(
@@ -137,7 +151,7 @@ def bench_one(
         dtype=dtype,
         num_heads=heads,
         page_size=page_size,
-        cache_lengths=(context - 1,) * batch,
+        cache_lengths=cache_lengths(batch, context, requests),
         new_tokens=(1,) * batch,
         num_layers=1,
         layer_idx=0,
@@ -199,6 +213,8 @@ def bench_one(
         "heads": heads,
         "batch": batch,
         "context": context,
+        "requests": requests,
+        "cache_lengths": list(cache_lengths(batch, context, requests)),
         "page_size": page_size,
         "path": path,
         "cache_format": cache_format,
@@ -220,7 +236,7 @@ def bench_one(
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'heads':>5} {'batch':>5} {'ctx':>6} {'page':>4} {'path':>10} {'cache':>10} | {'op ms':>8} "
+        f"{'heads':>5} {'batch':>5} {'ctx':>6} {'reqs':>8} {'page':>4} {'path':>10} {'cache':>10} | {'op ms':>8} "
         f"{'run ms':>8} {'roof ms':>8} {'bound':>7} {'x roof':>6} {'run x':>6} | "
         f"{'torch ms':>9} {'x faster':>8}"
     )
@@ -229,7 +245,7 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         torch_ms, faster = r["plain_torch_ms"], r["speedup_vs_plain_torch"]
         print(
-            f"{r['heads']:>5} {r['batch']:>5} {r['context']:>6} {r['page_size']:>4} {r['path']:>10} "
+            f"{r['heads']:>5} {r['batch']:>5} {r['context']:>6} {r['requests']:>8} {r['page_size']:>4} {r['path']:>10} "
             f"{r['cache_format']:>10} | {r['op_ms']:>8.2f} {r['run_ms']:>8.2f} {r['roofline_ms']:>8.2f} "
             f"{r['roofline_bound']:>7} {r['op_over_roofline']:>6.2f} {r['run_over_roofline']:>6.2f} | "
             + (
@@ -246,7 +262,9 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [
-        f"{r['heads']}h b{r['batch']} {r['context'] // 1024}k p{r['page_size']}\n{r['path']}"
+        f"{r['heads']}h b{r['batch']} {r['context'] // 1024}k"
+        + (" one-long" if r["requests"] == "one-long" else "")
+        + f" p{r['page_size']}\n{r['path']}"
         + ("" if r["cache_format"] == DTYPE_FORMAT else f" {r['cache_format']}")
         for r in rows
     ]
@@ -303,6 +321,14 @@ def run(argv: list[str], prog: str) -> int:
     parser.add_argument("--batch", type=count, nargs="+", default=[8], help="requests per call")
     parser.add_argument(
         "--context", type=count, nargs="+", default=[16384], help="keys per request"
+    )
+    parser.add_argument(
+        "--requests",
+        nargs="+",
+        default=["equal"],
+        choices=REQUEST_MIXES,
+        help="equal: every request has the context; one-long: the first has it, the others "
+        f"1/{SHORT_FRACTION} of it",
     )
     parser.add_argument("--page-size", type=count, nargs="+", default=[64], help="cache page sizes")
     parser.add_argument(
@@ -372,7 +398,13 @@ def run(argv: list[str], prog: str) -> int:
     )
     configs = list(
         itertools.product(
-            args.heads, args.batch, args.context, args.page_size, paths, args.cache_format
+            args.heads,
+            args.batch,
+            args.context,
+            args.requests,
+            args.page_size,
+            paths,
+            args.cache_format,
         )
     )
     meta = {
@@ -391,9 +423,11 @@ def run(argv: list[str], prog: str) -> int:
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    for i, (heads, batch, context, page_size, path, cache_format) in enumerate(configs, 1):
+    for i, (heads, batch, context, requests, page_size, path, cache_format) in enumerate(
+        configs, 1
+    ):
         print(
-            f"[{i}/{len(configs)}] heads {heads}, batch {batch}, context {context}, "
+            f"[{i}/{len(configs)}] heads {heads}, batch {batch}, context {context} ({requests}), "
             f"page {page_size}, path {path}, cache {cache_format} ...",
             file=sys.stderr,
             flush=True,
@@ -410,6 +444,7 @@ def run(argv: list[str], prog: str) -> int:
                 copy_bw,
                 mm_rate,
                 args.repeat,
+                requests,
             )
         )
         save_json(outputs[0], {"meta": meta, "rows": rows})  # a later crash keeps these rows

@@ -36,7 +36,7 @@ from mojo_kernels.fp8 import NO_SHIFT, bf16_scale_shift, power_of_two, widen_e4m
 from mojo_kernels.cpu.amx import HAS_AMX, AmxTiles, TileUnit, amx_permitted
 from mojo_kernels.cpu.amx_attention import AMX_TUNING, AmxTuning
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
-from mojo_kernels.cpu.merge import AttentionShape, PartialResults, merge_partitions
+from mojo_kernels.cpu.merge import PartialResults, TaskPlan, merge_partitions
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention
 from mojo_kernels.cpu.simd import run_tasks
@@ -185,12 +185,9 @@ struct Case(Movable):
             for pos in range(self.pages_per_request * self.page_size):
                 rows.store_row[BF16](b, pos, cache.row(b, pos))
 
-    def shape(mut self, partitions: Int) -> AttentionShape:
-        """`partitions` 0: the op's own plan (every core); else that many key partitions."""
-        var plan = plan_attention(self.batch(), self.num_tokens, self.num_heads, self.rank, self.key_dim)
-        if partitions > 0:
-            plan.num_partitions = partitions
-        return plan
+    def plan(mut self, partitions: Int) -> TaskPlan:
+        """`partitions` 0: the op's own plan (every core); else that many key partitions per request."""
+        return plan_attention(self.batch(), self.num_tokens, self.num_heads, self.rank, self.key_dim, partitions)
 
     def attend[
         tiles: TileUnit, tuning: AmxTuning = AMX_TUNING
@@ -199,8 +196,9 @@ struct Case(Movable):
 
         `tuning`: the AMX path's (`AmxTuning`; e.g. PACKED, IN_PLACE).
         """
-        var shape = self.shape(partitions)
-        var rows = shape.num_partitions * self.num_tokens * self.num_heads
+        var plan = self.plan(partitions)
+        var shape = plan.shape()
+        var rows = shape.num_slots * self.num_heads
         var out = List[Float32](length=max(rows * self.rank, 1), fill=Float32.MAX)
         var row_max = List[Float32](length=max(rows, 1), fill=0)
         var row_sum = List[Float32](length=max(rows, 1), fill=0)
@@ -220,6 +218,7 @@ struct Case(Movable):
         _ = out^
         _ = row_max^
         _ = row_sum^
+        _ = plan^
         return raw^
 
 

@@ -7,12 +7,12 @@
 
 import os
 import sys
-import time
 
 import torch
 
 import pymla
 from pymla.tools.scenario import make_case
+from pymla.tools.timing import time_call
 
 mode = sys.argv[1]
 heads, batch = int(os.environ.get("HEADS", "128")), int(os.environ.get("B", "1"))
@@ -21,28 +21,17 @@ case = make_case(
     7, num_heads=heads, page_size=64, cache_lengths=(ctx,) * batch, new_tokens=(1,) * batch,
     num_layers=1, layer_idx=0, freqs="rope", extra_rows=1,
 )  # fmt: skip
-w = case.weights
-weights = pymla.LayerWeights(
-    w["w_uk"], w["w_uk_scale"], w["w_uv"], w["w_uv_scale"], case.kv_norm_gamma,
-    case.options["scale_granularity"],
-)  # fmt: skip
-opts = pymla.DecodeOptions(**{k: v for k, v in case.options.items() if k != "scale_granularity"})
-step = pymla.plan(case.cache, case.input_row_offsets, case.freqs_cis, opts, rerun_layers=True)
+weights = case.layer_weights()
+step = pymla.plan(
+    case.cache, case.input_row_offsets, case.freqs_cis, case.decode_options(), rerun_layers=True
+)
 q = case.q
 att, lse = step.attend(q, 0, weights)
 out = torch.empty(q.shape[0], heads, 128, dtype=q.dtype)
 
 
 def median_ms(f, n):
-    for _ in range(3):
-        f()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return round(1e3 * ts[len(ts) // 2], 3)
+    return round(1e3 * time_call(f, warmup=3, repeat=n), 3)
 
 
 def project():
