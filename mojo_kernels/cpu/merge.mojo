@@ -14,14 +14,20 @@ from std.math import exp, log
 from std.utils.numerics import neg_inf
 
 from ..common import DPtr, FPtr, IPtr, ceil_div
+from ..paged_cache import RaggedBatch
 from .simd import F32_WIDTH, run_tasks
 
 comptime MERGE_ROWS_PER_TASK = 16
 """(token, head) rows per merge task: a task per row made 128 tasks of a few thousand FMAs each at
 128 heads, batch 1."""
 
+# Per request in `TaskPlan.requests`, `REQUEST_FIELDS` ints at these offsets.
+comptime PARTITIONS = 0
+comptime TOKENS = 1  # new tokens
+comptime FIRST_TOKEN = 2
+comptime FIRST_SLOT = 3
+comptime FIRST_TASK = 4
 comptime REQUEST_FIELDS = 5
-"""Per request in `TaskPlan.requests`: key partitions, new tokens, first token, first slot, first task."""
 
 
 @fieldwise_init
@@ -43,7 +49,7 @@ struct AttentionShape(TrivialRegisterPassable):
     var num_tasks: Int
     var num_slots: Int
     var max_partitions: Int
-    var requests: IPtr  # [num_requests + 1, REQUEST_FIELDS] (the last entry: totals)
+    var requests: IPtr  # [num_requests, REQUEST_FIELDS]
     var request_of_token: IPtr  # [num_tokens]
 
     @always_inline
@@ -52,34 +58,31 @@ struct AttentionShape(TrivialRegisterPassable):
 
     @always_inline
     def partitions(self, b: Int) -> Int:
-        return self.field(b, 0)
+        return self.field(b, PARTITIONS)
 
     @always_inline
     def tokens(self, b: Int) -> Int:
-        return self.field(b, 1)
-
-    @always_inline
-    def head_groups(self) -> Int:
-        return ceil_div(self.num_heads, self.heads_per_group)
+        return self.field(b, TOKENS)
 
     def task(self, i: Int) -> Tuple[Int, Int, Int]:
         """Task `i` as (request, head group, partition): the request by bisection of the first tasks."""
         var lo = 0
-        var hi = self.num_requests  # first_task(lo) <= i < first_task(hi)
+        var hi = self.num_requests  # first task of lo <= i < first task of hi (num_tasks past the last)
         while hi - lo > 1:
             var mid = (lo + hi) // 2
-            if self.field(mid, 4) <= i:
+            if self.field(mid, FIRST_TASK) <= i:
                 lo = mid
             else:
                 hi = mid
-        var local = i - self.field(lo, 4)
+        var local = i - self.field(lo, FIRST_TASK)
         var parts = self.partitions(lo)
         return (lo, local // parts, local % parts)
 
     @always_inline
     def row(self, b: Int, part: Int, t: Int, h: Int) -> Int:
         """Partial-result row of new token `t` (the op's token index), head `h`, partition `part` of request `b`."""
-        return ((self.field(b, 3) + part * self.tokens(b) + t - self.field(b, 2)) * self.num_heads) + h
+        var slot = self.field(b, FIRST_SLOT) + part * self.tokens(b) + t - self.field(b, FIRST_TOKEN)
+        return slot * self.num_heads + h
 
 
 struct TaskPlan(Movable):
@@ -90,42 +93,36 @@ struct TaskPlan(Movable):
     var dims: AttentionShape
 
     def __init__(
-        out self, partitions: List[Int], starts: List[Int], num_tokens: Int, num_heads: Int, kv_lora_rank: Int,
+        out self, partitions: List[Int], batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_rank: Int,
         key_dim: Int, heads_per_group: Int,
     ):
-        """`partitions[b]` key partitions for request `b`, whose new tokens start at `starts[b]`
-        (`starts` has one more entry: the end); a request without new tokens must have none."""
-        var num_requests = len(partitions)
+        """`partitions[b]` key partitions for request `b` of `batch`; a request without new tokens must have none."""
         var head_groups = ceil_div(num_heads, heads_per_group)
-        self.requests = List[Int](length=(num_requests + 1) * REQUEST_FIELDS, fill=0)
+        self.requests = List[Int](length=batch.num_requests * REQUEST_FIELDS, fill=0)
         self.request_of_token = List[Int](length=max(num_tokens, 1), fill=0)
         var slot = 0
         var task = 0
         var widest = 1
-        for b in range(num_requests):
-            var tokens = starts[b + 1] - starts[b]
+        for b in range(batch.num_requests):
             var at = b * REQUEST_FIELDS
-            self.requests[at] = partitions[b]
-            self.requests[at + 1] = tokens
-            self.requests[at + 2] = starts[b]
-            self.requests[at + 3] = slot
-            self.requests[at + 4] = task
-            for t in range(starts[b], starts[b + 1]):
+            self.requests[at + PARTITIONS] = partitions[b]
+            self.requests[at + TOKENS] = batch.num_tokens(b)
+            self.requests[at + FIRST_TOKEN] = batch.start(b)
+            self.requests[at + FIRST_SLOT] = slot
+            self.requests[at + FIRST_TASK] = task
+            for t in range(batch.start(b), batch.stop(b)):
                 self.request_of_token[t] = b
-            slot += partitions[b] * tokens
+            slot += partitions[b] * batch.num_tokens(b)
             task += partitions[b] * head_groups
             widest = max(widest, partitions[b])
-        self.requests[num_requests * REQUEST_FIELDS + 3] = slot
-        self.requests[num_requests * REQUEST_FIELDS + 4] = task
         self.dims = AttentionShape(
-            num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group, num_requests, task, slot, widest,
+            num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group, batch.num_requests, task, slot, widest,
             self.requests.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
             self.request_of_token.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         )
 
-    def shape(mut self) -> AttentionShape:
-        self.dims.requests = self.requests.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-        self.dims.request_of_token = self.request_of_token.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    def shape(self) -> AttentionShape:
+        """The view (the lists' buffers stay where they are when the plan moves)."""
         return self.dims
 
 

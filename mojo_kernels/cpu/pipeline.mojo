@@ -99,10 +99,7 @@ def plan_attention(
         total_work += batch.local_keys(b) * batch.num_tokens(b)
     var target = workers * TASKS_PER_WORKER
     var parts = List[Int](length=batch.num_requests, fill=0)
-    var starts = List[Int](length=batch.num_requests + 1, fill=0)
     for b in range(batch.num_requests):
-        starts[b] = batch.start(b)
-        starts[b + 1] = batch.stop(b)
         if batch.num_tokens(b) == 0:
             continue
         if partitions > 0:
@@ -111,7 +108,7 @@ def plan_attention(
         var keys = batch.local_keys(b)
         var share = ceil_div(keys * batch.num_tokens(b) * target, total_work * head_groups) if total_work > 0 else 1
         parts[b] = max(1, min(share, ceil_div(keys, MIN_KEYS_PER_PARTITION)))
-    return TaskPlan(parts, starts, num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group)
+    return TaskPlan(parts, batch, num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group)
 
 
 def attention_path[dtype: DType]() raises -> Int:

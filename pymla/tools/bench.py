@@ -146,12 +146,13 @@ def bench_one(
     requests: str = "equal",
 ) -> dict:
     """One case with ``PYMLA_CPU_PATH=path``, a path of :func:`paths_to_run` (so ``path`` runs)."""
+    lengths = cache_lengths(batch, context, requests)
     case = make_case(
         7,
         dtype=dtype,
         num_heads=heads,
         page_size=page_size,
-        cache_lengths=cache_lengths(batch, context, requests),
+        cache_lengths=lengths,
         new_tokens=(1,) * batch,
         num_layers=1,
         layer_idx=0,
@@ -214,7 +215,7 @@ def bench_one(
         "batch": batch,
         "context": context,
         "requests": requests,
-        "cache_lengths": list(cache_lengths(batch, context, requests)),
+        "cache_lengths": list(lengths),
         "page_size": page_size,
         "path": path,
         "cache_format": cache_format,
