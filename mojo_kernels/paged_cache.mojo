@@ -321,18 +321,41 @@ struct Fp8LatentRows(TrivialRegisterPassable):
             rope.unsafe_store(d, src.unsafe_load(self.kv_lora_rank + d).cast[DType.bfloat16]())
 
 
+comptime MIN_KEYS_PER_PARTITION = 256
+"""Step 5 splits a request's keys no finer than this (a partition's setup and merge cost more below)."""
+
+
 @always_inline
 def partition_keys(part: Int, num_partitions: Int, visible: Int) -> Tuple[Int, Int]:
     """Half-open key range `[k0, k1)` of partition `part` of a request's `visible` keys.
 
     The one definition of step 5's split-KV partitions, for every CPU and GPU
     attention kernel (the merge weighs a partition that saw no key by 0).
-    Partitions are consecutive runs of `ceil(visible / num_partitions)` keys.
-    The GPU plan sizes `num_partitions` on the batch's longest request, so a
-    shorter request's high partitions are empty: `k0 == k1 == visible`,
-    never a start past the request's last key; the CPU plan gives each request
-    its own count (`cpu/pipeline.plan_attention`).
+    Partitions are consecutive runs of `ceil(visible / num_partitions)` keys;
+    when a partition count exceeds what the keys fill, the high partitions are
+    empty: `k0 == k1 == visible`, never a start past the request's last key.
+    Each request's count comes from `partitions_by_work`.
     """
     var part_len = (visible + num_partitions - 1) // num_partitions
     var k0 = min(part * part_len, visible)
     return (k0, min(k0 + part_len, visible))
+
+
+@always_inline
+def partitions_by_work(keys: Int, work: Int, total_work: Int, target_tasks: Int, groups: Int, round_up: Bool) -> Int:
+    """Key partitions of one request: its share of `target_tasks` by `work` of the batch's `total_work`.
+
+    The request runs as `groups` tasks per partition (head groups on the CPU,
+    row slots on the GPU), so it gets `work target / (total groups)`
+    partitions, rounded up (`round_up`: the CPU, whose workers take tasks as
+    they come) or down (the GPU, whose grid should stay within one wave of
+    blocks), at least one, and none shorter than MIN_KEYS_PER_PARTITION keys
+    (`keys` of them in all). The one rule of the CPU plan (`cpu/pipeline.plan_attention`)
+    and the GPU schedule (`gpu/schedule.mojo`).
+    """
+    if total_work <= 0 or groups <= 0:
+        return 1
+    var num = work * target_tasks
+    var den = total_work * groups
+    var share = (num + den - 1) // den if round_up else num // den
+    return max(1, min(share, (keys + MIN_KEYS_PER_PARTITION - 1) // MIN_KEYS_PER_PARTITION))

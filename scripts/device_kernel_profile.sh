@@ -36,6 +36,6 @@ case $step in
         .devbin/bench bench "$cfg" > "$out/breakdown_${cfg//:/_}.log" 2>&1
       grep -E "bench |[a-z_]+_kernel|gpu__time_duration" "$out/breakdown_${cfg//:/_}.log" | grep -v "==PROF==" | head -60
     done ;;
-  smoke) timeout 540 .devbin/smoke ;;
+  smoke) timeout 560 .devbin/smoke "$@" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pymla.tools.gpu_bench_json import parse_bench_line
+from pymla.tools.peers import own_attention_us
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -43,3 +44,30 @@ def test_lines_with_a_cache_label():
         "fp8_ds_mla",
     ]
     assert rows[-1]["us"] == 3288.654 and rows[-1]["batch"] == 128 and rows[-1]["context"] == 32768
+
+
+def test_the_ops_step_5_line_in_both_formats():
+    old = RESULTS / "h200-2026-12-03-attn" / "gpu_variants.log"
+    new = RESULTS / "h200-2026-12-05e" / "var-sm90.log"
+    old_us = [
+        u for line in old.read_text().splitlines() if (u := own_attention_us(line)) is not None
+    ]
+    new_us = [
+        u for line in new.read_text().splitlines() if (u := own_attention_us(line)) is not None
+    ]
+    assert old_us[0] == 2232.8251
+    assert new_us[:2] == [684.5436, 119.96780000000001]
+    # a pinned variant's line is not the op's
+    assert (
+        own_attention_us("  attention groups 4 kt 64 warps/group 0 : 346.1 us, 1 GB/s of cache")
+        is None
+    )
+
+
+def test_a_plan_with_the_schedule_alone_is_not_the_default():
+    line = (
+        "bench bfloat16 B 8 H 16 L 8192 ( PDL off, quantize in merge, schedule {}, split by work ) : 70.5 us"
+        " per call, 1000.0 GB/s of cache+weights, 30.0 TFLOP/s attention"
+    )
+    assert parse_bench_line(line.format("in q step"))["default_plan"]
+    assert not parse_bench_line(line.format("alone"))["default_plan"]

@@ -44,8 +44,12 @@ def test_after_a_launch_only_the_log_thread_runs_idle():
     _launch_once()
     found = max_threads.log_threads(seconds=10)
     assert found, "no thread in a timed futex wait on libmax.so's data"
-    # It is the 100 us poller: idle as the process is, it wakes thousands of times a second.
-    assert all(n >= 200 for n in _wakeups(found, 0.2).values()), _wakeups(found, 0.2)
+    # It is the 100 us poller: idle as the process is, it wakes thousands of times a second. Under
+    # SCHED_IDLE it runs only on a free core, so the best of five samples (another process may hold
+    # both cores of a small machine for a while).
+    samples = [_wakeups(found, 0.2) for _ in range(5)]
+    best = {t: max(s[t] for s in samples) for t in found}
+    assert all(n >= 200 for n in best.values()), samples
     tids = [int(t) for t in os.listdir("/proc/self/task")]
     policies = {}
     for tid in tids:

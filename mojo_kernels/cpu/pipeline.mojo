@@ -13,7 +13,7 @@ from std.os import getenv
 from std.sys import num_physical_cores
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
-from ..paged_cache import RaggedBatch
+from ..paged_cache import RaggedBatch, partitions_by_work
 from ..problem import DecodeProblem
 from ..spec import Granularity
 from .amx import HAS_AMX, amx_permitted
@@ -25,7 +25,6 @@ from .merge import PartialResults, TaskPlan, merge_partitions
 from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows, rotate_normalize_and_quantize_new_rows
 from .simd import scratch, scratch_of
 
-comptime MIN_KEYS_PER_PARTITION = 256
 comptime TASKS_PER_WORKER = 4
 comptime MAX_HEADS_PER_TASK = 128
 
@@ -106,8 +105,7 @@ def plan_attention(
             parts[b] = partitions
             continue
         var keys = batch.local_keys(b)
-        var share = ceil_div(keys * batch.num_tokens(b) * target, total_work * head_groups) if total_work > 0 else 1
-        parts[b] = max(1, min(share, ceil_div(keys, MIN_KEYS_PER_PARTITION)))
+        parts[b] = partitions_by_work(keys, keys * batch.num_tokens(b), total_work, target, head_groups, round_up=True)
     return TaskPlan(parts, batch, num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group)
 
 

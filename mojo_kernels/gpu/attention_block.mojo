@@ -3,10 +3,10 @@
 `AttentionParams` is the one argument of `attention_fma_kernel`,
 `attention_mma_kernel` and `attention_wgmma_kernel`. `AttentionBlock` is
 the block setup they share: which request, rows and key partition a block
-takes (`locate`), each row's mask data (`row_meta`), the cache row of a key
+takes (`locate`, from the split-KV schedule of `schedule.mojo` when the keys are split), each row's mask data (`row_meta`), the cache row of a key
 (`key_row`), the keys any of its rows needs (`widen_keys`), and its results:
-normalized into `raw` with one partition, else the partition's unnormalized
-output and row statistics for `merge_kernel` (`store_output`, `store_stats`).
+normalized into `raw` without a split, else the partition's unnormalized
+output and row statistics for `merge_kernel` (`result_row`, `store_stats`).
 
 `KeyTiles` holds the key tiles of the tensor-core kernels. Their key source is
 a compile-time parameter: rows of `dtype` copied with `cp.async` straight into
@@ -30,6 +30,7 @@ from ..spec import MaskSpec
 from .addressing import attention_slots, find_slot_request, row_attention_meta, slot_start
 from .params import DeviceBatch, DeviceCache, DeviceFp8Rows, GlobalPtr, KernelParams, to_global
 from .pdl import launch_attributes, wait_for_producers
+from .schedule import SplitSchedule
 
 comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
@@ -40,8 +41,9 @@ struct AttentionParams[dtype: DType](KernelParams):
 
     Rows are the (token, head) pairs of `q_full [T, H, key_dim]` (float32
     holding dtype values); keys are whole cache rows, values their first
-    `kv_lora_rank`. With one partition the kernels write `raw [T, H, R]`;
-    with several, `part_out [P, T H, R]`, `part_max`, `part_sum [P, T H]`.
+    `kv_lora_rank`. Without a split (`split.active()` false) the kernels write
+    `raw [T, H, R]`; with one, each task's partial rows (`schedule.mojo`) of
+    `part_out [rows, R]`, `part_max` and `part_sum [rows]`.
     With an `fp8_ds_mla` cache the rows are `fp8`'s (the kernels' `fp8`
     parameter says which) and `cache` gives only `key_dim`.
     """
@@ -52,7 +54,7 @@ struct AttentionParams[dtype: DType](KernelParams):
     var batch: DeviceBatch
     var num_heads: Int32
     var kv_lora_rank: Int32
-    var num_partitions: Int32
+    var split: SplitSchedule  # grid 0: no split
     var scale: Float32
     var mask_kind: Int32
     var window: Int32
@@ -65,7 +67,8 @@ struct AttentionParams[dtype: DType](KernelParams):
 
 @fieldwise_init
 struct AttentionBlock(TrivialRegisterPassable):
-    """One block's request `request`, rows `[row0, row_end)` (`t H + h`) and keys `[k0, k1)`.
+    """One block's request `request`, rows `[row0, row_end)` (`t H + h`) and keys `[k0, k1)`;
+    with a split, row `row`'s partial row is `partial0 + row`.
 
     Keys are the cache's slots: with a shard of the cache (`DeviceBatch.shard`),
     slot `j` holds position `shard.position(j)`; the key ranges of `row_meta` are slots.
@@ -79,30 +82,42 @@ struct AttentionBlock(TrivialRegisterPassable):
     var first_token: Int  # the request's first query row (input_row_offsets[b])
     var row0: Int
     var row_end: Int
-    var total_rows: Int  # T H
+    var partial0: Int
     var cache_length: Int
     var visible: Int  # the request's positions: cached and new
-    var part: Int
     var k0: Int
     var k1: Int
 
     @staticmethod
     @always_inline
     def locate[dtype: DType, //, rows_per_block: Int](p: AttentionParams[dtype]) -> Self:
-        """Block `(slot, part)` of the grid `(attention_slots(T, H, B, rows_per_block), P)`."""
+        """Block `block_idx.x`: task `block_idx.x` of the split schedule (`split.active()`), else row slot
+        `block_idx.x` of the grid `attention_slots(T, H, B, rows_per_block)` with all of its request's keys."""
         var heads = Int(p.num_heads)
-        var nreq = Int(p.batch.num_requests)
-        var slot = block_idx.x
-        var b = find_slot_request(p.batch.offsets, nreq, heads, rows_per_block, slot)
+        var b: Int
+        var slot: Int
+        var part = 0
+        var parts = 1
+        if p.split.active():
+            wait_for_producers()  # the q step's launch may build the schedule (pdl.mojo; else a no-op)
+            var task = p.split.task(block_idx.x)
+            if task[0] < 0:  # past the schedule's tasks: no rows
+                return Self(0, 0, 0, 0, 0, 0, 0, 0, 0)
+            b = Int(task[0])
+            slot = Int(task[1])
+            part = Int(task[2])
+            parts = Int(task[3])
+        else:
+            b = find_slot_request(p.batch.offsets, Int(p.batch.num_requests), heads, rows_per_block, block_idx.x)
+            slot = block_idx.x - slot_start(p.batch.offsets, b, heads, rows_per_block)
         var o0 = Int(p.batch.offsets.unsafe_load(b))
         var o1 = Int(p.batch.offsets.unsafe_load(b + 1))
-        var row0 = o0 * heads + (slot - slot_start(p.batch.offsets, b, heads, rows_per_block)) * rows_per_block
+        var row0 = o0 * heads + slot * rows_per_block
         var cache_length = Int(p.batch.cache_lengths.unsafe_load(b))
         var visible = cache_length + o1 - o0  # positions (the mask's)
-        var keys = partition_keys(block_idx.y, Int(p.num_partitions), p.batch.shard().local_count(visible))
+        var keys = partition_keys(part, parts, p.batch.shard().local_count(visible))
         return Self(
-            b, o0, row0, o1 * heads, Int(p.batch.offsets.unsafe_load(nreq)) * heads, cache_length,
-            visible, block_idx.y, keys[0], keys[1],
+            b, o0, row0, o1 * heads, block_idx.x * rows_per_block - row0, cache_length, visible, keys[0], keys[1]
         )
 
     @always_inline
@@ -157,19 +172,19 @@ struct AttentionBlock(TrivialRegisterPassable):
 
     @always_inline
     def result_row[dtype: DType, //](self, p: AttentionParams[dtype], row: Int) -> FPtr:
-        """Where row `row`'s (`t H + h`) output goes: its row of `raw` with one partition, else of this partition's `part_out`."""
+        """Where row `row`'s (`t H + h`) output goes: its row of `raw` without a split, else its partial row of `part_out`."""
         var rank = Int(p.kv_lora_rank)
-        if p.num_partitions == 1:
+        if not p.split.active():
             return p.raw.unsafe_offset(row * rank)
-        return p.part_out.unsafe_offset((self.part * self.total_rows + row) * rank)
+        return p.part_out.unsafe_offset((self.partial0 + row) * rank)
 
     @staticmethod
     @always_inline
     def result[
         dtype: DType, width: Int
     ](p: AttentionParams[dtype], v: SIMD[DType.float32, width], inv_l: Float32) -> SIMD[DType.float32, width]:
-        """The stored value of output `v`: `rnd(v inv_l)` with one partition (normalized, in dtype), else `v` (merged later)."""
-        if p.num_partitions == 1:
+        """The stored value of output `v`: `rnd(v inv_l)` without a split (normalized, in dtype), else `v` (merged later)."""
+        if not p.split.active():
             return (v * inv_l).cast[dtype]().cast[DType.float32]()
         return v
 
@@ -181,10 +196,10 @@ struct AttentionBlock(TrivialRegisterPassable):
 
     @always_inline
     def store_stats[dtype: DType, //](self, p: AttentionParams[dtype], row: Int, m: Float32, l: Float32):
-        """Row `row`'s running max and sum of this partition, for `merge_kernel` (several partitions)."""
-        if p.num_partitions > 1 and row < self.row_end:
-            p.part_max.unsafe_store(self.part * self.total_rows + row, m)
-            p.part_sum.unsafe_store(self.part * self.total_rows + row, l)
+        """Row `row`'s running max and sum of this partition, for `merge_kernel` (with a split)."""
+        if p.split.active() and row < self.row_end:
+            p.part_max.unsafe_store(self.partial0 + row, m)
+            p.part_sum.unsafe_store(self.partial0 + row, l)
 
 
 @fieldwise_init
@@ -523,6 +538,14 @@ def copy_rows_async[
             r += 1
 
 
+def attention_grid[dtype: DType](p: AttentionParams[dtype], num_tokens: Int, rows_per_block: Int) -> Int:
+    """Blocks of an attention launch: the split schedule's grid (`p.split`), else one per row slot
+    (`attention_slots`)."""
+    if p.split.active():
+        return Int(p.split.grid)
+    return attention_slots(num_tokens, Int(p.num_heads), Int(p.batch.num_requests), rows_per_block)
+
+
 def enqueue_attention[
     dtype: DType, //, kernel: def(AttentionParams[dtype]) thin -> None, rows_per_block: Int
 ](
@@ -533,14 +556,11 @@ def enqueue_attention[
     smem_bytes: Int,
     pdl: Bool,
 ) raises:
-    """Launches one attention kernel: grid `(slots, partitions)`, `smem_bytes` of dynamic shared memory;
+    """Launches one attention kernel: grid `attention_grid`, `smem_bytes` of dynamic shared memory;
     with `pdl`, programmatic dependent launch after the q step (pdl.mojo)."""
     ctx.enqueue_function[kernel](
         p,
-        grid_dim=(
-            attention_slots(num_tokens, Int(p.num_heads), Int(p.batch.num_requests), rows_per_block),
-            Int(p.num_partitions),
-        ),
+        grid_dim=attention_grid(p, num_tokens, rows_per_block),
         block_dim=block_threads,
         shared_mem_bytes=smem_bytes,
         func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem_bytes)),

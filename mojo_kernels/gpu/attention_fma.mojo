@@ -51,10 +51,10 @@ def attention_fma_kernel[
     Rows are the request's (token, head) pairs in q_full order; keys are whole
     cache rows (`key_dim` values), values their first `kv_lora_rank`. Each key
     tile is read from the paged cache once into shared memory and used by
-    every row of the block; each row keeps an online softmax. With one
-    partition the normalized result goes straight to `raw [T, H, R]`; with
-    several, each writes its unnormalized output, running max and sum to
-    `part_* [P, T, H, ...]` for `merge_kernel`.
+    every row of the block; each row keeps an online softmax. Without a
+    split the normalized result goes straight to `raw [T, H, R]`; with one,
+    each partition writes its unnormalized output, running max and sum to its
+    partial rows (`part_*`, schedule.mojo) for `merge_kernel`.
     """
     comptime CPT = cols_per_thread
     var tid = thread_idx.x

@@ -161,7 +161,7 @@ def attention_mma_kernel[
 ):
     """One block per (request, `16 groups` rows, key partition); see the module docstring.
 
-    Grid `(attention_slots(T, H, B, 16 groups), num_partitions)`, block
+    Grid: `enqueue_attention`'s (a row slot or a task of the split schedule per block), block
     `32 gw groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
     `fp8`: the keys are `p.fp8`'s `fp8_ds_mla` rows, widened into one bfloat16 tile (`KeyTiles`).
     """

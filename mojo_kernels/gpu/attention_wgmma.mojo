@@ -136,7 +136,7 @@ def attention_wgmma_kernel[
 ):
     """One block per (request, 64 rows, key partition); see the module docstring.
 
-    Grid `(attention_slots(T, H, B, 64), num_partitions)`, block 256 threads,
+    Grid: `enqueue_attention`'s (a row slot or a task of the split schedule per block), block 256 threads,
     `attention_wgmma_smem_bytes` bytes of dynamic shared memory.
     `fp8`: the keys are `p.fp8`'s `fp8_ds_mla` rows, widened into one bfloat16 tile (`KeyTiles`).
     """
@@ -146,7 +146,7 @@ def attention_wgmma_kernel[
     var q_full = p.q_full
     var blocks = p.cache.blocks
     var kv_lora_rank = p.kv_lora_rank
-    var num_partitions = p.num_partitions
+    var split = p.split.active()
     var scale = p.scale
     var raw = p.raw
     var part_out = p.part_out
@@ -170,7 +170,6 @@ def attention_wgmma_kernel[
 
     var rank = Int(kv_lora_rank)
     comptime dim = WG_KEY_DIM  # == key_dim (wgmma_supported)
-    var parts = Int(num_partitions)
 
     # With PDL (pdl.mojo) the block waits for the q step at once: any later wait makes ptxas
     # spill (160 bytes instead of 4), and this kernel's prologue is short next to its key loop.
@@ -179,10 +178,9 @@ def attention_wgmma_kernel[
     var blk = AttentionBlock.locate[WG_ROWS](p)
     if not blk.has_rows():
         return
-    var part = blk.part
     var row0 = blk.row0
     var row_end = blk.row_end
-    var total_rows = blk.total_rows
+    var partial0 = blk.partial0
 
     # Shared memory.
     comptime chunks = dim // 8  # 16-byte vectors per row
@@ -384,7 +382,7 @@ def attention_wgmma_kernel[
         var col = wg * WG_VALUE_COLS + 8 * j + 2 * t4
         var va = SIMD[DType.float32, 2](acc[4 * j], acc[4 * j + 1])
         var vb = SIMD[DType.float32, 2](acc[4 * j + 2], acc[4 * j + 3])
-        if parts == 1:
+        if not split:
             if gr_a < row_end:
                 raw.unsafe_offset(gr_a * rank + col).unsafe_store[alignment=8](
                     0, (va * inv_a).cast[dtype]().cast[DType.float32]()
@@ -395,13 +393,13 @@ def attention_wgmma_kernel[
                 )
         else:
             if gr_a < row_end:
-                part_out.unsafe_offset((part * total_rows + gr_a) * rank + col).unsafe_store[alignment=8](0, va)
+                part_out.unsafe_offset((partial0 + gr_a) * rank + col).unsafe_store[alignment=8](0, va)
             if gr_b < row_end:
-                part_out.unsafe_offset((part * total_rows + gr_b) * rank + col).unsafe_store[alignment=8](0, vb)
-    if parts > 1 and wg == 0 and t4 == 0:
+                part_out.unsafe_offset((partial0 + gr_b) * rank + col).unsafe_store[alignment=8](0, vb)
+    if split and wg == 0 and t4 == 0:
         if gr_a < row_end:
-            part_max.unsafe_store(part * total_rows + gr_a, m_a)
-            part_sum.unsafe_store(part * total_rows + gr_a, l_a)
+            part_max.unsafe_store(partial0 + gr_a, m_a)
+            part_sum.unsafe_store(partial0 + gr_a, l_a)
         if gr_b < row_end:
-            part_max.unsafe_store(part * total_rows + gr_b, m_b)
-            part_sum.unsafe_store(part * total_rows + gr_b, l_b)
+            part_max.unsafe_store(partial0 + gr_b, m_b)
+            part_sum.unsafe_store(partial0 + gr_b, l_b)

@@ -23,10 +23,10 @@ from .addressing import ELEMENTWISE_THREADS
 from .params import GFPtr, GPtr, KernelParams
 from .pdl import allow_dependents, wait_for_producers
 from .projection_mma import QuantizedRows
+from .schedule import MAX_PARTITIONS, SplitSchedule
 
 
 comptime MERGE_THREADS = 128
-comptime MAX_PARTITIONS = 64  # key partitions per request, at most (two per lane of the first warp)
 comptime MERGE_UNROLL = 4  # partitions whose rows are loaded before they are summed
 comptime MERGE_QUANT_RANK = 2048  # kv_lora_rank up to which the merge can quantize rows (shared memory)
 comptime MERGE_QUANT_K_BLOCKS = MERGE_QUANT_RANK // 64  # K blocks of at least 64
@@ -34,14 +34,14 @@ comptime MERGE_QUANT_K_BLOCKS = MERGE_QUANT_RANK // 64  # K blocks of at least 6
 
 @fieldwise_init
 struct MergeParams[dtype: DType](KernelParams):
-    """Parameters of `merge_kernel`: the partitions' outputs `part_out [P, rows, R]`, maxima and sums `[P, rows]`."""
+    """Parameters of `merge_kernel`: the partitions' outputs `part_out [partial rows, R]`, maxima and sums
+    `[partial rows]`, where `split` puts each row's partitions (schedule.mojo)."""
 
     var part_out: GFPtr
     var part_max: GFPtr
     var part_sum: GFPtr
     var raw: GFPtr  # [rows, R]
-    var total_rows: Int32
-    var num_partitions: Int32
+    var split: SplitSchedule
     var kv_lora_rank: Int32
     var lse: GFPtr  # [rows]: the log-sum-exp of each row, when has_lse
     var has_lse: Int32
@@ -74,19 +74,20 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     var row_s = stack_allocation[MERGE_QUANT_RANK if quantize else 4, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
     var row = block_idx.x
-    var rows = Int(p.total_rows)
-    var parts = Int(p.num_partitions)
+    var entry = p.split.row(row)
+    var first = Int(entry[0])
+    var parts = Int(entry[1])
     var rank = Int(p.kv_lora_rank)
     wait_for_producers()  # the partitions come from the attention kernel (pdl.mojo)
     allow_dependents()
     if tid < WARP_SIZE:
-        var m0 = p.part_max.unsafe_load(tid * rows + row) if tid < parts else neg_inf[DType.float32]()
-        var m1 = p.part_max.unsafe_load((tid + WARP_SIZE) * rows + row) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
+        var m0 = p.part_max.unsafe_load(p.split.partial_row(first, tid)) if tid < parts else neg_inf[DType.float32]()
+        var m1 = p.part_max.unsafe_load(p.split.partial_row(first, tid + WARP_SIZE)) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
         var top = warp.max(max(m0, m1))
         var e0 = exp(m0 - top) if m0 != neg_inf[DType.float32]() else Float32(0)
         var e1 = exp(m1 - top) if m1 != neg_inf[DType.float32]() else Float32(0)
-        var l0 = p.part_sum.unsafe_load(tid * rows + row) if e0 != 0 else Float32(0)
-        var l1 = p.part_sum.unsafe_load((tid + WARP_SIZE) * rows + row) if e1 != 0 else Float32(0)
+        var l0 = p.part_sum.unsafe_load(p.split.partial_row(first, tid)) if e0 != 0 else Float32(0)
+        var l1 = p.part_sum.unsafe_load(p.split.partial_row(first, tid + WARP_SIZE)) if e1 != 0 else Float32(0)
         var total = warp.sum(e0 * l0 + e1 * l1)
         var inv = Float32(1) / total if total > 0 else Float32(0)  # no key at all: the row is 0
         weights.unsafe_store(tid, e0 * inv)
@@ -100,7 +101,7 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
             var v = Array[SIMD[DType.float32, 4], MERGE_UNROLL](fill=0)
             comptime for u in range(MERGE_UNROLL):
                 if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
-                    v[u] = p.part_out.unsafe_offset(((p0 + u) * rows + row) * rank + c).unsafe_load[width=4, alignment=16](0)
+                    v[u] = p.part_out.unsafe_offset(p.split.partial_row(first, p0 + u) * rank + c).unsafe_load[width=4, alignment=16](0)
             comptime for u in range(MERGE_UNROLL):
                 if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
                     acc += weights.unsafe_load(p0 + u) * v[u]

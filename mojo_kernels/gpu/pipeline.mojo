@@ -11,15 +11,19 @@ launches them; the kernels live in one file per concern:
                                 rope_norm.mojo), RoPE of q's rope part into `q_full[:, :, R:]`, and
                                 `q_full[:, :, :R] = fp8mm(q_nope, w_uk)` per head on tensor cores
                                 (projection_mma.mojo: dynamic fp8 quantization of q_nope, the scale
-                                rule of `pymla/quant.py` bit for bit, once per activation tile)
-     float32 (and tiles too large for shared memory): `rope_norm_cache_kernel`,
+                                rule of `pymla/quant.py` bit for bit, once per activation tile),
+                                and one block of step 5's split schedule when the keys split
+                                (schedule.mojo: which request, row slot and key partition each
+                                attention block takes, by each request's share of the work)
+     float32 (and tiles too large for shared memory): `schedule_kernel`, `rope_norm_cache_kernel`,
                                 `rope_q_kernel` (rope_norm.mojo), `quantize_kernel` +
                                 `fp8_matmul_kernel` (projection.mojo, float32 FMA)
 5.   `attention_wgmma_kernel`   (attention_wgmma.mojo) Hopper warpgroup tensor cores,
                                 64 packed rows per block (many heads), or
      `attention_mma_kernel`     (attention_mma.mojo) tensor cores, bf16 / f16 caches, or
      `attention_fma_kernel`     (attention_fma.mojo) float32 FMA (float32 caches, other
-                                sizes): one block per (request, tile of rows, key partition);
+                                sizes): one block per (request, tile of rows, key partition)
+                                (a task of the schedule when the keys split);
                                 all (token, head) rows of the block share each key tile
      `merge_kernel`             (merge.mojo) log-sum-exp merge of the key partitions
 6.   `out_step_kernel`          (steps_fused.mojo) one launch for bf16 / f16: quantization of the
@@ -59,7 +63,7 @@ from max.gpu.host import DeviceBuffer, DeviceContext
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..problem import DecodeProblem
 from ..spec import SCORE_MOD_ALIBI_POS, Granularity
-from .addressing import ELEMENTWISE_THREADS
+from .addressing import ELEMENTWISE_THREADS, attention_slots
 from .attention_block import AttentionParams, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
@@ -87,6 +91,15 @@ from .projection import (
     quantize_kernel,
 )
 from .projection_mma import KCHUNK, Fp8Projection, QuantizedRows, ScaleBlocks, StridedRows
+from .schedule import (
+    MAX_PARTITIONS,
+    SCHEDULE_THREADS,
+    ScheduleParams,
+    SplitSchedule,
+    schedule_grid,
+    schedule_ints,
+    schedule_kernel,
+)
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
@@ -180,13 +193,17 @@ def gpu_fp8_batched_matmul[
 
 def gpu_build_q_full[
     dtype: DType
-](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, cache_rows: CacheRowsParams[dtype]) raises:
+](
+    ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, cache_rows: CacheRowsParams[dtype],
+    schedule: ScheduleParams,
+) raises:
     """Steps 1, 3 and 4 on q: `q_full [T, H, R + Dr] = rnd(concat(fp8mm(q_nope, w_uk), rope(q_rope)))`,
-    and steps 1-2 on `cache_rows` (`count` 0: none; see `cache_rows_params`).
+    steps 1-2 on `cache_rows` (`count` 0: none; see `cache_rows_params`), and step 5's split
+    schedule when `schedule` is active.
 
     A tile of `plan.q_tile`: one launch of `q_step_kernel` (tensor cores, bf16 /
-    f16); `FMA_PATH`: `rope_norm_cache_kernel`, `rope_q_kernel` and the FMA
-    matmul (`gpu_fp8_batched_matmul`).
+    f16), the schedule one more block of it; `FMA_PATH`: `schedule_kernel`,
+    `rope_norm_cache_kernel`, `rope_q_kernel` and the FMA matmul (`gpu_fp8_batched_matmul`).
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
@@ -196,12 +213,13 @@ def gpu_build_q_full[
         if plan.q_tile >= 0:
             var params = QStepParams[dtype](
                 proj, to_global(p.freqs_cis), batch, Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank),
-                TileGrid.unset(), cache_rows,
+                TileGrid.unset(), cache_rows, schedule,
             )
             comptime for i in range(len(PROJ_TILES)):
                 if plan.q_tile == i:
                     enqueue_q_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads)
             return
+    enqueue_schedule(ctx, schedule)
     gpu_rotate_and_normalize_new_rows[dtype](ctx, cache_rows)
     ctx.enqueue_function[rope_q_kernel[dtype]](
         RopeQParams[dtype](
@@ -215,28 +233,68 @@ def gpu_build_q_full[
 
 
 struct AttentionWorkspace(Movable):
-    """Step 5's key-partition workspaces: outputs `[P, T H, R]`, maxima and sums `[P, T H]` (one float when P is 1).
+    """Step 5's split-KV workspaces: the schedule's tables (schedule.mojo), the partitions' outputs
+    `[grid rows_per_block, R]`, maxima and sums `[grid rows_per_block]`; one int and float each
+    without a split.
 
     The op creates it before its first launch and releases it after its last, so that no
     allocation or release sits between two of its kernels (the PDL chain, pdl.mojo).
     """
 
-    var parts: Int  # key partitions per request; with the LSE (`has_lse`) at least two
+    var grid: Int  # attention blocks of the split; 0: no split
+    var rows_per_block: Int
+    var target: Int  # blocks the split aims at
+    var forced_partitions: Int  # > 0: every request that many (tests; 1 with the LSE)
+    var tables: DeviceBuffer[DType.int32]
     var part_out: DeviceBuffer[DType.float32]
     var part_max: DeviceBuffer[DType.float32]
     var part_sum: DeviceBuffer[DType.float32]
 
-    def __init__[dtype: DType](out self, ctx: DeviceContext, p: DecodeProblem[dtype], num_partitions: Int) raises:
-        self.parts = max(num_partitions, 2) if p.has_lse else num_partitions
-        var rows = p.num_tokens * p.num_heads * self.parts if self.parts > 1 else 1
-        self.part_out = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank if self.parts > 1 else 1)
-        self.part_max = ctx.enqueue_create_buffer[DType.float32](rows)
-        self.part_sum = ctx.enqueue_create_buffer[DType.float32](rows)
+    def __init__[dtype: DType](out self, ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan) raises:
+        self.rows_per_block = plan.rows_per_block
+        self.target = plan.split_target
+        self.forced_partitions = min(plan.num_partitions, MAX_PARTITIONS)  # SPLIT_BY_WORK (0): by the schedule's shares
+        self.grid = 0
+        if plan.num_partitions != 1 or p.has_lse:  # the LSE comes from the merge
+            var slots = attention_slots(p.num_tokens, p.num_heads, p.batch.num_requests, plan.rows_per_block)
+            self.grid = schedule_grid(slots, self.target, self.forced_partitions)
+        var partial_rows = self.grid * self.rows_per_block
+        self.tables = ctx.enqueue_create_buffer[DType.int32](
+            schedule_ints(self.grid, p.num_tokens * p.num_heads) if self.grid > 0 else 1
+        )
+        self.part_out = ctx.enqueue_create_buffer[DType.float32](max(partial_rows * p.kv_lora_rank, 1))
+        self.part_max = ctx.enqueue_create_buffer[DType.float32](max(partial_rows, 1))
+        self.part_sum = ctx.enqueue_create_buffer[DType.float32](max(partial_rows, 1))
+
+    def split(self) -> Bool:
+        return self.grid > 0
+
+    def schedule(self) -> SplitSchedule:
+        """The schedule's tables (inactive without a split)."""
+        var tables = self.tables.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
+        return SplitSchedule.over(to_global(tables), self.grid, self.rows_per_block)
+
+    def schedule_params[dtype: DType](self, p: DecodeProblem[dtype]) -> ScheduleParams:
+        """What builds the schedule of `p` in this workspace (inactive without a split)."""
+        return ScheduleParams(
+            DeviceBatch.of(p.batch), self.schedule(), Int32(p.num_heads), Int32(self.target), Int32(self.forced_partitions)
+        )
+
+    def build_schedule[dtype: DType](self, ctx: DeviceContext, p: DecodeProblem[dtype]) raises:
+        """Enqueues `schedule_kernel` for `p` (with a split; step 5 alone, tests)."""
+        enqueue_schedule(ctx, self.schedule_params(p))
+
+
+def enqueue_schedule(ctx: DeviceContext, schedule: ScheduleParams) raises:
+    """Builds step 5's split schedule with a launch of its own (`schedule_kernel`; inactive: nothing)."""
+    if schedule.active():
+        ctx.enqueue_function[schedule_kernel](schedule, grid_dim=1, block_dim=SCHEDULE_THREADS)
 
 
 def gpu_attention[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr) raises:
-    """Step 5: `raw [T, H, R]` from `q_full [T, H, R + Dr]` and the paged cache, with the plan's kernel and partitions."""
-    var ws = AttentionWorkspace(ctx, p, plan.num_partitions)
+    """Step 5: `raw [T, H, R]` from `q_full [T, H, R + Dr]` and the paged cache, with the plan's kernel and split."""
+    var ws = AttentionWorkspace(ctx, p, plan)
+    ws.build_schedule(ctx, p)
     gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws, QuantizedRows.none(to_global(raw)))
     _ = ws^  # freed in stream order
 
@@ -247,7 +305,7 @@ def gpu_attention_into[
     ctx: DeviceContext, p: DecodeProblem[dtype], plan: GpuPlan, q_full: FPtr, raw: FPtr, ws: AttentionWorkspace,
     quant: QuantizedRows,
 ) raises:
-    """`gpu_attention` in workspace `ws` (made for `plan.num_partitions`); with `quant` active the merge
+    """`gpu_attention` in workspace `ws` (made for `plan`, its schedule built); with `quant` active the merge
     quantizes the rows for step 6 (`merge_quantizes`) instead of writing `raw`."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
         if plan.attention == i:
@@ -265,11 +323,12 @@ def gpu_attention_with[
     pdl: Bool,
     quant: QuantizedRows,
 ) raises:
-    """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`), keys split into `ws.parts` parts.
+    """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`) in workspace `ws` (made for a
+    plan of that variant, its schedule built).
 
-    With more than one partition every partition's output and row statistics
+    With a split (`ws.split()`) every partition's output and row statistics
     go to `ws`, merged by log-sum-exp (`merge_kernel`). The LSE (`has_lse`)
-    comes from that merge: with it, at least two partitions. With `pdl` the
+    comes from that merge: the plan splits when it is asked for. With `pdl` the
     attention kernel and the merge start early (programmatic dependent launch, pdl.mojo).
     With `quant` active (only with a merge) the merge writes step 6's quantized rows and the
     attention output (`has_attention_output`), not `raw`.
@@ -287,13 +346,12 @@ def gpu_attention_with[
         var key_dim = p.key_dim()
         var rank = p.kv_lora_rank
         var rows = num_tokens * p.num_heads
-        var parts = ws.parts
         var part_out = ws.part_out.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var part_max = ws.part_max.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var part_sum = ws.part_sum.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var params = AttentionParams[dtype](
             q_full, device_cache(p), DeviceFp8Rows.of(p.fp8_cache), DeviceBatch.of(p.batch), Int32(p.num_heads),
-            Int32(rank), Int32(parts), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
+            Int32(rank), ws.schedule(), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
             raw, part_out, part_max, part_sum,
         )
         comptime if groups > 0 and dtype == DType.bfloat16:
@@ -303,10 +361,9 @@ def gpu_attention_with[
                 enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0, pdl)
         else:
             enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0, pdl)
-        if parts > 1:
+        if ws.split():
             var merge = MergeParams[dtype](
-                to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw),
-                Int32(rows), Int32(parts), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
+                to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw), ws.schedule(), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
                 quant, to_global(p.attention_output), Int32(1 if p.has_attention_output else 0),
             )
             if quant.active != 0:
@@ -342,9 +399,9 @@ def enqueue_attention_variant[
         )
 
 
-def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, parts: Int) -> Bool:
+def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, split: Bool) -> Bool:
     """Whether the partition merge quantizes step 6's activations (`QuantizedRows`): asked by the plan
-    (`quantize_in_merge`), a merge runs (`parts > 1`), the tensor-core output step follows, scales
+    (`quantize_in_merge`), a merge runs (`split`), the tensor-core output step follows, scales
     per row (`bm == 1`: one merged row per block) over K blocks of multiples of 64 that tile
     kv_lora_rank (the plain layout `stage_quantized` copies), and a row fits the merge's shared memory."""
     comptime if dtype == DType.float32:
@@ -352,7 +409,7 @@ def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, parts:
     var blocks = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank)
     return (
         plan.quantize_in_merge
-        and parts > 1
+        and split
         and plan.out_tile >= 0
         and p.has_output
         and blocks.m == 1
@@ -435,8 +492,8 @@ def gpu_run_plan[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan
     # kernels between them (their programmatic dependent launch with `plan.pdl`, pdl.mojo).
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.key_dim())
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](rows * p.kv_lora_rank)
-    var ws = AttentionWorkspace(ctx, p, plan.num_partitions)
-    var quantized = merge_quantizes(p, plan, ws.parts)
+    var ws = AttentionWorkspace(ctx, p, plan)
+    var quantized = merge_quantizes(p, plan, ws.split())
     var block_k = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank).k
     var k_blocks = ceil_div(p.kv_lora_rank, block_k)
     var values_buf = ctx.enqueue_create_buffer[DType.float16](rows * p.kv_lora_rank if quantized else 1)
@@ -451,8 +508,13 @@ def gpu_run_plan[dtype: DType](ctx: DeviceContext, p: DecodeProblem[dtype], plan
             Int32(block_k), Int32(p.num_heads), 1,
         )
 
-    # Steps 1-4: the new cache rows and q_full, one launch (bf16 / f16).
-    gpu_build_q_full[dtype](ctx, p, plan, q_full, cache_rows_params(p, p.num_tokens))
+    # Steps 1-4: the new cache rows and q_full, one launch (bf16 / f16), and step 5's split-KV
+    # schedule (from the batch alone): a block of that launch, or a launch of its own before it.
+    var schedule = ws.schedule_params(p)
+    if not plan.schedule_in_q_step:
+        enqueue_schedule(ctx, schedule)
+        schedule = ScheduleParams.nothing(schedule.batch)
+    gpu_build_q_full[dtype](ctx, p, plan, q_full, cache_rows_params(p, p.num_tokens), schedule)
     gpu_attention_into[dtype](ctx, p, plan, q_full, raw, ws, quant)
     # Step 6 and the optional attention-output store, one launch (bf16 / f16).
     gpu_project_output[dtype](ctx, p, plan, raw, quant)

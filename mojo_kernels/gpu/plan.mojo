@@ -1,8 +1,10 @@
 """Planning of the GPU launches: one `GpuPlan` per op call, from the sizes and the device.
 
 The plan names which attention kernel runs (`ATTENTION_VARIANTS`, each with
-its `attention_supported` predicate), how many rows a block takes, how many
-key partitions each request's keys split into (`plan_partitions`), and
+its `attention_supported` predicate), how many rows a block takes, whether
+the keys split into partitions (`plan_partitions` estimates what a uniform
+split would give; each request's share is the device schedule's, schedule.mojo)
+and how many blocks that split aims at (a wave), and
 which tile shape the fused q and output steps take (`PROJ_TILES`,
 `choose_proj_tile`; `FMA_PATH` for the float32 FMA path), and whether the
 kernels after the q step start early (`pdl`, programmatic dependent launch) and
@@ -16,13 +18,14 @@ from max.gpu import WARP_SIZE
 from max.gpu.host import DeviceAttribute, DeviceContext
 
 from ..common import ceil_div
+from ..paged_cache import MIN_KEYS_PER_PARTITION
 from ..problem import DecodeProblem
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_smem_bytes, mma_supported
 from .attention_wgmma import WG_ROWS, wgmma_supported
-from .merge import MAX_PARTITIONS
 from .projection import MATMUL_SMEM_FLOATS
 from .projection_mma import TileLayout
+from .schedule import MAX_PARTITIONS
 from .steps_fused import tile_cols, tile_rows
 
 # Attention kernels as (16-row groups per block, keys per tile, warps per group): the fastest of
@@ -45,7 +48,7 @@ comptime ATTENTION_MIN_HEADS = (WGMMA_MIN_HEADS, 2 * MMA_ROWS, 0, 0, 0)
 comptime FMA_ATTENTION = len(ATTENTION_VARIANTS) - 1
 
 comptime MMA_REGISTERS = 256  # registers per thread the tensor-core kernels use (ptxas: 208-255)
-comptime MIN_KEYS_PER_PARTITION = 256
+comptime SPLIT_BY_WORK = 0  # GpuPlan.num_partitions: each request's share of the work (schedule.mojo)
 
 # Projection tile shapes (warps_m, warps_n, m16 tiles per warp, n8 tiles per warp), smallest first:
 # 16 x 32, 16 x 64 (4 warps) and 32 x 128 (8 warps). Chosen on the H200 (2026-12-03, build
@@ -68,6 +71,9 @@ comptime PDL_DEFAULT = False
 # sizes allow it (`pipeline.merge_quantizes`). On: same H200 run, 16 h b8 8k 73.4 -> 65.8 us per
 # call (-7.6 us, -10%), 128 h b64 8k 737.6 -> 737.3 us; gpu_smoke checks the op both ways.
 comptime QUANTIZE_IN_MERGE_DEFAULT = True
+# The split-KV schedule (schedule.mojo) built by one more block of the q step's launch (bf16 / f16),
+# not by a launch of its own before it. To be timed against the launch of its own on the H200.
+comptime SCHEDULE_IN_Q_STEP_DEFAULT = True
 
 
 @fieldwise_init
@@ -138,7 +144,8 @@ def attention_blocks_per_sm[
 def plan_partitions(
     num_tokens: Int, num_heads: Int, rows_per_block: Int, blocks_per_sm: Int, max_cache_length_hint: Int, sm_count: Int
 ) -> Int:
-    """Key partitions per request: enough blocks for one full wave of `sm_count` SMs, none past it.
+    """Key partitions per request of a uniform split: enough blocks for one full wave of `sm_count` SMs,
+    none past it. More than one: the plan splits the keys (by the device schedule's shares).
 
     Row tiles are estimated as `T H / rows_per_block`; a partition keeps at
     least MIN_KEYS_PER_PARTITION keys of `max_cache_length_hint` (at most 16
@@ -154,10 +161,18 @@ def plan_partitions(
     return max(1, min(parts, MAX_PARTITIONS))
 
 
-def attention_partitions[
+def attention_split[
     dtype: DType
-](p: DecodeProblem[dtype], v: Tuple[Int, Int, Int], limits: DeviceLimits) -> Int:
-    """`plan_partitions` for variant `v` on problem `p`."""
+](p: DecodeProblem[dtype], v: Tuple[Int, Int, Int], limits: DeviceLimits) -> Tuple[Int, Int]:
+    """`GpuPlan.num_partitions` and `split_target` for variant `v` on problem `p`: split by work
+    where a uniform split would give more than one partition (`plan_partitions`) or the LSE is
+    asked for (it comes from the merge), aiming at one wave of blocks."""
+    var parts = uniform_partitions(p, v, limits)
+    return (SPLIT_BY_WORK if parts > 1 or p.has_lse else 1, limits.sm_count * attention_blocks_per_sm[dtype](v, p.key_dim(), limits))
+
+
+def uniform_partitions[dtype: DType](p: DecodeProblem[dtype], v: Tuple[Int, Int, Int], limits: DeviceLimits) -> Int:
+    """`plan_partitions` for variant `v` on problem `p`: one count for every request, sized on the longest."""
     return plan_partitions(
         p.num_tokens, p.num_heads, attention_rows_per_block(v),
         attention_blocks_per_sm[dtype](v, p.key_dim(), limits, fp8_row_bytes(p)),
@@ -194,11 +209,15 @@ struct GpuPlan(TrivialRegisterPassable):
 
     var attention: Int  # index in ATTENTION_VARIANTS
     var rows_per_block: Int  # of the attention kernel
-    var num_partitions: Int  # key partitions per request (merged when more than one)
+    # 1: no split (each block writes its rows normalized, no merge); SPLIT_BY_WORK: the device
+    # schedule's partitions aiming at `split_target` blocks; n > 1 (tests): n for every request.
+    var num_partitions: Int
+    var split_target: Int  # attention blocks a split aims at: one wave
     var q_tile: Int  # steps 1-4: index in PROJ_TILES, or FMA_PATH
     var out_tile: Int  # step 6: index in PROJ_TILES, or FMA_PATH
     var pdl: Bool  # launch step 5, the merge and step 6 with programmatic dependent launch (pdl.mojo)
     var quantize_in_merge: Bool  # the merge quantizes step 6's activations, where the sizes allow
+    var schedule_in_q_step: Bool  # the split's schedule built in the q step's launch (bf16 / f16)
 
     @staticmethod
     def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
@@ -209,21 +228,23 @@ struct GpuPlan(TrivialRegisterPassable):
     def with_attention[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits, attention: Int) -> Self:
         """The plan for `p` around attention kernel `attention` (an index in ATTENTION_VARIANTS)."""
         var rows_per_block = 0
-        var parts = 0
+        var split = (1, 0)
         comptime for i in range(len(ATTENTION_VARIANTS)):
             if attention == i:
                 rows_per_block = attention_rows_per_block(ATTENTION_VARIANTS[i])
-                parts = attention_partitions(p, ATTENTION_VARIANTS[i], limits)
+                split = attention_split(p, ATTENTION_VARIANTS[i], limits)
         var q_k = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim).k
         var out_k = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank).k
         return Self(
             attention,
             rows_per_block,
-            parts,
+            split[0],
+            split[1],
             choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.kv_lora_rank, p.nope_dim, q_k, limits),
             choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.v_head_dim, p.kv_lora_rank, out_k, limits),
             PDL_DEFAULT,
             QUANTIZE_IN_MERGE_DEFAULT,
+            SCHEDULE_IN_Q_STEP_DEFAULT,
         )
 
 

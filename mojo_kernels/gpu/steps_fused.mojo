@@ -1,7 +1,8 @@
 """Steps 1-4 and step 6 on the GPU as one launch each, fp8 projections on tensor cores.
 
-* `q_step_kernel`: the new cache rows' RMSNorm + RoPE (the last `cache_rows.count`
-  blocks, `rope_norm_cache_row`), before them one block per (head, row tile, column
+* `q_step_kernel`: the new cache rows' RMSNorm + RoPE (`cache_rows.count` blocks,
+  `rope_norm_cache_row`), after them one block that builds step 5's split schedule when
+  there is one (`build_schedule`, schedule.mojo), before them one block per (head, row tile, column
   tile) of `q_full[:, :, :R] = rnd(fp8mm(q_nope, w_uk))` (`projection_mma.mojo`);
   the blocks of column tile 0 also write `q_full[:, :, R:] = rnd(rope(q_rope))`.
 * `out_step_kernel`: one block per (head, row tile, column tile) of
@@ -38,6 +39,7 @@ from .projection_mma import (
     stage_weights,
 )
 from .rope_norm import CacheRowsParams, rope_norm_cache_row, rope_q_pair
+from .schedule import ScheduleParams, build_schedule
 
 
 def tile_rows(tile: Tuple[Int, Int, Int, Int]) -> Int:
@@ -88,6 +90,7 @@ struct QStepParams[dtype: DType](KernelParams):
     var kv_lora_rank: Int32  # R
     var tiles: TileGrid
     var cache_rows: CacheRowsParams[Self.dtype]  # count = 0: no cache rows in this launch
+    var schedule: ScheduleParams  # active: one more block builds step 5's split schedule (schedule.mojo)
 
 
 @fieldwise_init
@@ -111,15 +114,21 @@ def tile_of_block(blk: Int, tiles: TileGrid) -> Tuple[Int, Int, Int]:
 
 
 def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: QStepParams[dtype]):
-    """Grid `cache_rows.count + H m_tiles n_tiles`, `32 warps_m warps_n` threads, `smem_bytes` dynamic."""
+    """Grid `H m_tiles n_tiles + cache_rows.count (+ 1 with a schedule)`, `32 warps_m warps_n` threads,
+    `smem_bytes` dynamic (at least 8 bytes per thread, the schedule's scan)."""
     comptime THREADS = warps_m * warps_n * WARP_SIZE
     comptime MT = warps_m * tm * 16
     comptime NT = warps_n * tn * 8
     var blk = block_idx.x
     allow_dependents()  # the attention kernel may start its prologue (pdl.mojo)
-    # The cache rows are the last blocks: latency-bound (one scattered cache row each), they
-    # fill the projection's last, partial wave instead of holding SMs at the start.
-    var proj_blocks = grid_dim.x - Int(p.cache_rows.count)
+    # The cache rows are the last blocks but one: latency-bound (one scattered cache row each),
+    # they fill the projection's last, partial wave instead of holding SMs at the start. The
+    # very last builds step 5's split schedule when there is one.
+    var schedule_blocks = 1 if p.schedule.active() else 0
+    if schedule_blocks == 1 and blk == grid_dim.x - 1:
+        build_schedule[THREADS](p.schedule, external_memory[Int64, address_space=AddressSpace.SHARED, alignment=16]())
+        return
+    var proj_blocks = grid_dim.x - schedule_blocks - Int(p.cache_rows.count)
     if blk >= proj_blocks:
         rope_norm_cache_row[dtype, THREADS](p.cache_rows, blk - proj_blocks)
         return
@@ -202,10 +211,11 @@ def enqueue_tiles[
 
 
 def enqueue_q_step[dtype: DType, tile: Tuple[Int, Int, Int, Int]](ctx: DeviceContext, p: QStepParams[dtype], groups: Int) raises:
-    """Launches `q_step_kernel` with `tile` over `groups` heads (and `p.cache_rows.count` blocks of cache rows)."""
+    """Launches `q_step_kernel` with `tile` over `groups` heads (and `p.cache_rows.count` blocks of cache rows,
+    and one for the schedule when `p.schedule` is active)."""
     var params = p
-    var smem = params.tiles.fit[tile](p.proj)
-    var blocks = Int(p.cache_rows.count) + params.tiles.blocks(groups)
+    var smem = max(params.tiles.fit[tile](p.proj), 8 * tile_threads(tile))
+    var blocks = Int(p.cache_rows.count) + params.tiles.blocks(groups) + (1 if p.schedule.active() else 0)
     enqueue_tiles[q_step_kernel[dtype, tile[0], tile[1], tile[2], tile[3]], tile](ctx, params, blocks, smem, False)
 
 

@@ -15,15 +15,18 @@ import re
 import sys
 
 COPY = re.compile(r"^copy ([\d.]+) GB/s")
-# `bench DTYPE [CACHE cache] B b H h L l [( PLAN, N partitions )] : ...`: the cache label and the
-# plan (PDL, where step 6 quantizes) were added by later gpu_bench versions.
+# `bench DTYPE [CACHE cache] B b H h L l [( PLAN, SPLIT )] : ...` (SPLIT: "N partitions" or
+# "split by work"): the cache label and the plan (PDL, where step 6 quantizes) were added by later
+# gpu_bench versions.
 LINE = re.compile(
     r"bench (\w+)(?: (\w+) cache)? B (\d+) H (\d+) L (\d+)(?: \((?P<plan>[^)]*)\))? : ([\d.]+) us per call, "
     r"([\d.]+) GB/s of cache\+weights, ([\d.]+) TFLOP/s attention"
 )
 DEFAULT_PLAN = ("PDL off", "quantize in merge")
+NOT_DEFAULT = ("schedule alone",)
 """The op's own plan among the ones `gpu_bench bench` alternates (mojo_kernels/gpu/plan.mojo:
-PDL_DEFAULT, QUANTIZE_IN_MERGE_DEFAULT)."""
+PDL_DEFAULT, QUANTIZE_IN_MERGE_DEFAULT, SCHEDULE_IN_Q_STEP_DEFAULT; logs before 2026-12-05
+name only the first two)."""
 
 
 def parse_bench_line(line: str) -> dict | None:
@@ -40,7 +43,11 @@ def parse_bench_line(line: str) -> dict | None:
         "heads": int(h),
         "context": int(ctx),
         "plan": plan,
-        "default_plan": plan is None or all(part in plan for part in DEFAULT_PLAN),
+        "default_plan": plan is None
+        or (
+            all(part in plan for part in DEFAULT_PLAN)
+            and not any(part in plan for part in NOT_DEFAULT)
+        ),
         "us": float(us),
         "gbps": float(gbps),
         "tflops": float(tflops),

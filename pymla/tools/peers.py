@@ -5,7 +5,7 @@ Inputs, all written by the same `run` on the device (scripts/README.md):
     (all six steps) per call, from a Mojo host loop of back-to-back calls (GPU-bound: the
     launches queue ahead), with a device-to-device copy measured first;
   * `gpu_variants.log`  - `... variants CFG...`: step 5 (attention) alone; the op's own
-    kernel choice is the `groups 0` line;
+    plan is the `attention op's plan` line (`attention groups 0 kt 0` in logs before 2026-12-04);
   * `peers.json`        - `.peers/peers.py` (`../shared/peers`): FlashMLA and Triton
     attention alone, `triton.testing.do_bench` medians (CUDA events, L2 flushed);
   * `flashinfer.json`   - optional, `scripts/flashinfer_peer.py`: FlashInfer's MLA decode
@@ -28,8 +28,14 @@ from pathlib import Path
 from pymla.tools.gpu_bench_json import parse_bench_line
 
 VARIANTS = re.compile(r"^variants B (\d+) H (\d+) L (\d+)")
-OWN = re.compile(r"attention groups 0 kt 0 .*: ([\d.]+) us")
+OWN = re.compile(r"attention (?:groups 0 kt 0 .*|op's plan \(.*\)) : ([\d.]+) us")
 COPY = re.compile(r"^copy ([\d.]+) GB/s")
+
+
+def own_attention_us(line: str) -> float | None:
+    """The op's own step 5 time (us) in a `gpu_variants.log` line, if it is that line."""
+    m = OWN.search(line)
+    return float(m[1]) if m else None
 
 
 def parse(folder: Path) -> dict:
@@ -47,8 +53,8 @@ def parse(folder: Path) -> dict:
     for line in (folder / "gpu_variants.log").read_text().splitlines():
         if m := VARIANTS.match(line):
             shape = (int(m[2]), int(m[1]), int(m[3]))
-        elif (m := OWN.search(line)) and shape:
-            attention[shape] = float(m[1]) / 1e3
+        elif (us := own_attention_us(line)) is not None and shape:
+            attention[shape] = us / 1e3
     peers = json.loads((folder / "peers.json").read_text())
     flashinfer = {}
     if (folder / "flashinfer.json").exists():

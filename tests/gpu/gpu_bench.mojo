@@ -20,7 +20,17 @@ from max.gpu.host import DeviceBuffer, DeviceContext
 from mojo_kernels.gpu.pipeline import AttentionWorkspace, gpu_attention_into, gpu_attention_with
 from mojo_kernels.gpu.params import to_global
 from mojo_kernels.gpu.projection_mma import QuantizedRows
-from mojo_kernels.gpu.plan import FMA_PATH, PROJ_TILES, DeviceLimits, GpuPlan, attention_partitions
+from mojo_kernels.gpu.plan import (
+    FMA_PATH,
+    PROJ_TILES,
+    DeviceLimits,
+    ATTENTION_VARIANTS,
+    SPLIT_BY_WORK,
+    GpuPlan,
+    attention_rows_per_block,
+    attention_split,
+    uniform_partitions,
+)
 
 from gpu_case import Case, DeviceCase, Rng, decode_case, download, round_to, untracked, upload
 
@@ -64,35 +74,85 @@ def time_op[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], pla
     return time_us(ctx, t0) / Float64(iters)
 
 
-def bench[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, fp8: Bool = False) raises:
+def visible_keys(c: Case) -> Int:
+    """Keys the decode step's requests see in all: cached and new."""
+    var keys = 0
+    for b in range(c.num_requests):
+        keys += Int(c.lengths[b]) + Int(c.offsets[b + 1] - c.offsets[b])
+    return keys
+
+
+def shape_label(batch: Int, heads: Int, cache_len: Int, one_long: Bool) -> String:
+    """`B b H h L l`; `one-long B ...` (the first request L, the others L/16: not a line the results
+    scripts read as a uniform batch)."""
+    return String("one-long " if one_long else "", "B ", batch, " H ", heads, " L ", cache_len + 1)
+
+
+def split_label(plan: GpuPlan) -> String:
+    """How the plan splits step 5's keys."""
+    if plan.num_partitions == SPLIT_BY_WORK:
+        return String("split by work")
+    if plan.num_partitions == 1:
+        return String("1 partition")
+    return String(plan.num_partitions, " partitions")
+
+
+def bench[
+    dtype: DType
+](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False, fp8: Bool = False) raises:
     """Times the whole op on a DeepSeek-sized decode step (one new token per request; `fp8`: an fp8_ds_mla
-    cache): the op's plan with programmatic dependent launch (`GpuPlan.pdl`) and step 6's quantization in
-    the merge (`quantize_in_merge`) each off and on, the four alternating, two rounds: an A/B in one process."""
-    var c = decode_case[dtype](batch, heads, cache_len, fp8=fp8)  # random inputs, no CPU reference (large)
+    cache): the op's plan, and the plan with one choice turned the other way each (programmatic
+    dependent launch, `GpuPlan.pdl`; step 6's quantization in step 6, not the merge,
+    `quantize_in_merge`; the split schedule in a launch of its own, not the q step's,
+    `schedule_in_q_step`), the four alternating, two rounds: an A/B in one process."""
+    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long, fp8=fp8)  # random inputs, no CPU reference (large)
     var d = DeviceCase[dtype](ctx, c)
-    var cache_bytes = Float64(batch * (cache_len + 1) * cache_row_bytes[dtype](c))
+    var cache_bytes = Float64(visible_keys(c) * cache_row_bytes[dtype](c))
     var weight_bytes = Float64(len(c.w_uk.bytes) + len(c.w_uv.bytes))
-    var flops = 2.0 * Float64(batch * heads) * Float64(cache_len + 1) * Float64(c.key_dim + c.rank)
+    var flops = 2.0 * Float64(heads) * Float64(visible_keys(c)) * Float64(c.key_dim + c.rank)
     var best = [Float64(1e30), Float64(1e30), Float64(1e30), Float64(1e30)]
-    var names = ["PDL off, quantize in step 6", "PDL on, quantize in step 6", "PDL off, quantize in merge", "PDL on, quantize in merge"]
+    var names = List[String]()
+    for mode in range(4):
+        names.append(plan_label(plan_mode(d.plan(ctx, c), mode)))
     for _ in range(2):
         for mode in range(4):
-            var plan = d.plan(ctx, c)  # the op's own
-            plan.pdl = mode % 2 == 1
-            plan.quantize_in_merge = mode >= 2
+            var plan = plan_mode(d.plan(ctx, c), mode)  # the op's own, one choice turned
             var us = time_op[dtype](ctx, c, d, plan, iters)
             best[mode] = min(best[mode], us)
             print(
-                "bench", dtype, cache_label(c), "B", batch, "H", heads, "L", cache_len + 1, "(", names[mode], ", ", plan.num_partitions,
-                " partitions ) :", us, "us per call,", (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,",
+                "bench", dtype, cache_label(c), shape_label(batch, heads, cache_len, one_long), "(", names[mode], ", ", split_label(plan),
+                " ) :", us, "us per call,", (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,",
                 flops / us / 1e6, "TFLOP/s attention",
             )
     for mode in range(4):
-        print("  best of 2,", cache_label(c), names[mode], ":", best[mode], "us (", best[mode] - best[0], "us vs PDL off, quantize in step 6 )")
+        print("  best of 2,", cache_label(c), names[mode], ":", best[mode], "us (", best[mode] - best[0], "us vs the op's plan )")
+
+
+def plan_mode(plan: GpuPlan, mode: Int) -> GpuPlan:
+    """`plan` (mode 0), or with its PDL (1), where step 6 quantizes (2), or where the schedule is built (3) turned."""
+    var turned = plan
+    if mode == 1:
+        turned.pdl = not plan.pdl
+    elif mode == 2:
+        turned.quantize_in_merge = not plan.quantize_in_merge
+    elif mode == 3:
+        turned.schedule_in_q_step = not plan.schedule_in_q_step
+    return turned
+
+
+def plan_label(plan: GpuPlan) -> String:
+    """`PDL on|off, quantize in merge|step 6, schedule in q step|alone` (pymla/tools/gpu_bench_json.py reads it)."""
+    return String(
+        "PDL ", "on" if plan.pdl else "off", ", quantize in ", "merge" if plan.quantize_in_merge else "step 6",
+        ", schedule ", "in q step" if plan.schedule_in_q_step else "alone",
+    )
 
 
 comptime OP_PLAN = (-1, 0, 0)
 """`bench_attention`'s variant for the op's own plan."""
+comptime UNIFORM_SPLIT = (-2, 0, 0)
+"""`bench_attention`'s variant for the op's plan with one partition count for every request, sized on
+the longest (`uniform_partitions`: the GPU split before the schedule split by work)."""
 
 
 def bench_attention[
@@ -106,7 +166,17 @@ def bench_attention[
     var problem = d.problem(c)
     var limits = DeviceLimits.read(ctx)
     var plan = GpuPlan.create(problem, limits)
-    var ws = AttentionWorkspace(ctx, problem, plan.num_partitions if v[0] < 0 else attention_partitions(problem, v, limits))
+    comptime if v == UNIFORM_SPLIT:
+        comptime for i in range(len(ATTENTION_VARIANTS)):
+            if plan.attention == i and plan.num_partitions != 1:
+                plan.num_partitions = max(uniform_partitions(problem, ATTENTION_VARIANTS[i], limits), 2)
+    comptime if v[0] >= 0:  # a pinned variant: its own rows per block and split
+        plan.rows_per_block = attention_rows_per_block(v)
+        var split = attention_split(problem, v, limits)
+        plan.num_partitions = split[0]
+        plan.split_target = split[1]
+    var ws = AttentionWorkspace(ctx, problem, plan)
+    ws.build_schedule(ctx, problem)
     var t0 = 0
     for it in range(iters + 1):  # the first run is a warm-up
         if it == 1:
@@ -117,13 +187,14 @@ def bench_attention[
         else:
             gpu_attention_with[dtype, v](ctx, problem, untracked(q_full), untracked(raw), ws, False, QuantizedRows.none(to_global(untracked(raw))))
     var us = time_us(ctx, t0) / Float64(iters)
-    var cache_bytes = Float64(c.num_requests * (Int(c.lengths[0]) + 1) * cache_row_bytes[dtype](c))
+    var cache_bytes = Float64(visible_keys(c) * cache_row_bytes[dtype](c))
     var line = String(
         "  attention groups ", v[0], " kt ", v[1], " warps/group ", v[2], " : ", us, " us, ", cache_bytes / us / 1e3,
         " GB/s of cache",
     )
     comptime if v[0] < 0:
-        line = String("  attention op's plan (variant ", plan.attention, ", ", plan.num_partitions, " partitions) : ", us,
+        var name = "op's plan" if v == OP_PLAN else "op's kernel, uniform split"
+        line = String("  attention ", name, " (variant ", plan.attention, ", ", split_label(plan), ") : ", us,
                       " us, ", cache_bytes / us / 1e3, " GB/s of cache")
     if len(expected) > 0:  # a pinned variant: compared with the op's own kernel
         var got = download[DType.float32](ctx, raw, c.num_tokens * c.heads * c.rank)
@@ -136,9 +207,11 @@ def bench_attention[
     print(line)
 
 
-def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, fp8: Bool = False) raises:
+def bench_variants[
+    dtype: DType
+](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False, fp8: Bool = False) raises:
     """Step 5 alone, the op's plan and pinned attention kernels, on one decode step (`fp8`: an fp8_ds_mla cache)."""
-    var c = decode_case[dtype](batch, heads, cache_len, fp8=fp8)
+    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long, fp8=fp8)
     var d = DeviceCase[dtype](ctx, c)
     var rows = c.num_tokens * c.heads
     var q_host = List[Float32]()
@@ -147,9 +220,10 @@ def bench_variants[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, cac
         q_host.append(rng.normal())
     var q_full = upload[DType.float32](ctx, q_host)
     var raw = ctx.enqueue_create_buffer[DType.float32](rows * c.rank)
-    print("variants", cache_label(c), "B", batch, "H", heads, "L", cache_len + 1)
+    print("variants", cache_label(c), shape_label(batch, heads, cache_len, one_long))
     bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
+    bench_attention[dtype, UNIFORM_SPLIT](ctx, c, d, q_full, raw, iters, expected)
     # (groups, kt, warps per group; 0: the warpgroup kernel): a launch that asks for too many
     # registers is reported, not fatal.
     comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8), (4, 32, 0), (4, 64, 0)]
@@ -207,6 +281,18 @@ def bench_proj[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, iters: 
     bench_proj_plan[dtype](ctx, c, d, fma, "FMA path", q_full, raw, att_out, iters)
 
 
+def config_flag(config: String, flag: String) raises -> Bool:
+    """Whether configuration `config` (BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]]) has `flag`: `one-long` (the
+    first request CACHE_LEN, the others CACHE_LEN // 16) or `fp8` (the fp8_ds_mla cache too)."""
+    var f = config.split(":")
+    var found = False
+    for i in range(4, len(f)):
+        if String(f[i]) != "one-long" and String(f[i]) != "fp8":
+            raise Error("gpu_bench: a configuration's flags are one-long and fp8, got ", f[i])
+        found = found or String(f[i]) == flag
+    return found
+
+
 def main() raises:
     comptime if not has_accelerator():
         print("gpu_bench: no GPU in this build (compile with --target-accelerator=sm_90 on a GPU machine)")
@@ -215,7 +301,8 @@ def main() raises:
         var ctx = DeviceContext()
         var args = argv()
         var mode = String(args[1]) if len(args) > 1 else String("")
-        # Configurations BATCH:HEADS:CACHE_LEN[:ITERS], e.g. 64:128:8191:5
+        # Configurations BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]], e.g. 64:128:8191:5 or 8:16:8191:10:fp8
+        # (`config_flag`: one-long, fp8)
         if mode == "proj":
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
@@ -226,14 +313,15 @@ def main() raises:
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
                 var iters = Int(f[3]) if len(f) > 3 else 10
+                var one_long = config_flag(String(args[i]), "one-long")
                 # the bf16 cache, then (`:fp8`) the fp8_ds_mla cache: side by side
                 for fp8 in [False, True]:
-                    if fp8 and not (len(f) > 4 and f[4] == "fp8"):
+                    if fp8 and not config_flag(String(args[i]), "fp8"):
                         break
                     if mode == "bench":
-                        bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, fp8)
+                        bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, one_long, fp8)
                     else:
-                        bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, fp8)
+                        bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, one_long, fp8)
             if mode == "bench" and len(args) == 2:
                 bench[DType.bfloat16](ctx, 64, 16, 4095, 20)
                 bench[DType.bfloat16](ctx, 64, 128, 4095, 5)

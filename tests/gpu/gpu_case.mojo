@@ -18,7 +18,8 @@ from mojo_kernels.gpu.pipeline import (
     gpu_run_plan,
     mla_decode_branch_fp8_gpu,
 )
-from mojo_kernels.gpu.params import to_global
+from mojo_kernels.gpu.params import DeviceBatch, to_global
+from mojo_kernels.gpu.schedule import ScheduleParams
 from mojo_kernels.gpu.plan import ATTENTION_VARIANTS, DeviceLimits, GpuPlan
 from mojo_kernels.gpu.projection_mma import QuantizedRows
 from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
@@ -491,7 +492,9 @@ struct DeviceCase[dtype: DType](Movable):
     def build_q_full(self, ctx: DeviceContext, c: Case, plan: GpuPlan, q_full: DeviceBuffer[DType.float32]) raises:
         """Steps 1, 3, 4 on q alone (no cache rows)."""
         var p = self.problem(c)
-        gpu_build_q_full[Self.dtype](ctx, p, plan, untracked(q_full), cache_rows_params(p, 0))
+        gpu_build_q_full[Self.dtype](
+            ctx, p, plan, untracked(q_full), cache_rows_params(p, 0), ScheduleParams.nothing(DeviceBatch.of(p.batch))
+        )
 
     def project_output(
         self, ctx: DeviceContext, c: Case, plan: GpuPlan, raw: DeviceBuffer[DType.float32], att_out: DeviceBuffer[Self.dtype]
@@ -540,12 +543,15 @@ def variant_index[v: Tuple[Int, Int, Int]]() -> Int:
     return -1
 
 
-def decode_case[dtype: DType](batch: Int, heads: Int, cache_len: Int, seed: Int = 99, fp8: Bool = False) -> Case:
+def decode_case[
+    dtype: DType
+](batch: Int, heads: Int, cache_len: Int, seed: Int = 99, one_long: Bool = False, fp8: Bool = False) -> Case:
     """A DeepSeek-sized decode step: `batch` requests of `cache_len` cached tokens and one new token each
-    (`fp8`: the cache in fp8_ds_mla rows)."""
+    (`one_long`: the first request's; the others have `cache_len // 16`, a long request beside short ones;
+    `fp8`: the cache in fp8_ds_mla rows)."""
     var lengths = List[Int]()
     var news = List[Int]()
-    for _ in range(batch):
-        lengths.append(cache_len)
+    for b in range(batch):
+        lengths.append(cache_len if b == 0 or not one_long else cache_len // 16)
         news.append(1)
     return Case.__init__[dtype](seed, heads, lengths, news, page_size=64, num_layers=1, layer=0, fp8=fp8)

@@ -13,8 +13,9 @@
 #           (bytes, power-of-two scales, values within an e4m3 step), and from `new_rows` byte for byte alike
 #   q_full  concat(fp8mm(q_nope, w_uk), rope(q_rope)) against the blockwise fp8 formula of pymla/quant.py,
 #           with every projection tile and the FMA path pinned by a plan, then the op's plan
-#   raw     attention from the GPU's own q_full and cache (float64 on the CPU), for 1 and several
-#           partitions, and the FMA, small-rank tensor-core and wgmma kernels pinned by a plan
+#   raw     attention from the GPU's own q_full and cache (float64 on the CPU), without a split, with
+#           3 partitions per request and split by work (schedule.mojo), and the FMA, small-rank
+#           tensor-core and wgmma kernels pinned by a plan
 #   output  output projection of the GPU's raw (CPU fp8mm), then the whole op against the CPU pipeline
 #           with the tolerance of pymla/parity.py, with programmatic dependent launch (PDL) on and
 #           off (`GpuPlan.pdl`) and step 6's quantization in the partition merge on and off
@@ -28,12 +29,13 @@ from std.utils.numerics import nan
 
 from max.gpu.host import DeviceContext
 
-from mojo_kernels.gpu.pipeline import cache_rows_params, gpu_rotate_and_normalize_new_rows
+from mojo_kernels.gpu.pipeline import AttentionWorkspace, cache_rows_params, gpu_rotate_and_normalize_new_rows
 from mojo_kernels.gpu.plan import (
     FMA_ATTENTION,
     FMA_PATH,
     MMA_FEW_HEADS_SMALL_RANK,
     PROJ_TILES,
+    SPLIT_BY_WORK,
     WGMMA_SHAPE,
     DeviceLimits,
     GpuPlan,
@@ -237,16 +239,35 @@ def check_fp8_new_rows_source[dtype: DType](ctx: DeviceContext, c: Case, in_plac
     return report("cache (fp8 rows from new_rows)", differ == 0, String(differ, " bytes differ from the in-place run"))
 
 
-def poison_workspaces(ctx: DeviceContext, c: Case, parts: Int) raises:
-    """NaN-filled buffers of the op's workspace sizes (q_full, raw, the partitions'), released at once:
-    the device's allocator tends to hand their memory to the next op call's workspaces, so that a
-    kernel reading one before its producer wrote it sees NaN, not an earlier call's equal values."""
+comptime PLANNED = -1
+"""A partition count of the smoke loops: the op's own plan (1: no split; SPLIT_BY_WORK: by each
+request's share of the keys; n > 1: n for every request)."""
+
+
+def parts_label(parts: Int) -> String:
+    if parts == PLANNED:
+        return "planned"
+    if parts == SPLIT_BY_WORK:
+        return "split by work"
+    return String(parts, " partitions")
+
+
+def poison_workspaces[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], plan: GpuPlan) raises:
+    """NaN-filled buffers of the op's workspace sizes (q_full, raw, the split's tables and partitions, the
+    tables filled with 0x7f7f7f7f), released at once: the device's allocator tends to hand their memory
+    to the next op call's workspaces, so that a kernel reading one before its producer wrote it sees
+    NaN (or a wild index), not an earlier call's equal values."""
     var rows = c.num_tokens * c.heads
-    var sizes = [rows * c.key_dim, rows * c.rank, max(parts, 2) * rows * c.rank, max(parts, 2) * rows, max(parts, 2) * rows]
-    for n in sizes:
+    for n in [rows * c.key_dim, rows * c.rank]:
         var buf = ctx.enqueue_create_buffer[DType.float32](max(n, 1))
         ctx.enqueue_memset(buf, nan[DType.float32]())
         _ = buf^
+    var ws = AttentionWorkspace(ctx, d.problem(c), plan)
+    ctx.enqueue_memset(ws.tables, Int32(0x7F7F7F7F))
+    ctx.enqueue_memset(ws.part_out, nan[DType.float32]())
+    ctx.enqueue_memset(ws.part_max, nan[DType.float32]())
+    ctx.enqueue_memset(ws.part_sum, nan[DType.float32]())
+    _ = ws^
 
 
 def cache_state[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype]) raises -> List[Float32]:
@@ -313,24 +334,24 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
 
     var lse_from_gpu = List[Float32]()
     var raw_from_gpu = cpu_attention_lse[dtype](c, gpu_q_full, gpu_blocks, lse_from_gpu)
-    # The LSE (float32 [T H], from the partition merge: at least two partitions) with the raw it
-    # comes with; float32 scores in another order: pymla/parity.py's F32_SLACK of the scores.
+    # The LSE (float32 [T H], from the partition merge: with one partition per request too) with the
+    # raw it comes with; float32 scores in another order: pymla/parity.py's F32_SLACK of the scores.
     var lse_buf = ctx.enqueue_create_buffer[DType.float32](max(rows, 1))
-    for parts in [1, 3]:
+    for parts in [1, 3, SPLIT_BY_WORK]:
         var parted = plan
         parted.num_partitions = parts
         d.attention_lse(ctx, c, parted, q_full_buf, raw_buf, lse_buf)
-        ok = check_close(String("raw with lse (", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
-        ok = check_close(String("lse (", parts, " partitions)"), download[DType.float32](ctx, lse_buf, rows), lse_from_gpu, Float32(2.0) ** -13) and ok
+        ok = check_close(String("raw with lse (", parts_label(parts), ")"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+        ok = check_close(String("lse (", parts_label(parts), ")"), download[DType.float32](ctx, lse_buf, rows), lse_from_gpu, Float32(2.0) ** -13) and ok
     var gpu_raw = List[Float32]()
-    # 0 = the partitions the op would plan itself (last, so gpu_raw is the op's).
-    for parts in [1, 3, 0]:
+    # The op's own plan last, so gpu_raw is the op's.
+    for parts in [1, 3, SPLIT_BY_WORK, PLANNED]:
         var parted = plan
-        if parts > 0:
+        if parts != PLANNED:
             parted.num_partitions = parts
         d.attention(ctx, c, parted, q_full_buf, raw_buf)
         gpu_raw = download[DType.float32](ctx, raw_buf, rows * c.rank)
-        ok = check_close(String("raw (", "planned" if parts == 0 else String(parts), " partitions)"), gpu_raw, raw_from_gpu, raw_tolerance[dtype]()) and ok
+        ok = check_close(String("raw (", parts_label(parts), ")"), gpu_raw, raw_from_gpu, raw_tolerance[dtype]()) and ok
     comptime if dtype != DType.float32:
         # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow; it reads no fp8 rows).
         if not c.fp8:
@@ -348,11 +369,11 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
             print("  raw: tensor cores 1 x 32 x 4 do not handle these sizes, skipped")
         # The warpgroup (wgmma) kernel on every case it supports, whatever the head count.
         if attention_supported[dtype, WGMMA_SHAPE](c.key_dim, c.rank):
-            for parts in [1, 3]:
+            for parts in [1, 3, SPLIT_BY_WORK]:
                 var wg = GpuPlan.with_attention(problem, limits, variant_index[WGMMA_SHAPE]())
                 wg.num_partitions = parts
                 d.attention(ctx, c, wg, q_full_buf, raw_buf)
-                ok = check_close(String("raw (wgmma, ", parts, " partitions)"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+                ok = check_close(String("raw (wgmma, ", parts_label(parts), ")"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         # Restore the op's own raw for the output stage.
         d.attention(ctx, c, plan, q_full_buf, raw_buf)
 
@@ -388,10 +409,12 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         var name = String("step 6 alone (first_step 6", ", PDL" if pdl else "", ")")
         ok = check_close(name, download[dtype](ctx, d.output, rows * c.v_dim), gpu_out_stage, 0) and ok
 
-    # The whole op on fresh inputs against the CPU pipeline, with its planned partitions and with 3
-    # (a merge, so step 6's quantization in the merge too), each with programmatic dependent launch
+    # The whole op on fresh inputs against the CPU pipeline, with its planned partitions and split by
+    # work (the schedule kernel before the q step, a merge, so step 6's quantization in the merge
+    # too), each with programmatic dependent launch
     # (PDL) on and off and the quantization in the merge on and off (`GpuPlan.pdl`,
-    # `quantize_in_merge`). Per partition count the four agree bit for bit: PDL changes only when a
+    # `quantize_in_merge`), the schedule built in the q step's launch or its own (with and without
+    # PDL, `schedule_in_q_step`). Per partition count the four agree bit for bit: PDL changes only when a
     # kernel starts (a misplaced wait is a race that reads stale q_full, cache rows or raw), and the
     # merge quantizes by the output step's rule. The first run (PDL on) gets poisoned workspaces.
     var ref_raw = cpu_attention[dtype](c, ref_q_full, ref_blocks)
@@ -399,29 +422,31 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     for i in range(len(ref_out)):
         ref_out[i] = round_to[dtype](ref_out[i])
     var op_att = ctx.enqueue_create_buffer[dtype](max(rows * c.rank, 1))
-    for parts in [0, 3]:
+    for parts in [PLANNED, SPLIT_BY_WORK]:
         var first_out = List[Float32]()
         var first_att = List[Float32]()
         var first_cache = List[Float32]()
         for mode in range(4):
             var pdl = mode == 0 or mode == 2
             var in_merge = mode < 2
+            var in_q_step = mode == 0 or mode == 3  # the schedule: with and without PDL either way
             var d2 = DeviceCase[dtype](ctx, c)
             var op_plan = d2.plan(ctx, c)
-            if parts > 0:
+            if parts != PLANNED:
                 op_plan.num_partitions = parts
             op_plan.pdl = pdl
             op_plan.quantize_in_merge = in_merge
+            op_plan.schedule_in_q_step = in_q_step
             if mode == 0:
-                poison_workspaces(ctx, c, op_plan.num_partitions)
+                poison_workspaces(ctx, c, d2, op_plan)
             ctx.enqueue_memset(op_att, nan[dtype]())
             d2.run_plan_storing(ctx, c, op_plan, op_att)
             var out = download[dtype](ctx, d2.output, rows * c.v_dim)
             var att = download[dtype](ctx, op_att, rows * c.rank)
             var cache_after = cache_state[dtype](ctx, c, d2)  # fp8: the rows' bytes
             var tag = String(
-                " (", "planned" if parts == 0 else String(parts), " partitions, PDL ", "on" if pdl else "off",
-                ", quantized in the merge" if in_merge else "", ")",
+                " (", parts_label(parts), ", PDL ", "on" if pdl else "off",
+                ", quantized in the merge" if in_merge else "", ", schedule in the q step" if in_q_step else "", ")",
             )
             if mode == 0:
                 comptime if dtype == DType.float32:
@@ -484,6 +509,10 @@ def correctness(ctx: DeviceContext, fp8_only: Bool = False) raises -> Bool:
     ) and ok
     ok = run_case[DType.bfloat16](
         ctx, "long context", Case.__init__[DType.bfloat16](10, 16, ints(4000), ints(2), page_size=64)
+    ) and ok
+    # Step 5 split by work: a long request beside short and empty ones gets more partitions.
+    ok = run_case[DType.bfloat16](
+        ctx, "long beside short", Case.__init__[DType.bfloat16](14, 16, ints(3000, 40, 0, 700), ints(1, 2, 1, 3))
     ) and ok
     ok = run_case[DType.bfloat16](
         ctx, "128 heads", Case.__init__[DType.bfloat16](11, 128, ints(300, 17), ints(1, 2), page_size=64)
