@@ -74,12 +74,12 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     var row_s = stack_allocation[MERGE_QUANT_RANK if quantize else 4, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
     var row = block_idx.x
+    var rank = Int(p.kv_lora_rank)
+    wait_for_producers()  # the partitions come from the attention kernel, the schedule from the q step (pdl.mojo)
+    allow_dependents()
     var entry = p.split.row(row)
     var first = Int(entry[0])
     var parts = Int(entry[1])
-    var rank = Int(p.kv_lora_rank)
-    wait_for_producers()  # the partitions come from the attention kernel (pdl.mojo)
-    allow_dependents()
     if tid < WARP_SIZE:
         var m0 = p.part_max.unsafe_load(p.split.partial_row(first, tid)) if tid < parts else neg_inf[DType.float32]()
         var m1 = p.part_max.unsafe_load(p.split.partial_row(first, tid + WARP_SIZE)) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
