@@ -9,7 +9,7 @@
 #   proj CFG...        steps 1-4 on q and step 6 alone, the op's tile, every tile, the FMA path
 #   ncu CFG            Nsight Compute sections of one launch of KERNEL (a regex; default attention_mma)
 #   breakdown CFG...   GPU time of every kernel of the whole op, one ncu summary per CFG
-#   smoke              the correctness cases
+#   smoke [sm90]       the correctness cases (sm90: the sm90 TMA kernel's raw checks alone)
 set -u
 export LD_LIBRARY_PATH=$PWD/.devbin/lib
 out=${OUT:-/tmp/pymla-out}

@@ -18,7 +18,9 @@ launches them; the kernels live in one file per concern:
      float32 (and tiles too large for shared memory): `schedule_kernel`, `rope_norm_cache_kernel`,
                                 `rope_q_kernel` (rope_norm.mojo), `quantize_kernel` +
                                 `fp8_matmul_kernel` (projection.mojo, float32 FMA)
-5.   `attention_wgmma_kernel`   (attention_wgmma.mojo) Hopper warpgroup tensor cores,
+5.   `attention_sm90_kernel`    (attention_sm90.mojo) Hopper: TMA key boxes from a producer
+                                warpgroup, two math warpgroups (from SM90_MIN_HEADS heads), or
+     `attention_wgmma_kernel`   (attention_wgmma.mojo) Hopper warpgroup tensor cores,
                                 64 packed rows per block (many heads), or
      `attention_mma_kernel`     (attention_mma.mojo) tensor cores, bf16 / f16 caches, or
      `attention_fma_kernel`     (attention_fma.mojo) float32 FMA (float32 caches, other
@@ -58,15 +60,16 @@ the op starts after everything before it. With `GpuPlan.quantize_in_merge`
 """
 
 from max.gpu import WARP_SIZE
-from max.gpu.host import DeviceBuffer, DeviceContext
+from max.gpu.host import DeviceBuffer, DeviceContext, FuncAttribute
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..problem import DecodeProblem
 from ..spec import SCORE_MOD_ALIBI_POS, Granularity
 from .addressing import ELEMENTWISE_THREADS, attention_slots
-from .attention_block import AttentionParams, enqueue_attention
+from .attention_block import AttentionParams, attention_grid, enqueue_attention
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
+from .attention_sm90 import S9_ROWS, S9_THREADS, TmaAttentionParams, attention_sm90_kernel, attention_sm90_smem_bytes
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
 from .merge import (
     MERGE_QUANT_RANK,
@@ -161,6 +164,24 @@ def output_projection[dtype: DType](p: DecodeProblem[dtype], raw: FPtr) -> Fp8Pr
     )
 
 
+def q_step_params[
+    dtype: DType
+](p: DecodeProblem[dtype], q_full: FPtr, cache_rows: CacheRowsParams[dtype], schedule: ScheduleParams) -> QStepParams[dtype]:
+    """`q_step_kernel`'s parameters for `p` (its tile grid set at launch, `enqueue_q_step`)."""
+    return QStepParams[dtype](
+        q_projection(p, q_full), to_global(p.freqs_cis), DeviceBatch.of(p.batch), Int32(p.nope_dim),
+        Int32(p.rope_dim), Int32(p.kv_lora_rank), TileGrid.unset(), cache_rows, schedule,
+    )
+
+
+def out_step_params[dtype: DType](p: DecodeProblem[dtype], raw: FPtr, quant: QuantizedRows) -> OutStepParams[dtype]:
+    """`out_step_kernel`'s parameters for `p` (its tile grid set at launch, `enqueue_out_step`)."""
+    return OutStepParams[dtype](
+        output_projection(p, raw), to_global(p.attention_output), Int32(1 if p.has_attention_output else 0),
+        TileGrid.unset(), quant,
+    )
+
+
 def gpu_fp8_batched_matmul[
     in_dtype: DType, out_dtype: DType, //, value_dtype: DType
 ](ctx: DeviceContext, proj: Fp8Projection[in_dtype, out_dtype], groups: Int) raises:
@@ -211,10 +232,7 @@ def gpu_build_q_full[
     var batch = DeviceBatch.of(p.batch)
     comptime if dtype != DType.float32:
         if plan.q_tile >= 0:
-            var params = QStepParams[dtype](
-                proj, to_global(p.freqs_cis), batch, Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank),
-                TileGrid.unset(), cache_rows, schedule,
-            )
+            var params = q_step_params(p, q_full, cache_rows, schedule)
             comptime for i in range(len(PROJ_TILES)):
                 if plan.q_tile == i:
                     enqueue_q_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads)
@@ -356,11 +374,11 @@ def gpu_attention_with[
         )
         comptime if groups > 0 and dtype == DType.bfloat16:
             if p.fp8_cache.active:
-                enqueue_attention_variant[variant, fp8=True](ctx, params, num_tokens, key_dim, fp8_row_bytes(p), pdl)
+                enqueue_attention_variant[variant, fp8=True](ctx, p, params, num_tokens, key_dim, fp8_row_bytes(p), pdl)
             else:
-                enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0, pdl)
+                enqueue_attention_variant[variant, fp8=False](ctx, p, params, num_tokens, key_dim, 0, pdl)
         else:
-            enqueue_attention_variant[variant, fp8=False](ctx, params, num_tokens, key_dim, 0, pdl)
+            enqueue_attention_variant[variant, fp8=False](ctx, p, params, num_tokens, key_dim, 0, pdl)
         if ws.split():
             var merge = MergeParams[dtype](
                 to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw), ws.schedule(), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
@@ -378,11 +396,28 @@ def gpu_attention_with[
 
 def enqueue_attention_variant[
     dtype: DType, //, variant: Tuple[Int, Int, Int], fp8: Bool
-](ctx: DeviceContext, params: AttentionParams[dtype], num_tokens: Int, key_dim: Int, fp8_rows: Int, pdl: Bool) raises:
-    """Launches attention kernel `variant` on `params` (`fp8`: its instance reading `fp8_ds_mla` rows of `fp8_rows` bytes);
-    with `pdl`, programmatic dependent launch (pdl.mojo)."""
+](
+    ctx: DeviceContext, p: DecodeProblem[dtype], params: AttentionParams[dtype], num_tokens: Int, key_dim: Int,
+    fp8_rows: Int, pdl: Bool,
+) raises:
+    """Launches attention kernel `variant` of problem `p` on `params` (`fp8`: its instance reading `fp8_ds_mla`
+    rows of `fp8_rows` bytes; the TMA kernel reads only rows of dtype); with `pdl`, programmatic dependent
+    launch (pdl.mojo)."""
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
-    comptime if groups == 0:
+    comptime if gw < 0:
+        comptime if fp8:
+            raise Error("pymla gpu: the TMA attention kernel reads no fp8_ds_mla rows")
+        else:
+            var smem = attention_sm90_smem_bytes()
+            ctx.enqueue_function[attention_sm90_kernel[dtype]](
+                TmaAttentionParams[dtype].create(ctx, p.cache, params),
+                grid_dim=attention_grid(params, num_tokens, S9_ROWS),
+                block_dim=S9_THREADS,
+                shared_mem_bytes=smem,
+                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
+                attributes=launch_attributes(pdl),
+            )
+    elif groups == 0:
         var smem = attention_smem_bytes[dtype](key_dim)
         if Int(params.kv_lora_rank) <= 2 * ATT_THREADS:
             enqueue_attention[attention_fma_kernel[dtype, 2], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem, pdl)
@@ -435,10 +470,7 @@ def gpu_project_output[
     var proj = output_projection(p, raw)
     comptime if dtype != DType.float32:
         if plan.out_tile >= 0 and p.has_output:
-            var has_attention_output = Int32(1 if p.has_attention_output else 0)
-            var params = OutStepParams[dtype](
-                proj, to_global(p.attention_output), has_attention_output, TileGrid.unset(), quant
-            )
+            var params = out_step_params(p, raw, quant)
             comptime for i in range(len(PROJ_TILES)):
                 if plan.out_tile == i:
                     enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads, plan.pdl)

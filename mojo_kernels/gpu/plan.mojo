@@ -22,6 +22,7 @@ from ..paged_cache import MIN_KEYS_PER_PARTITION
 from ..problem import DecodeProblem
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_smem_bytes, mma_supported
+from .attention_sm90 import S9_ROWS, sm90_supported
 from .attention_wgmma import WG_ROWS, wgmma_supported
 from .projection import MATMUL_SMEM_FLOATS
 from .projection_mma import TileLayout
@@ -35,6 +36,14 @@ from .steps_fused import tile_cols, tile_rows
 # at 128 heads, half its speed at 16 heads; benchmarks/results/h200-2026-12-03-wgmma/gpu_variants.log).
 comptime WGMMA_SHAPE = (WG_ROWS // MMA_ROWS, 64, 0)
 comptime WGMMA_MIN_HEADS = 64
+# The TMA kernel with a producer warpgroup (attention_sm90.mojo): its 64 rows, 64-key blocks, -1
+# warps per group marks it. The default from SM90_MIN_HEADS heads where it handles the sizes
+# (it comes first). H200, step 5 alone (`gpu_bench variants`, 2026-12-05,
+# benchmarks/results/h200-2026-12-05e/): 128 heads b64 8k 346 us against the wgmma kernel's
+# 680, b8 8k 69 against 118; at 16 heads it wins at batch 64 (225 against the mma kernel's 245
+# us) and 128, and loses at batch 8 (69 against 49), so below 64 heads the mma kernels stay.
+comptime SM90_SHAPE = (S9_ROWS // MMA_ROWS, 64, -1)
+comptime SM90_MIN_HEADS = 64
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
 comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
 # (H200, 16 heads, B128 L32k, step 5: 1798.5 us; (1, 32, 4) 1895 us; (1, 32, 8) 2262 us, and
@@ -43,8 +52,10 @@ comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 
 comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64 == 0
 comptime FMA_SHAPE = (0, 0, 0)  # attention_fma.mojo: float32 FMA, any dtype and size
 # The op takes the first variant its head count reaches whose kernel handles the sizes.
-comptime ATTENTION_VARIANTS = (WGMMA_SHAPE, MMA_MANY_HEADS, MMA_FEW_HEADS, MMA_FEW_HEADS_SMALL_RANK, FMA_SHAPE)
-comptime ATTENTION_MIN_HEADS = (WGMMA_MIN_HEADS, 2 * MMA_ROWS, 0, 0, 0)
+comptime ATTENTION_VARIANTS = (
+    SM90_SHAPE, WGMMA_SHAPE, MMA_MANY_HEADS, MMA_FEW_HEADS, MMA_FEW_HEADS_SMALL_RANK, FMA_SHAPE
+)
+comptime ATTENTION_MIN_HEADS = (SM90_MIN_HEADS, WGMMA_MIN_HEADS, 2 * MMA_ROWS, 0, 0, 0)
 comptime FMA_ATTENTION = len(ATTENTION_VARIANTS) - 1
 
 comptime MMA_REGISTERS = 256  # registers per thread the tensor-core kernels use (ptxas: 208-255)
@@ -95,21 +106,31 @@ struct DeviceLimits(TrivialRegisterPassable):
         )
 
 
-def attention_supported[dtype: DType, v: Tuple[Int, Int, Int]](key_dim: Int, kv_lora_rank: Int) -> Bool:
+def attention_supported[
+    dtype: DType, v: Tuple[Int, Int, Int]
+](key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Bool:
     """Whether the attention kernel of variant `v` handles these sizes (the FMA kernel: always)."""
     comptime if v[0] == 0:
         return True
+    elif v[2] < 0:
+        return sm90_supported[dtype](key_dim, kv_lora_rank, page_size)
     elif v[2] == 0:
         return wgmma_supported[dtype](key_dim, kv_lora_rank)
     else:
         return mma_supported[dtype, v[2]](key_dim, kv_lora_rank)
 
 
-def choose_attention[dtype: DType](num_heads: Int, key_dim: Int, kv_lora_rank: Int) -> Int:
-    """Index in ATTENTION_VARIANTS of the op's attention kernel."""
+def choose_attention[
+    dtype: DType
+](num_heads: Int, key_dim: Int, kv_lora_rank: Int, page_size: Int, fp8_rows: Bool = False) -> Int:
+    """Index in ATTENTION_VARIANTS of the op's attention kernel (`fp8_rows`: an `fp8_ds_mla` cache, which
+    the TMA kernel does not read)."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
-        if num_heads >= ATTENTION_MIN_HEADS[i] and attention_supported[dtype, ATTENTION_VARIANTS[i]](
-            key_dim, kv_lora_rank
+        comptime v = ATTENTION_VARIANTS[i]
+        if (
+            num_heads >= ATTENTION_MIN_HEADS[i]
+            and not (fp8_rows and v[2] < 0)
+            and attention_supported[dtype, v](key_dim, kv_lora_rank, page_size)
         ):
             return i
     return FMA_ATTENTION
@@ -119,6 +140,8 @@ def attention_rows_per_block(v: Tuple[Int, Int, Int]) -> Int:
     """(token, head) rows one block of variant `v` takes."""
     if v[0] == 0:
         return ATT_ROWS
+    if v[2] < 0:
+        return S9_ROWS
     if v[2] == 0:
         return WG_ROWS
     return v[0] * MMA_ROWS
@@ -132,9 +155,9 @@ def fp8_row_bytes[dtype: DType](p: DecodeProblem[dtype]) -> Int:
 def attention_blocks_per_sm[
     dtype: DType
 ](v: Tuple[Int, Int, Int], key_dim: Int, limits: DeviceLimits, fp8_rows: Int = 0) -> Int:
-    """Blocks of variant `v` one SM holds (FMA: 256 threads at up to 255 registers; wgmma: one);
+    """Blocks of variant `v` one SM holds (FMA: 256 threads at up to 255 registers; wgmma, sm90: one);
     `fp8_rows`: the bytes of an `fp8_ds_mla` cache's rows."""
-    if v[0] == 0 or v[2] == 0:
+    if v[0] == 0 or v[2] <= 0:
         return 1
     var threads = v[0] * v[2] * WARP_SIZE
     var smem = attention_mma_smem_bytes[dtype](v[0], v[1], v[2], key_dim, fp8_rows)
@@ -222,7 +245,10 @@ struct GpuPlan(TrivialRegisterPassable):
     @staticmethod
     def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
         """The op's plan for `p` on a device of `limits`."""
-        return Self.with_attention(p, limits, choose_attention[dtype](p.num_heads, p.key_dim(), p.kv_lora_rank))
+        var attention = choose_attention[dtype](
+            p.num_heads, p.key_dim(), p.kv_lora_rank, p.cache.page_size, p.fp8_cache.active
+        )
+        return Self.with_attention(p, limits, attention)
 
     @staticmethod
     def with_attention[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits, attention: Int) -> Self:
@@ -275,7 +301,7 @@ def check_fp8_shapes[dtype: DType](p: DecodeProblem[dtype]) raises:
     var row_bytes = rank + 4 * (rank // 128) + 2 * p.rope_dim
     if rank % 128 != 0 or p.fp8_cache.row_bytes != row_bytes:
         raise Error("pymla gpu: fp8_ds_mla rows of ", p.fp8_cache.row_bytes, " bytes, expected ", row_bytes, " (kv_lora_rank a multiple of 128)")
-    if choose_attention[dtype](p.num_heads, p.key_dim(), rank) == FMA_ATTENTION:
+    if choose_attention[dtype](p.num_heads, p.key_dim(), rank, p.cache.page_size, True) == FMA_ATTENTION:
         raise Error(
             "pymla gpu: fp8_ds_mla rows need a tensor-core attention kernel: key dim ", p.key_dim(),
             " (a multiple of 16, at most 576) and kv_lora_rank ", rank, " (at most 512)",

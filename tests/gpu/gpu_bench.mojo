@@ -17,8 +17,17 @@ from std.time import perf_counter_ns
 
 from max.gpu.host import DeviceBuffer, DeviceContext
 
-from mojo_kernels.gpu.pipeline import AttentionWorkspace, gpu_attention_into, gpu_attention_with
-from mojo_kernels.gpu.params import to_global
+from mojo_kernels.gpu.pipeline import (
+    AttentionWorkspace,
+    cache_rows_params,
+    gpu_attention_into,
+    gpu_attention_with,
+    out_step_params,
+    q_step_params,
+)
+from mojo_kernels.gpu.params import DeviceBatch, to_global
+from mojo_kernels.gpu.schedule import ScheduleParams
+from mojo_kernels.gpu.steps_fused import enqueue_out_step, enqueue_q_step, tile_cols
 from mojo_kernels.gpu.projection_mma import QuantizedRows
 from mojo_kernels.gpu.plan import (
     FMA_PATH,
@@ -29,6 +38,7 @@ from mojo_kernels.gpu.plan import (
     GpuPlan,
     attention_rows_per_block,
     attention_split,
+    tile_fits,
     uniform_partitions,
 )
 
@@ -224,9 +234,9 @@ def bench_variants[
     bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
     bench_attention[dtype, UNIFORM_SPLIT](ctx, c, d, q_full, raw, iters, expected)
-    # (groups, kt, warps per group; 0: the warpgroup kernel): a launch that asks for too many
-    # registers is reported, not fatal.
-    comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8), (4, 32, 0), (4, 64, 0)]
+    # (groups, kt, warps per group; 0: the warpgroup kernel, -1: the sm90 TMA kernel): a launch
+    # that asks for too many registers is reported, not fatal.
+    comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8), (4, 32, 0), (4, 64, 0), (4, 64, -1)]
     comptime for v in VARIANTS:
         try:
             bench_attention[dtype, v](ctx, c, d, q_full, raw, iters, expected)
@@ -279,6 +289,69 @@ def bench_proj[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, iters: 
     fma.q_tile = FMA_PATH
     fma.out_tile = FMA_PATH
     bench_proj_plan[dtype](ctx, c, d, fma, "FMA path", q_full, raw, att_out, iters)
+    # The op's choice again, as the reference of the candidates' results.
+    d.build_q_full(ctx, c, plan, q_full)
+    d.project_output(ctx, c, plan, raw, att_out)
+    var want_q = download[DType.float32](ctx, q_full, rows * c.key_dim)
+    var want_out = download[dtype](ctx, d.output, c.num_tokens * c.heads * c.v_dim)
+    comptime for i in range(len(CANDIDATE_TILES)):
+        bench_candidate_tile[dtype, CANDIDATE_TILES[i]](ctx, c, d, q_full, raw, att_out, iters, want_q, want_out)
+
+
+comptime CANDIDATE_TILES = [(1, 4, 1, 4), (1, 8, 1, 8), (1, 4, 1, 16), (2, 8, 1, 8)]
+"""Projection tiles outside PROJ_TILES that `bench proj` times beside them: a head's whole weight tile per
+block (the q step's 512 columns: 1x8x1x8, 1x4x1x16; the output step's 128: 1x4x1x4), so each head's
+weights are read once and its activations quantized once (today's small tiles re-stage them per
+column tile). A tile joins PROJ_TILES (and the plan's choice) only after it is measured faster."""
+
+
+def max_diff(got: List[Float32], want: List[Float32]) -> Float32:
+    var diff = Float32(0)
+    for i in range(len(got)):
+        var e = abs(got[i] - want[i])
+        diff = max(diff, e if e == e else Float32(1e30))
+    return diff
+
+
+def bench_candidate_tile[
+    dtype: DType, tile: Tuple[Int, Int, Int, Int]
+](
+    ctx: DeviceContext, c: Case, d: DeviceCase[dtype], q_full: DeviceBuffer[DType.float32],
+    raw: DeviceBuffer[DType.float32], att_out: DeviceBuffer[dtype], iters: Int, want_q: List[Float32],
+    want_out: List[Float32],
+) raises:
+    """Times steps 1-4 on q and step 6 with projection tile `tile` (where it fits), each checked against the
+    op's choice (`want_q`, `want_out`: the same quantization rule, so equal bit for bit)."""
+    var p = d.problem(c)
+    var limits = DeviceLimits.read(ctx)
+    var q_k = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim).k
+    var out_k = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank).k
+    var line = String("   tile ", tile[0], "x", tile[1], "x", tile[2], "x", tile[3], " (candidate) :")
+    if tile_fits(tile, p.nope_dim, q_k, limits.smem_per_block):
+        var params = q_step_params(p, untracked(q_full), cache_rows_params(p, 0), ScheduleParams.nothing(DeviceBatch.of(p.batch)))
+        enqueue_q_step[dtype, tile](ctx, params, p.num_heads)
+        ctx.synchronize()
+        var t0 = perf_counter_ns()
+        for _ in range(iters):
+            enqueue_q_step[dtype, tile](ctx, params, p.num_heads)
+        line += String(" q_full ", time_us(ctx, t0) / Float64(iters), " us (max |diff| vs the op's choice ")
+        line += String(max_diff(download[DType.float32](ctx, q_full, len(want_q)), want_q), ")")
+    else:
+        line += " q_full: does not fit in shared memory"
+    if tile_cols(tile) <= p.v_head_dim and tile_fits(tile, p.kv_lora_rank, out_k, limits.smem_per_block):
+        p.attention_output = untracked(att_out)
+        p.has_attention_output = True
+        var params = out_step_params(p, untracked(raw), QuantizedRows.none(to_global(untracked(raw))))
+        enqueue_out_step[dtype, tile](ctx, params, p.num_heads, False)
+        ctx.synchronize()
+        var t0 = perf_counter_ns()
+        for _ in range(iters):
+            enqueue_out_step[dtype, tile](ctx, params, p.num_heads, False)
+        line += String(", output ", time_us(ctx, t0) / Float64(iters), " us (max |diff| vs the op's choice ")
+        line += String(max_diff(download[dtype](ctx, d.output, len(want_out)), want_out), ")")
+    else:
+        line += ", output: wider than v_head_dim or does not fit"
+    print(line)
 
 
 def config_flag(config: String, flag: String) raises -> Bool:

@@ -3,6 +3,7 @@
 # Run on a machine with an NVIDIA GPU, from the repository root:
 #     mojo run -I . tests/gpu/gpu_smoke.mojo            # the correctness cases
 #     mojo run -I . tests/gpu/gpu_smoke.mojo fp8        # the fp8_ds_mla cache's cases alone
+#     mojo run -I . tests/gpu/gpu_smoke.mojo sm90       # only the sm90 (TMA) kernel's raw checks, every case
 # (timings: tests/gpu/gpu_bench.mojo). Build without a GPU (checks that every kernel compiles
 # for sm_90, emits PTX):
 #     mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/gpu_smoke.mojo -o /tmp/smoke/smoke.s
@@ -15,7 +16,8 @@
 #           with every projection tile and the FMA path pinned by a plan, then the op's plan
 #   raw     attention from the GPU's own q_full and cache (float64 on the CPU), without a split, with
 #           3 partitions per request and split by work (schedule.mojo), and the FMA, small-rank
-#           tensor-core and wgmma kernels pinned by a plan
+#           tensor-core, wgmma and sm90 (TMA) kernels pinned by a plan (the two Hopper kernels also
+#           in the whole op with PDL on: its attention output)
 #   output  output projection of the GPU's raw (CPU fp8mm), then the whole op against the CPU pipeline
 #           with the tolerance of pymla/parity.py, with programmatic dependent launch (PDL) on and
 #           off (`GpuPlan.pdl`) and step 6's quantization in the partition merge on and off
@@ -35,6 +37,7 @@ from mojo_kernels.gpu.plan import (
     FMA_PATH,
     MMA_FEW_HEADS_SMALL_RANK,
     PROJ_TILES,
+    SM90_SHAPE,
     SPLIT_BY_WORK,
     WGMMA_SHAPE,
     DeviceLimits,
@@ -281,7 +284,8 @@ def cache_state[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype])
     return out^
 
 
-def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> Bool:
+def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c: Case) raises -> Bool:
+    """The checks above on case `c`; `sm90_only`: the sm90 kernel's raw checks alone (then returns)."""
     print(name, "dtype", dtype, "fp8_ds_mla" if c.fp8 else "", "T", c.num_tokens, "H", c.heads, "R", c.rank, "Dr", c.rope, "Dn", c.nope, "Dv", c.v_dim,
           "mask", c.mask_kind, "window", c.window, "score_mod", c.score_mod, "gran", c.gm, c.gn, c.gk)
     var ok = True
@@ -337,7 +341,7 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
     # The LSE (float32 [T H], from the partition merge: with one partition per request too) with the
     # raw it comes with; float32 scores in another order: pymla/parity.py's F32_SLACK of the scores.
     var lse_buf = ctx.enqueue_create_buffer[DType.float32](max(rows, 1))
-    for parts in [1, 3, SPLIT_BY_WORK]:
+    for parts in List[Int]() if sm90_only else [1, 3, SPLIT_BY_WORK]:
         var parted = plan
         parted.num_partitions = parts
         d.attention_lse(ctx, c, parted, q_full_buf, raw_buf, lse_buf)
@@ -345,7 +349,7 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         ok = check_close(String("lse (", parts_label(parts), ")"), download[DType.float32](ctx, lse_buf, rows), lse_from_gpu, Float32(2.0) ** -13) and ok
     var gpu_raw = List[Float32]()
     # The op's own plan last, so gpu_raw is the op's.
-    for parts in [1, 3, SPLIT_BY_WORK, PLANNED]:
+    for parts in List[Int]() if sm90_only else [1, 3, SPLIT_BY_WORK, PLANNED]:
         var parted = plan
         if parts != PLANNED:
             parted.num_partitions = parts
@@ -354,29 +358,59 @@ def run_case[dtype: DType](ctx: DeviceContext, name: String, c: Case) raises -> 
         ok = check_close(String("raw (", parts_label(parts), ")"), gpu_raw, raw_from_gpu, raw_tolerance[dtype]()) and ok
     comptime if dtype != DType.float32:
         # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow; it reads no fp8 rows).
-        if not c.fp8:
-            var fma = GpuPlan.with_attention(problem, limits, FMA_ATTENTION)
-            fma.num_partitions = 2
+        var fma = GpuPlan.with_attention(problem, limits, FMA_ATTENTION)
+        fma.num_partitions = 2
+        if not sm90_only and not c.fp8:
             d.attention(ctx, c, fma, q_full_buf, raw_buf)
             ok = check_close("raw (FMA kernel, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         # The tensor-core shape for small kv_lora_rank (the op picks it only when the others do not fit).
-        if attention_supported[dtype, MMA_FEW_HEADS_SMALL_RANK](c.key_dim, c.rank):
+        if sm90_only:
+            pass
+        elif attention_supported[dtype, MMA_FEW_HEADS_SMALL_RANK](c.key_dim, c.rank, c.page_size):
             var small = GpuPlan.with_attention(problem, limits, variant_index[MMA_FEW_HEADS_SMALL_RANK]())
             small.num_partitions = 2
             d.attention(ctx, c, small, q_full_buf, raw_buf)
             ok = check_close("raw (tensor cores 1 x 32 x 4, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         else:
             print("  raw: tensor cores 1 x 32 x 4 do not handle these sizes, skipped")
-        # The warpgroup (wgmma) kernel on every case it supports, whatever the head count.
-        if attention_supported[dtype, WGMMA_SHAPE](c.key_dim, c.rank):
-            for parts in [1, 3, SPLIT_BY_WORK]:
-                var wg = GpuPlan.with_attention(problem, limits, variant_index[WGMMA_SHAPE]())
-                wg.num_partitions = parts
-                d.attention(ctx, c, wg, q_full_buf, raw_buf)
-                ok = check_close(String("raw (wgmma, ", parts_label(parts), ")"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+        # The Hopper kernels (wgmma; TMA with a producer warpgroup) on every case they support,
+        # whatever the head count (the op takes the sm90 kernel from SM90_MIN_HEADS heads).
+        comptime HOPPER = (WGMMA_SHAPE, SM90_SHAPE)
+        comptime for h in range(len(HOPPER)):
+            comptime shape = HOPPER[h]
+            var name = String("wgmma") if shape[2] == 0 else String("sm90 TMA")
+            if (sm90_only and shape[2] == 0) or (c.fp8 and shape[2] < 0):
+                pass  # (the TMA kernel reads no fp8_ds_mla rows)
+            elif attention_supported[dtype, shape](c.key_dim, c.rank, c.page_size):
+                for parts in [1, 3, SPLIT_BY_WORK]:
+                    var pinned = GpuPlan.with_attention(problem, limits, variant_index[shape]())
+                    pinned.num_partitions = parts
+                    d.attention(ctx, c, pinned, q_full_buf, raw_buf)
+                    ok = check_close(String("raw (", name, ", ", parts_label(parts), ")"), download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+                # The whole op pinned to it with PDL on (split by work, poisoned workspaces): the kernel's
+                # wait before it reads q_full and the new cache rows.
+                var d2 = DeviceCase[dtype](ctx, c)
+                var pdl_plan = GpuPlan.with_attention(problem, limits, variant_index[shape]())
+                pdl_plan.num_partitions = SPLIT_BY_WORK
+                pdl_plan.pdl = True
+                var pdl_att = ctx.enqueue_create_buffer[dtype](max(rows * c.rank, 1))
+                poison_workspaces(ctx, c, d2, pdl_plan)
+                ctx.enqueue_memset(pdl_att, nan[dtype]())
+                d2.run_plan_storing(ctx, c, pdl_plan, pdl_att)
+                ok = check_close(String("op attention output (", name, ", split by work, PDL on)"), download[dtype](ctx, pdl_att, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
+                _ = pdl_att^
+            else:
+                print("  raw:", name, "does not handle these sizes, skipped")
+        if sm90_only:
+            _ = q_full_buf^
+            _ = raw_buf^
+            _ = lse_buf^
+            return ok
         # Restore the op's own raw for the output stage.
         d.attention(ctx, c, plan, q_full_buf, raw_buf)
 
+    if sm90_only:  # float32: no sm90 kernel
+        return ok
     var ref_out_stage = cpu_output(c, gpu_raw)
     for i in range(len(ref_out_stage)):
         ref_out_stage[i] = round_to[dtype](ref_out_stage[i])
@@ -482,50 +516,51 @@ def ints(*values: Int) -> List[Int]:
     return out^
 
 
-def correctness(ctx: DeviceContext, fp8_only: Bool = False) raises -> Bool:
-    """Every case; `fp8_only` (`smoke fp8`): the fp8_ds_mla cache's cases alone."""
-    var ok = True
-    if fp8_only:
+def correctness(ctx: DeviceContext, only: String) raises -> Bool:
+    """Every case; `only` "fp8": the fp8_ds_mla cache's cases alone; "sm90": the sm90 kernel's raw checks alone."""
+    if only == "fp8":
         return fp8_cases(ctx)
-    ok = run_case[DType.bfloat16](ctx, "decode bf16", Case.__init__[DType.bfloat16](1, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
-    ok = run_case[DType.float32](ctx, "decode f32", Case.__init__[DType.float32](2, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
-    ok = run_case[DType.float16](ctx, "decode f16 page 1", Case.__init__[DType.float16](3, 8, ints(40, 7), ints(2, 1), page_size=1)) and ok
-    ok = run_case[DType.bfloat16](ctx, "zero-token request", Case.__init__[DType.bfloat16](4, 16, ints(12, 50, 7), ints(2, 0, 1))) and ok
+    var sm90_only = only == "sm90"
+    var ok = True
+    ok = run_case[DType.bfloat16](ctx, sm90_only, "decode bf16", Case.__init__[DType.bfloat16](1, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
+    ok = run_case[DType.float32](ctx, sm90_only, "decode f32", Case.__init__[DType.float32](2, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
+    ok = run_case[DType.float16](ctx, sm90_only, "decode f16 page 1", Case.__init__[DType.float16](3, 8, ints(40, 7), ints(2, 1), page_size=1)) and ok
+    ok = run_case[DType.bfloat16](ctx, sm90_only, "zero-token request", Case.__init__[DType.bfloat16](4, 16, ints(12, 50, 7), ints(2, 0, 1))) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "alibi, 3 heads, null mask", Case.__init__[DType.bfloat16](5, 3, ints(20, 33), ints(3, 1), mask_kind=0, score_mod=1)
+        ctx, sm90_only, "alibi, 3 heads, null mask", Case.__init__[DType.bfloat16](5, 3, ints(20, 33), ints(3, 1), mask_kind=0, score_mod=1)
     ) and ok
     ok = run_case[DType.float32](
-        ctx, "sliding window", Case.__init__[DType.float32](6, 16, ints(100, 5), ints(2, 3), mask_kind=2, window=17)
+        ctx, sm90_only, "sliding window", Case.__init__[DType.float32](6, 16, ints(100, 5), ints(2, 3), mask_kind=2, window=17)
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "chunked, per_tensor", Case.__init__[DType.bfloat16](7, 20, ints(70, 9), ints(4, 2), mask_kind=3, window=32, gm=0, gn=0, gk=0)
+        ctx, sm90_only, "chunked, per_tensor", Case.__init__[DType.bfloat16](7, 20, ints(70, 9), ints(4, 2), mask_kind=3, window=32, gm=0, gn=0, gk=0)
     ) and ok
     ok = run_case[DType.float32](
-        ctx, "per_channel, small dims",
+        ctx, sm90_only, "per_channel, small dims",
         Case.__init__[DType.float32](8, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, gm=1, gn=1, gk=0),
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "odd blocks (3, 20, 24)", Case.__init__[DType.bfloat16](9, 6, ints(25, 3), ints(5, 2), gm=3, gn=20, gk=24)
+        ctx, sm90_only, "odd blocks (3, 20, 24)", Case.__init__[DType.bfloat16](9, 6, ints(25, 3), ints(5, 2), gm=3, gn=20, gk=24)
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "long context", Case.__init__[DType.bfloat16](10, 16, ints(4000), ints(2), page_size=64)
+        ctx, sm90_only, "long context", Case.__init__[DType.bfloat16](10, 16, ints(4000), ints(2), page_size=64)
     ) and ok
     # Step 5 split by work: a long request beside short and empty ones gets more partitions.
     ok = run_case[DType.bfloat16](
-        ctx, "long beside short", Case.__init__[DType.bfloat16](14, 16, ints(3000, 40, 0, 700), ints(1, 2, 1, 3))
+        ctx, sm90_only, "long beside short", Case.__init__[DType.bfloat16](14, 16, ints(3000, 40, 0, 700), ints(1, 2, 1, 3))
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "128 heads", Case.__init__[DType.bfloat16](11, 128, ints(300, 17), ints(1, 2), page_size=64)
+        ctx, sm90_only, "128 heads", Case.__init__[DType.bfloat16](11, 128, ints(300, 17), ints(1, 2), page_size=64)
     ) and ok
     # Small dims on tensor cores: per-channel K blocks of 64 (q) and 256 (output: two float32x4
     # slots per lane and item in `stage_activations`).
     ok = run_case[DType.bfloat16](
-        ctx, "per_channel, small dims, bf16",
+        ctx, sm90_only, "per_channel, small dims, bf16",
         Case.__init__[DType.bfloat16](13, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, gm=1, gn=1, gk=0),
     ) and ok
     # Several row tiles of every projection tile shape (73 tokens), f16, per-channel scales.
     ok = run_case[DType.float16](
-        ctx, "73 tokens, per_channel", Case.__init__[DType.float16](12, 4, ints(5, 60, 0), ints(33, 40, 0), gm=1, gn=1, gk=0)
+        ctx, sm90_only, "73 tokens, per_channel", Case.__init__[DType.float16](12, 4, ints(5, 60, 0), ints(33, 40, 0), gm=1, gn=1, gk=0)
     ) and ok
     return fp8_cases(ctx) and ok
 
@@ -535,26 +570,26 @@ def fp8_cases(ctx: DeviceContext) raises -> Bool:
     # every case also runs 1 and 3 partitions and the pinned tensor-core kernels.
     var ok = True
     ok = run_case[DType.bfloat16](
-        ctx, "fp8 cache, 16 heads", Case.__init__[DType.bfloat16](20, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1), fp8=True)
+        ctx, False, "fp8 cache, 16 heads", Case.__init__[DType.bfloat16](20, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1), fp8=True)
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "fp8 cache, 128 heads, page 64",
+        ctx, False, "fp8 cache, 128 heads, page 64",
         Case.__init__[DType.bfloat16](21, 128, ints(300, 17), ints(1, 2), page_size=64, fp8=True),
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "fp8 cache, page 1, sliding window",
+        ctx, False, "fp8 cache, page 1, sliding window",
         Case.__init__[DType.bfloat16](22, 16, ints(40, 7), ints(2, 1), page_size=1, mask_kind=2, window=9, fp8=True),
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "fp8 cache, alibi, null mask, 32 heads",
+        ctx, False, "fp8 cache, alibi, null mask, 32 heads",
         Case.__init__[DType.bfloat16](23, 32, ints(20, 33, 0), ints(3, 1, 2), mask_kind=0, score_mod=1, fp8=True),
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "fp8 cache, chunked, long context",
+        ctx, False, "fp8 cache, chunked, long context",
         Case.__init__[DType.bfloat16](24, 16, ints(2000, 9), ints(2, 3), page_size=64, mask_kind=3, window=32, fp8=True),
     ) and ok
     ok = run_case[DType.bfloat16](
-        ctx, "fp8 cache, small dims (R 256, Dr 32)",
+        ctx, False, "fp8 cache, small dims (R 256, Dr 32)",
         Case.__init__[DType.bfloat16](25, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, fp8=True),
     ) and ok
     return ok
@@ -565,7 +600,11 @@ def main() raises:
         print("gpu_smoke: no GPU in this build (compile with --target-accelerator=sm_90 on a GPU machine)")
         return
     else:
-        var ok = correctness(DeviceContext(), fp8_only=len(argv()) > 1 and argv()[1] == "fp8")
+        var args = argv()
+        var only = String(args[1]) if len(args) > 1 else String("")
+        if only != "" and only != "sm90" and only != "fp8":
+            raise Error(String("gpu_smoke: unknown argument '", only, "' (none: every check; sm90: the sm90 kernel's alone; fp8: the fp8 cache's cases alone)"))
+        var ok = correctness(DeviceContext(), only)
         print("ALL PASS" if ok else "SOME CHECKS FAILED")
         if not ok:
             raise Error("gpu_smoke failed")
