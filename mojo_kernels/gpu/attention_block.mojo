@@ -17,6 +17,7 @@ so the tensor-core products are those of the bfloat16 cache.
 """
 
 from std.memory import bitcast
+from std.math import exp
 from std.sys._assembly import inlined_assembly
 from std.utils.numerics import neg_inf
 
@@ -200,6 +201,16 @@ struct AttentionBlock(TrivialRegisterPassable):
         if p.split.active() and row < self.row_end:
             p.part_max.unsafe_store(self.partial0 + row, m)
             p.part_sum.unsafe_store(self.partial0 + row, l)
+
+
+@always_inline
+def rescale_row(m_old: Float32, m_new: Float32) -> Tuple[Float32, Float32]:
+    """A row's online-softmax step to the running max `m_new` from `m_old`: the correction of its sums
+    `exp(m_old - m_new)`, and the shift its scores take before `exp` (`m_new`; 0 with a correction of 1
+    for a row masked so far, whose scores are all -inf: exp(-inf) = 0 everywhere)."""
+    if m_new == neg_inf[DType.float32]():
+        return (Float32(1), Float32(0))
+    return (exp(m_old - m_new), m_new)
 
 
 @fieldwise_init

@@ -89,7 +89,7 @@ from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
 from max.gpu.sync import mbarrier_arrive, mbarrier_init, named_barrier
 
 from ..paged_cache import PagedLatentRows
-from .attention_block import AttentionBlock, AttentionParams, RowMasks, SPtr, fence_async_proxy
+from .attention_block import AttentionBlock, AttentionParams, RowMasks, SPtr, fence_async_proxy, rescale_row
 from .attention_wgmma import quad_max, quad_sum
 from .pdl import allow_dependents, wait_for_producers
 
@@ -578,18 +578,12 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
         var other = (1 - wg) * S9_ROWS
         var mn_a = max(m_a, max(mx_a, xmax_s.unsafe_load(other + ra)))
         var mn_b = max(m_b, max(mx_b, xmax_s.unsafe_load(other + rb)))
-        var corr_a = Float32(1)
-        var corr_b = Float32(1)
-        var sh_a = mn_a
-        var sh_b = mn_b
-        if mn_a == neg_inf[DType.float32]():
-            sh_a = 0  # the whole row is masked so far: exp(-inf) = 0 everywhere
-        else:
-            corr_a = exp(m_a - mn_a)
-        if mn_b == neg_inf[DType.float32]():
-            sh_b = 0
-        else:
-            corr_b = exp(m_b - mn_b)
+        var step_a = rescale_row(m_a, mn_a)
+        var step_b = rescale_row(m_b, mn_b)
+        var corr_a = step_a[0]
+        var corr_b = step_b[0]
+        var sh_a = step_a[1]
+        var sh_b = step_b[1]
         m_a = mn_a
         m_b = mn_b
 

@@ -40,7 +40,16 @@ from max.gpu.compute.mma import (
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, external_memory
 from max.gpu.primitives.warp import shuffle_xor
 
-from .attention_block import AttentionBlock, AttentionParams, KeyTiles, RowMasks, fence_async_proxy, fp8_row_bytes, key_tile_bytes
+from .attention_block import (
+    AttentionBlock,
+    AttentionParams,
+    KeyTiles,
+    RowMasks,
+    fence_async_proxy,
+    fp8_row_bytes,
+    key_tile_bytes,
+    rescale_row,
+)
 from .params import to_global
 from .pdl import allow_dependents, wait_for_producers
 
@@ -313,18 +322,12 @@ def attention_wgmma_kernel[
         var other = (1 - wg) * WG_ROWS
         var mn_a = max(m_a, max(mx_a, xmax_s.unsafe_load(other + ra)))
         var mn_b = max(m_b, max(mx_b, xmax_s.unsafe_load(other + rb)))
-        var corr_a = Float32(1)
-        var corr_b = Float32(1)
-        var sh_a = mn_a
-        var sh_b = mn_b
-        if mn_a == neg_inf[DType.float32]():
-            sh_a = 0  # the whole row is masked so far: exp(-inf) = 0 everywhere
-        else:
-            corr_a = exp(m_a - mn_a)
-        if mn_b == neg_inf[DType.float32]():
-            sh_b = 0
-        else:
-            corr_b = exp(m_b - mn_b)
+        var step_a = rescale_row(m_a, mn_a)
+        var step_b = rescale_row(m_b, mn_b)
+        var corr_a = step_a[0]
+        var corr_b = step_b[0]
+        var sh_a = step_a[1]
+        var sh_b = step_b[1]
         m_a = mn_a
         m_b = mn_b
 
