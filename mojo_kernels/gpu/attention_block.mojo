@@ -16,6 +16,7 @@ bfloat16 tile at the top of each step (`widen_staged`: e4m3 x scale, exact),
 so the tensor-core products are those of the bfloat16 cache.
 """
 
+from std.builtin.device_passable import DevicePassable
 from std.memory import bitcast
 from std.math import exp
 from std.sys._assembly import inlined_assembly
@@ -567,10 +568,26 @@ def enqueue_attention[
     smem_bytes: Int,
     pdl: Bool,
 ) raises:
-    """Launches one attention kernel: grid `attention_grid`, `smem_bytes` of dynamic shared memory;
-    with `pdl`, programmatic dependent launch after the q step (pdl.mojo)."""
+    """Launches one attention kernel on `p` (`enqueue_attention_with`)."""
+    enqueue_attention_with[kernel, rows_per_block](ctx, p, p, num_tokens, block_threads, smem_bytes, pdl)
+
+
+def enqueue_attention_with[
+    dtype: DType, P: DevicePassable, //, kernel: def(P) thin -> None, rows_per_block: Int
+](
+    ctx: DeviceContext,
+    params: P,
+    p: AttentionParams[dtype],
+    num_tokens: Int,
+    block_threads: Int,
+    smem_bytes: Int,
+    pdl: Bool,
+) raises:
+    """Launches one attention kernel on `params` (which hold `p`, as the TMA kernel's do): grid
+    `attention_grid`, `smem_bytes` of dynamic shared memory; with `pdl`, programmatic dependent
+    launch after the q step (pdl.mojo)."""
     ctx.enqueue_function[kernel](
-        p,
+        params,
         grid_dim=attention_grid(p, num_tokens, rows_per_block),
         block_dim=block_threads,
         shared_mem_bytes=smem_bytes,

@@ -60,13 +60,13 @@ the op starts after everything before it. With `GpuPlan.quantize_in_merge`
 """
 
 from max.gpu import WARP_SIZE
-from max.gpu.host import DeviceBuffer, DeviceContext, FuncAttribute
+from max.gpu.host import DeviceBuffer, DeviceContext
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..problem import DecodeProblem
 from ..spec import SCORE_MOD_ALIBI_POS, Granularity
 from .addressing import ELEMENTWISE_THREADS, attention_slots
-from .attention_block import AttentionParams, attention_grid, enqueue_attention
+from .attention_block import AttentionParams, enqueue_attention, enqueue_attention_with
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
 from .attention_sm90 import S9_ROWS, S9_THREADS, TmaAttentionParams, attention_sm90_kernel, attention_sm90_smem_bytes
@@ -228,8 +228,6 @@ def gpu_build_q_full[
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
-    var proj = q_projection(p, q_full)
-    var batch = DeviceBatch.of(p.batch)
     comptime if dtype != DType.float32:
         if plan.q_tile >= 0:
             var params = q_step_params(p, q_full, cache_rows, schedule)
@@ -241,13 +239,13 @@ def gpu_build_q_full[
     gpu_rotate_and_normalize_new_rows[dtype](ctx, cache_rows)
     ctx.enqueue_function[rope_q_kernel[dtype]](
         RopeQParams[dtype](
-            to_global(p.q), batch, to_global(p.freqs_cis), to_global(q_full),
+            to_global(p.q), DeviceBatch.of(p.batch), to_global(p.freqs_cis), to_global(q_full),
             Int32(p.num_heads), Int32(p.nope_dim), Int32(p.rope_dim), Int32(p.kv_lora_rank),
         ),
         grid_dim=p.num_tokens,
         block_dim=ELEMENTWISE_THREADS,
     )
-    gpu_fp8_batched_matmul[dtype](ctx, proj, p.num_heads)
+    gpu_fp8_batched_matmul[dtype](ctx, q_projection(p, q_full), p.num_heads)
 
 
 struct AttentionWorkspace(Movable):
@@ -408,14 +406,9 @@ def enqueue_attention_variant[
         comptime if fp8:
             raise Error("pymla gpu: the TMA attention kernel reads no fp8_ds_mla rows")
         else:
-            var smem = attention_sm90_smem_bytes()
-            ctx.enqueue_function[attention_sm90_kernel[dtype]](
-                TmaAttentionParams[dtype].create(ctx, p.cache, params),
-                grid_dim=attention_grid(params, num_tokens, S9_ROWS),
-                block_dim=S9_THREADS,
-                shared_mem_bytes=smem,
-                func_attribute=FuncAttribute.MAX_DYNAMIC_SHARED_SIZE_BYTES(UInt32(smem)),
-                attributes=launch_attributes(pdl),
+            enqueue_attention_with[attention_sm90_kernel[dtype], S9_ROWS](
+                ctx, TmaAttentionParams[dtype].create(ctx, p.cache, params), params, num_tokens, S9_THREADS,
+                attention_sm90_smem_bytes(), pdl,
             )
     elif groups == 0:
         var smem = attention_smem_bytes[dtype](key_dim)
@@ -467,7 +460,6 @@ def gpu_project_output[
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
-    var proj = output_projection(p, raw)
     comptime if dtype != DType.float32:
         if plan.out_tile >= 0 and p.has_output:
             var params = out_step_params(p, raw, quant)
@@ -483,7 +475,7 @@ def gpu_project_output[
             block_dim=ELEMENTWISE_THREADS,
         )
     if p.has_output:
-        gpu_fp8_batched_matmul[dtype](ctx, proj, p.num_heads)
+        gpu_fp8_batched_matmul[dtype](ctx, output_projection(p, raw), p.num_heads)
 
 
 def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: DeviceContext) raises:

@@ -83,7 +83,9 @@ comptime PDL_DEFAULT = False
 # call (-7.6 us, -10%), 128 h b64 8k 737.6 -> 737.3 us; gpu_smoke checks the op both ways.
 comptime QUANTIZE_IN_MERGE_DEFAULT = True
 # The split-KV schedule (schedule.mojo) built by one more block of the q step's launch (bf16 / f16),
-# not by a launch of its own before it. To be timed against the launch of its own on the H200.
+# not by a launch of its own before it: the own launch cost 7-10 us more per call (H100, 2026-12-05,
+# `gpu_bench bench`, 16 h b8 8k 73.7 against 66.4 us, 128 h b8 8k 125.0 against 115.2 us;
+# benchmarks/results/h100-2026-12-05f/).
 comptime SCHEDULE_IN_Q_STEP_DEFAULT = True
 
 
