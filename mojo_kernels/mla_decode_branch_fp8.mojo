@@ -7,8 +7,8 @@ six steps as named stages.
 
 fp8 weights arrive as uint8 (MAX has no fp8 on CPU) and are widened from
 their e4m3 bits exactly (`fp8.mojo`). The cache's blocks are of the op's
-dtype, or uint8 for rows in the `fp8_ds_mla` format (bfloat16 only; CPU only
-for now: the GPU pipeline refuses them).
+dtype, or uint8 for rows in the `fp8_ds_mla` format (bfloat16 only; on the GPU
+read by the tensor-core attention kernels).
 """
 
 import extensibility

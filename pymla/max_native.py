@@ -53,8 +53,8 @@ How MAX's arguments map to pymla's op (:func:`pymla.graph.mla_decode_branch_fp8_
   the cache holds 656-byte fp8 rows, as FlashMLA's sparse kernel and vLLM's
   ``fp8_ds_mla`` cache. Declare ``kv_params`` with ``dtype=DType.uint8`` and
   ``head_dim`` the row's bytes (656 for DeepSeek-V3); ``q`` and ``kv`` are
-  bfloat16 and the op quantizes the new rows itself. CPU only for now (a GPU
-  device raises ``NotImplementedError``). MAX 26.7's own quantized cache
+  bfloat16 and the op quantizes the new rows itself, on the CPU and the GPU
+  (there with the tensor-core attention kernels). MAX 26.7's own quantized cache
   (``kv_scales``, separate scales) is another layout and stays refused.
 * ``freqs_cis`` and ``kv_norm_gamma`` of another float dtype than ``q`` are
   cast to ``q``'s dtype in the graph (pymla's op reads them in its dtype).
@@ -288,10 +288,6 @@ def mla_decode_graph(
             raise ValueError(
                 "cache_format: 'fp8_ds_mla' expects a bfloat16 q and kv and kv_params of dtype "
                 f"uint8 (656-byte rows), got q {q.dtype}, kv {kv.dtype}, kv_params {kv_params.dtype}"
-            )
-        if q.device != DeviceRef.CPU():
-            raise NotImplementedError(
-                f"cache_format: 'fp8_ds_mla' is not yet on the GPU (CPU only), got q on {q.device}"
             )
     elif kv_params.dtype != q.dtype or kv.dtype != q.dtype:
         raise NotImplementedError(

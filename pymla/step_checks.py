@@ -72,7 +72,7 @@ def check_step(
     v.check_shard_device(options.shard, options.score_mod, device)
     fp8_cache = kv.blocks.dtype == FP8_STORAGE  # rows in the fp8_ds_mla format
     if fp8_cache:
-        v.check_cache_format(kv.blocks, freqs_cis.dtype, device)
+        v.check_cache_format(kv.blocks, freqs_cis.dtype)
     else:
         v._agree_attr("dtype", {"freqs_cis": freqs_cis, "kv_blocks": kv.blocks}, TypeError)
     rope_dim = freqs_cis.shape[1]
@@ -87,12 +87,15 @@ def check_step(
         (None, 1, None, None, 1, None),
         "[num_blocks, 1, num_layers, page_size, 1, kv_lora_rank + qk_rope_head_dim]",
     )
-    if fp8_cache and fp8_kv_lora_rank(kv.blocks.shape[5], rope_dim) is None:
-        raise ValueError(
-            f"kv_blocks: expected fp8_ds_mla rows of kv_lora_rank + kv_lora_rank / 32 + 2 * "
-            f"qk_rope_head_dim {rope_dim} bytes, kv_lora_rank a multiple of 128, in dim 5, "
-            f"got {kv.blocks.shape[5]}"
-        )
+    if fp8_cache:
+        fp8_rank = fp8_kv_lora_rank(kv.blocks.shape[5], rope_dim)
+        if fp8_rank is None:
+            raise ValueError(
+                f"kv_blocks: expected fp8_ds_mla rows of kv_lora_rank + kv_lora_rank / 32 + 2 * "
+                f"qk_rope_head_dim {rope_dim} bytes, kv_lora_rank a multiple of 128, in dim 5, "
+                f"got {kv.blocks.shape[5]}"
+            )
+        v.check_fp8_gpu_sizes(fp8_rank, rope_dim, device)
     if kv.blocks.shape[5] <= rope_dim:
         raise ValueError(
             f"kv_blocks: expected kv_lora_rank + qk_rope_head_dim {rope_dim} > {rope_dim} in dim 5, "

@@ -205,8 +205,8 @@ def _check_scales(
 # ---------------------------------------------------------------- the op
 
 
-def check_cache_format(kv_blocks: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
-    """``uint8`` blocks (``fp8_ds_mla`` rows) serve a bfloat16 op, on the CPU only for now."""
+def check_cache_format(kv_blocks: torch.Tensor, dtype: torch.dtype) -> None:
+    """``uint8`` blocks (``fp8_ds_mla`` rows) serve a bfloat16 op (CPU and GPU alike)."""
     if kv_blocks.dtype != FP8_STORAGE:
         return
     if dtype != FP8_VALUE_DTYPE:
@@ -214,15 +214,33 @@ def check_cache_format(kv_blocks: torch.Tensor, dtype: torch.dtype, device: torc
             f"kv_blocks: expected dtype {dtype} (q's), or uint8 fp8_ds_mla rows with a "
             f"{FP8_VALUE_DTYPE} q, got uint8 with {dtype}"
         )
-    if device.type != "cpu":
+
+
+FP8_GPU_KEY_DIM_MAX = 576
+"""The GPU reads fp8_ds_mla rows with its tensor-core attention kernels only (mojo_kernels/gpu/plan.mojo
+``check_fp8_shapes``): key dim ``R + Dr`` a multiple of 16 up to 576, ``R`` up to 512."""
+FP8_GPU_RANK_MAX = 512
+
+
+def check_fp8_gpu_sizes(kv_lora_rank: int, rope_dim: int, device: torch.device) -> None:
+    """On a GPU, ``fp8_ds_mla`` rows need sizes the tensor-core attention kernels take."""
+    if device.type == "cpu":
+        return
+    key_dim = kv_lora_rank + rope_dim
+    if key_dim % 16 or key_dim > FP8_GPU_KEY_DIM_MAX or kv_lora_rank > FP8_GPU_RANK_MAX:
         raise ValueError(
-            f"kv_blocks: expected a cache in q's dtype on {device} (the fp8_ds_mla cache format "
-            "is not yet on the GPU: CPU only), got uint8 fp8_ds_mla rows"
+            f"kv_blocks: expected, for fp8_ds_mla rows on {device}, kv_lora_rank + "
+            f"qk_rope_head_dim a multiple of 16 up to {FP8_GPU_KEY_DIM_MAX} and kv_lora_rank up to "
+            f"{FP8_GPU_RANK_MAX} (the GPU's tensor-core attention kernels), got kv_lora_rank "
+            f"{kv_lora_rank} and qk_rope_head_dim {rope_dim}"
         )
 
 
-def check_fp8_row_width(kv_blocks: torch.Tensor, kv_lora_rank: int, rope_dim: int) -> None:
-    """The last dim of ``fp8_ds_mla`` blocks: ``R + 4 R / 128 + 2 Dr`` bytes, ``R`` a multiple of 128."""
+def check_fp8_row_width(
+    kv_blocks: torch.Tensor, kv_lora_rank: int, rope_dim: int, device: torch.device
+) -> None:
+    """The last dim of ``fp8_ds_mla`` blocks: ``R + 4 R / 128 + 2 Dr`` bytes, ``R`` a multiple of
+    128; on a GPU also :func:`check_fp8_gpu_sizes`."""
     if kv_lora_rank % SCALE_BLOCK:
         raise ValueError(
             f"kv_blocks: expected kv_lora_rank a multiple of {SCALE_BLOCK} for uint8 fp8_ds_mla "
@@ -236,6 +254,7 @@ def check_fp8_row_width(kv_blocks: torch.Tensor, kv_lora_rank: int, rope_dim: in
             f"{kv_lora_rank} + 4 * {kv_lora_rank // SCALE_BLOCK} scale bytes + 2 * "
             f"qk_rope_head_dim {rope_dim}), got {kv_blocks.shape[5]} (shape {_shape(kv_blocks)})"
         )
+    check_fp8_gpu_sizes(kv_lora_rank, rope_dim, device)
 
 
 def check_shard_device(shard, score_mod: ScoreMod | str, device: torch.device) -> None:
@@ -328,7 +347,7 @@ def check_inputs(
     dtype = _agree_attr(
         "dtype", valued if fp8_cache else {**valued, "kv_blocks": kv_blocks}, TypeError
     )
-    check_cache_format(kv_blocks, dtype, dev)
+    check_cache_format(kv_blocks, dtype)
 
     # Sizes shared between arguments.
     num_tokens = q.shape[0]
@@ -397,7 +416,7 @@ def check_inputs(
         "[num_blocks, 1, num_layers, page_size, 1, kv_lora_rank + qk_rope_head_dim]",
     )
     if fp8_cache:
-        check_fp8_row_width(kv_blocks, kv_lora_rank, rope_dim)
+        check_fp8_row_width(kv_blocks, kv_lora_rank, rope_dim, dev)
     _at_least("kv_blocks", kv_blocks, 3, "page_size")
     num_blocks, _, num_layers, page_size, _, _ = _shape(kv_blocks)
     if not 0 <= layer_idx < num_layers:

@@ -3,7 +3,7 @@
 #   bash scripts/device_pymla_checks.sh smoke demo parity
 # Steps: smoke  (tests/gpu/gpu_smoke.mojo: every GPU stage against CPU loops)
 #        demo   (python -m pymla demo --device cuda)
-#        parity (the pytest parity suite on cuda tensors)
+#        parity (the pytest parity suites on cuda tensors, the fp8_ds_mla cache's included)
 #        serving  (tests/test_gpu_serving.py: no host sync in run(), CUDA-graph replay == eager)
 #        overhead (python -m pymla overhead --device cuda, JSON in $OUT)
 #        step     (python -m pymla step --device cuda: 61 layers, eager and replayed, JSON in $OUT)
@@ -22,7 +22,7 @@ for step in "$@"; do
   case $step in
     smoke)  timeout 420 mojo run -I . tests/gpu/gpu_smoke.mojo ;;
     demo)   timeout 300 python3 -m pymla demo --device cuda ;;
-    parity) timeout 540 python3 -m pytest tests/test_op_parity.py tests/test_plain_torch.py -k cuda -q -rf --maxfail=15 -p no:cacheprovider ;;
+    parity) timeout 540 python3 -m pytest tests/test_op_parity.py tests/test_plain_torch.py tests/test_op_fp8_cache.py -k cuda -q -rf --maxfail=15 -p no:cacheprovider ;;
     serving)  timeout 420 python3 -m pytest tests/test_gpu_serving.py -q -rf -p no:cacheprovider ;;
     overhead) timeout 300 python3 -m pymla overhead --device cuda --json "$out/overhead_h200.json" ;;
     step)     timeout 420 python3 -m pymla step --device cuda --batch 64 --context 1024 --json "$out/step_h200.json" ;;

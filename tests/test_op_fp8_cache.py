@@ -1,4 +1,5 @@
-"""The op with an fp8_ds_mla cache (pymla.cache_format) against the reference, on every CPU path.
+"""The op with an fp8_ds_mla cache (pymla.cache_format) against the reference, on every CPU path
+and on the GPU when there is one (``TARGETS``).
 
 The reference reads the dequantized keys, which are exactly bfloat16 values,
 so steps 5 and 6 keep the bfloat16 bounds of pymla.parity; the new rows'
@@ -31,7 +32,6 @@ from helpers import (
     run_op_poisoned,
 )
 
-CPU_TARGETS = [t for t in TARGETS if t.startswith("cpu")]
 FP8 = dict(dtype=torch.bfloat16, cache_format="fp8_ds_mla")
 
 # (seed, heads, page size, cache lengths, new tokens, mask, score mod, window)
@@ -43,7 +43,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("target", CPU_TARGETS)
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("params", CASES, ids=[str(c[0]) for c in CASES])
 @pytest.mark.parametrize("via_new_rows", [False, True], ids=["appended", "new_rows"])
 def test_fp8_cache_parity(params, via_new_rows, target):
@@ -63,7 +63,7 @@ def test_fp8_cache_parity(params, via_new_rows, target):
     check_parity(case, target, via_new_rows=via_new_rows)
 
 
-@pytest.mark.parametrize("target", CPU_TARGETS)
+@pytest.mark.parametrize("target", TARGETS)
 def test_fp8_long_context_partitions(target):
     case = make_case(
         4100, num_heads=16, page_size=64, cache_lengths=(3000, 5), new_tokens=(2, 1), **FP8
@@ -71,14 +71,16 @@ def test_fp8_long_context_partitions(target):
     check_parity(case, target)
 
 
-@pytest.mark.parametrize("target", CPU_TARGETS)
+@pytest.mark.parametrize("target", TARGETS)
 def test_new_rows_bytes_are_the_references(target):
     """The new rows: the reference's bytes (quantized values, scales, rope) but for rare flips."""
     case = make_case(4200, cache_lengths=(3, 60, 0, 9), new_tokens=(8, 16, 24, 16), **FP8)
     _, ref_blocks = reference_stages(case)
     updated = case.new_rows_mask()
-    with on_target(target):
+    with on_target(target) as device:
+        case.to(device)
         run_op_poisoned(case)
+        case.to("cpu")
     got, ref = case.cache.blocks[updated], ref_blocks[updated]
     assert got.shape == (64, 656)
     same = (got == ref).float().mean().item()
@@ -89,15 +91,16 @@ def test_new_rows_bytes_are_the_references(target):
     assert torch.equal(values, values.to(torch.bfloat16).float())
 
 
-@pytest.mark.parametrize("target", CPU_TARGETS)
+@pytest.mark.parametrize("target", TARGETS)
 def test_fp8_tolerances_catch_mutations(target):
     """Against a reference made slightly wrong, the attention check fails for a key off by one
     position and a wrong rotation position, the LSE check for those and a scale off by 0.3%
     (bfloat16's probability rounding hides the scale from the attention bound: pymla.parity)."""
     case = make_case(4300, num_heads=32, cache_lengths=(40, 150), new_tokens=(1, 2), **FP8)
     good, _ = reference_stages(case)
-    with on_target(target):
-        _, att, lse = run_op_poisoned(dataclasses.replace(case), lse=True)
+    with on_target(target) as device:
+        _, att, lse = run_op_poisoned(dataclasses.replace(case).to(device), lse=True)
+        att, lse = att.cpu(), lse.cpu()
     assert lse_report(lse, good, torch.bfloat16).passed
     for mutation, make in MUTATIONS.items():
         fresh = make_case(4300, num_heads=32, cache_lengths=(40, 150), new_tokens=(1, 2), **FP8)
@@ -146,9 +149,16 @@ def test_bad_input_is_refused_before_any_kernel():
         pymla.mla_decode_branch_fp8(
             *odd.args(pymla.KVCacheTensors(blocks, *odd.cache_tensors()[1:])), **odd.options
         )
-    # the GPU has no fp8 cache yet: refused by name before any kernel
-    with pytest.raises(ValueError, match="fp8_ds_mla cache format is not yet on the GPU"):
-        validate.check_cache_format(case.cache.blocks, torch.bfloat16, torch.device("cuda:0"))
+    # on a GPU, sizes the tensor-core attention kernels do not take (the FMA kernel reads no fp8
+    # rows): refused by name before any kernel; the DeepSeek sizes and the CPU pass
+    cuda = torch.device("cuda:0")
+    with pytest.raises(ValueError, match=r"^kv_blocks: expected, for fp8_ds_mla rows on cuda:0"):
+        validate.check_fp8_gpu_sizes(640, 64, cuda)
+    with pytest.raises(ValueError, match=r"kv_lora_rank 512 and qk_rope_head_dim 72"):
+        validate.check_fp8_gpu_sizes(512, 72, cuda)
+    validate.check_fp8_gpu_sizes(512, 64, cuda)
+    validate.check_fp8_gpu_sizes(256, 32, cuda)
+    validate.check_fp8_gpu_sizes(640, 64, torch.device("cpu"))
 
 
 def test_plan_and_run_over_layers():

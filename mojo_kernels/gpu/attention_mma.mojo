@@ -38,7 +38,7 @@ from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, ex
 from max.gpu.primitives import warp
 
 from ..common import ceil_div
-from .attention_block import AttentionBlock, AttentionParams, KeyTiles, SoftmaxRows
+from .attention_block import AttentionBlock, AttentionParams, KeyTiles, SoftmaxRows, key_tile_bytes
 from .params import to_global
 from .pdl import allow_dependents, wait_for_producers
 
@@ -61,6 +61,12 @@ def mma_nt_max(gw: Int) -> Int:
     return MMA_RANK_MAX // (8 * gw)
 
 
+comptime MMA_FP8_STAGES = 2
+"""Staging slots of an `fp8_ds_mla` cache's rows (`KeyTiles.stages`): the next tile's copy starts
+before this one is widened. Not yet timed on a device (single staging: 16 h b128 32k 3.29 ms
+against 1.83 ms with a bf16 cache, H200, 2026-12-05)."""
+
+
 def mma_supported[dtype: DType, gw: Int](key_dim: Int, kv_lora_rank: Int) -> Bool:
     """Whether `attention_mma_kernel` with `gw` warps per group handles these sizes (else use the FMA kernel)."""
     comptime if dtype != DType.bfloat16 and dtype != DType.float16:
@@ -73,9 +79,9 @@ def mma_supported[dtype: DType, gw: Int](key_dim: Int, kv_lora_rank: Int) -> Boo
     )
 
 
-def attention_mma_smem_bytes[dtype: DType](groups: Int, kt: Int, gw: Int, key_dim: Int) -> Int:
-    """Dynamic shared memory of `attention_mma_kernel` (regions 16-byte aligned)."""
-    var k_bytes = 2 * ceil_div(kt * (key_dim + MMA_KEY_PAD) * size_of[dtype](), 16) * 16
+def attention_mma_smem_bytes[dtype: DType](groups: Int, kt: Int, gw: Int, key_dim: Int, fp8_row_bytes: Int = 0) -> Int:
+    """Dynamic shared memory of `attention_mma_kernel` (regions 16-byte aligned); `fp8_row_bytes`: of an fp8_ds_mla cache."""
+    var k_bytes = key_tile_bytes[dtype](kt, (key_dim + MMA_KEY_PAD) * size_of[dtype](), fp8_row_bytes, MMA_FP8_STAGES)
     var red_bytes = groups * gw * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
     var p_bytes = groups * MMA_ROWS * (kt + MMA_ROW_PAD) * 4
     var row_bytes = ceil_div(groups * MMA_ROWS * 7 * 4, 16) * 16
@@ -125,8 +131,31 @@ def copy_key_tile[
     async_copy_commit_group()
 
 
+@always_inline
+def copy_tile[
+    dtype: DType, kt: Int, fp8: Bool, stages: Int, //, threads: Int
+](
+    tiles: KeyTiles[dtype, kt, fp8, stages=stages],
+    p: AttentionParams[dtype],
+    blocks: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.GLOBAL],
+    rowoff: Pointer[Int64, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    k_s: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
+    first: Tuple[Int, Int],
+    step: Tuple[Int, Int],
+    stride: Int,
+    vec_per_row: Int,
+    tid: Int,
+):
+    """Starts the copy of the tile of cache rows `rowoff`: into `k_s` (`copy_key_tile`), or (`fp8`)
+    the `fp8_ds_mla` rows into `tiles`' staging (`KeyTiles.copy_staged`)."""
+    comptime if fp8:
+        tiles.copy_staged[threads](p, rowoff, tid)
+    else:
+        copy_key_tile[dtype, kt, threads](blocks, rowoff, k_s, first, step, stride, vec_per_row)
+
+
 def attention_mma_kernel[
-    dtype: DType, groups: Int, kt: Int, gw: Int
+    dtype: DType, groups: Int, kt: Int, gw: Int, fp8: Bool = False
 ](
     p: AttentionParams[dtype]
 ):
@@ -134,6 +163,7 @@ def attention_mma_kernel[
 
     Grid: `enqueue_attention`'s (a row slot or a task of the split schedule per block), block
     `32 gw groups` threads, `attention_mma_smem_bytes` bytes of dynamic shared memory.
+    `fp8`: the keys are `p.fp8`'s `fp8_ds_mla` rows, widened into one bfloat16 tile (`KeyTiles`).
     """
     comptime assert kt % 32 == 0, "kt must be a multiple of 32"
     comptime assert MMA_ROWS % gw == 0 and (MMA_RANK_MAX // 8) % gw == 0, "gw must divide 16"
@@ -166,9 +196,12 @@ def attention_mma_kernel[
     var stride = dim + MMA_KEY_PAD
     var off = 0
     var k_buf_bytes = ceil_div(kt * stride * size_of[dtype](), 16) * 16
-    var k_s0 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # two buffers [kt][stride]
+    var k_s0 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # two buffers [kt][stride] (fp8: one)
     var k_s1 = base.unsafe_offset(off + k_buf_bytes).unsafe_bitcast[Scalar[dtype]]()
-    off += 2 * k_buf_bytes
+    var staging = base.unsafe_offset(off + k_buf_bytes)  # fp8: the staged rows
+    comptime if fp8:
+        k_s1 = k_s0
+    off += key_tile_bytes[dtype](kt, stride * size_of[dtype](), p.fp8.row_bytes() if fp8 else 0, MMA_FP8_STAGES)
     var red_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][gw][16][RS]
     off += groups * gw * MMA_ROWS * RS * 4
     var p_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [groups][16][RS]
@@ -198,17 +231,19 @@ def attention_mma_kernel[
     # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used.
     var copy_first = (tid // vec_per_row, tid % vec_per_row)
     var copy_step = (THREADS // vec_per_row, THREADS % vec_per_row)
-    var tiles = KeyTiles[dtype, kt](rowoff_s, k_s0, k_s1, span)
+    comptime Tiles = KeyTiles[dtype, kt, fp8, stages=MMA_FP8_STAGES if fp8 else 1]
+    var tiles = Tiles(rowoff_s, k_s0, k_s1, span, staging, stride)
     tiles.start(blk, p, tid)
     # Everything above reads only the op's inputs; a first tile of rows cached before this call
-    # is copied too, before the wait for the q step (pdl.mojo), whose q_full and new cache rows follow.
+    # is copied too (fp8: staged), before the wait for the q step (pdl.mojo), whose q_full and
+    # new cache rows follow.
     var copied = tiles.more() and tiles.first_is_old(blk, p)
     if copied:
-        copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row)
+        copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row, tid)
     wait_for_producers()
     allow_dependents()
     if tiles.more() and not copied:
-        copy_key_tile[dtype, kt, THREADS](blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row)
+        copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row, tid)
 
     # This lane's q fragments (rows g and g + 8 of its group), in dtype.
     var nks = dim // 16
@@ -232,11 +267,11 @@ def attention_mma_kernel[
             q_h[i] = x.cast[dtype]()  # exact: q_full holds dtype values
 
     while tiles.more():
-        var k_s = tiles.wait[fence=False](tid)
+        var k_s = tiles.wait[fence=False, threads=THREADS](blk, p, tid)
         var j0 = tiles.j0
-        if tiles.has_next:
-            copy_key_tile[dtype, kt, THREADS](
-                blocks_global, tiles.next_rows(), tiles.next_keys(), copy_first, copy_step, stride, vec_per_row
+        if tiles.has_next and not Tiles.COPIES_IN_WAIT:
+            copy_tile[THREADS](
+                tiles, p, blocks_global, tiles.next_rows(), tiles.next_keys(), copy_first, copy_step, stride, vec_per_row, tid
             )
             tiles.look_ahead(blk, p, tid)
 

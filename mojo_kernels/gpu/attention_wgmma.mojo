@@ -40,7 +40,16 @@ from max.gpu.compute.mma import (
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, external_memory
 from max.gpu.primitives.warp import shuffle_xor
 
-from .attention_block import AttentionBlock, AttentionParams, KeyTiles, RowMasks, fence_async_proxy, rescale_row
+from .attention_block import (
+    AttentionBlock,
+    AttentionParams,
+    KeyTiles,
+    RowMasks,
+    fence_async_proxy,
+    fp8_row_bytes,
+    key_tile_bytes,
+    rescale_row,
+)
 from .params import to_global
 from .pdl import allow_dependents, wait_for_producers
 
@@ -50,19 +59,21 @@ comptime WG_COUNT = 2
 comptime WG_BLOCK_THREADS = WG_COUNT * WG_THREADS
 comptime WG_VALUE_COLS = 256  # value columns per warpgroup (the N of the P V wgmma)
 comptime WG_KEY_DIM = 576  # compile-time key dim: the score k-loop is unrolled (DeepSeek: 512 + 64)
+comptime WG_RANK = WG_COUNT * WG_VALUE_COLS  # kv_lora_rank
+comptime WG_FP8_ROW_BYTES = fp8_row_bytes(WG_RANK, WG_KEY_DIM - WG_RANK)  # an fp8_ds_mla row: 656
 
 
 def wgmma_supported[dtype: DType](key_dim: Int, kv_lora_rank: Int) -> Bool:
     """Whether `attention_wgmma_kernel` handles these sizes."""
     comptime if dtype != DType.bfloat16 and dtype != DType.float16:
         return False
-    return key_dim == WG_KEY_DIM and kv_lora_rank == WG_COUNT * WG_VALUE_COLS
+    return key_dim == WG_KEY_DIM and kv_lora_rank == WG_RANK
 
 
-def attention_wgmma_smem_bytes[dtype: DType](kt: Int, key_dim: Int) -> Int:
-    """Dynamic shared memory of `attention_wgmma_kernel[dtype, kt]` (regions 16-byte aligned)."""
+def attention_wgmma_smem_bytes[dtype: DType](kt: Int, key_dim: Int, fp8_row_bytes: Int = 0) -> Int:
+    """Dynamic shared memory of `attention_wgmma_kernel[dtype, kt]` (regions 16-byte aligned); `fp8_row_bytes`: of an fp8_ds_mla cache."""
     var q_bytes = WG_ROWS * key_dim * size_of[dtype]()
-    var k_bytes = 2 * kt * key_dim * size_of[dtype]()
+    var k_bytes = key_tile_bytes[dtype](kt, key_dim * size_of[dtype](), fp8_row_bytes)
     var p_bytes = WG_ROWS * kt * size_of[dtype]()
     var row_bytes = (2 * WG_COUNT + 4) * WG_ROWS * 4  # row max / sum exchange, lo, hi, pos, slope
     var off_bytes = 2 * kt * 8
@@ -128,7 +139,7 @@ def quad_sum(x: Float32) -> Float32:
 
 
 def attention_wgmma_kernel[
-    dtype: DType, kt: Int
+    dtype: DType, kt: Int, fp8: Bool = False
 ](
     p: AttentionParams[dtype]
 ):
@@ -136,6 +147,7 @@ def attention_wgmma_kernel[
 
     Grid: `enqueue_attention`'s (a row slot or a task of the split schedule per block), block 256 threads,
     `attention_wgmma_smem_bytes` bytes of dynamic shared memory.
+    `fp8`: the keys are `p.fp8`'s `fp8_ds_mla` rows, widened into one bfloat16 tile (`KeyTiles`).
     """
     # The parameters the kernel reads, loaded at entry, and its epilogue written out: with
     # `AttentionBlock.store_stats` (and the loads at the end) ptxas 13.0 spilled 100 bytes
@@ -185,10 +197,12 @@ def attention_wgmma_kernel[
     var off = 0
     var q_s = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # [64][dim], core layout
     off += WG_ROWS * dim * ESZ
-    var k_s0 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # two buffers [kt][dim], core layout
-    off += kt * dim * ESZ
-    var k_s1 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()
-    off += kt * dim * ESZ
+    var k_s0 = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # two buffers [kt][dim], core layout (fp8: one)
+    var k_s1 = base.unsafe_offset(off + kt * dim * ESZ).unsafe_bitcast[Scalar[dtype]]()
+    var staging = base.unsafe_offset(off + kt * dim * ESZ)  # fp8: the staged rows
+    comptime if fp8:
+        k_s1 = k_s0
+    off += key_tile_bytes[dtype](kt, dim * ESZ, WG_FP8_ROW_BYTES if fp8 else 0)  # compile-time offsets
     var p_s = base.unsafe_offset(off).unsafe_bitcast[Scalar[dtype]]()  # [64][kt], core layout
     off += WG_ROWS * kt * ESZ
     var xmax_s = base.unsafe_offset(off).unsafe_bitcast[Float32]()  # [2][64]
@@ -249,16 +263,22 @@ def attention_wgmma_kernel[
     var l_b = Float32(0)
     var acc = SIMD[DType.float32, ACC_W](0)
 
-    var tiles = KeyTiles[dtype, kt](rowoff_s, k_s0, k_s1, span)
+    var tiles = KeyTiles[dtype, kt, fp8, core_layout=True, dims=(WG_RANK, WG_KEY_DIM - WG_RANK)](rowoff_s, k_s0, k_s1, span, staging, 0)
     tiles.start(blk, p, tid)
     if tiles.more():
-        copy_key_tile_core[dtype, kt](blocks_global, rowoff_s, k_s0, tid, chunks)
+        comptime if fp8:
+            tiles.copy_staged[WG_BLOCK_THREADS](p, rowoff_s, tid)
+        else:
+            copy_key_tile_core[dtype, kt](blocks_global, rowoff_s, k_s0, tid, chunks)
     while tiles.more():
         # This tile is in k_s; the previous tile's P V is done in both warpgroups.
-        var k_s = tiles.wait[fence=True](tid)
+        var k_s = tiles.wait[fence=True, threads=WG_BLOCK_THREADS](blk, p, tid)
         var j0 = tiles.j0
         if tiles.has_next:
-            copy_key_tile_core[dtype, kt](blocks_global, tiles.next_rows(), tiles.next_keys(), tid, chunks)
+            comptime if fp8:
+                tiles.copy_staged[WG_BLOCK_THREADS](p, tiles.next_rows(), tid)
+            else:
+                copy_key_tile_core[dtype, kt](blocks_global, tiles.next_rows(), tiles.next_keys(), tid, chunks)
             tiles.look_ahead(blk, p, tid)
 
         # S = Q K^T for this warpgroup's KH keys: dim / 16 k-steps of m64 n(KH) k16.

@@ -3,8 +3,9 @@
 A launch takes one parameter struct (FlashMLA's `Flash_fwd_mla_params`
 style): plain pointers and fixed-width scalars (`Int` is not
 `DevicePassable` in this Mojo), passed by bit copy (`KernelParams`).
-`DeviceBatch` and `DeviceCache` are the device forms of the root's
-`RaggedBatch` and `PagedLatentRows`, fields of the structs that need them.
+`DeviceBatch`, `DeviceCache` and `DeviceFp8Rows` are the device forms of the
+root's `RaggedBatch`, `PagedLatentRows` and `Fp8LatentRows`, fields of the
+structs that need them.
 
 Pointers a kernel reads or writes through are global memory: a kernel's
 loose pointer arguments are known to be global, a struct's fields are not
@@ -21,8 +22,8 @@ from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 
 from max.gpu.memory import AddressSpace
 
-from ..common import DPtr, U32Ptr
-from ..paged_cache import CacheShard, PagedLatentRows, PageTable, RaggedBatch
+from ..common import DPtr, FPtr, U8Ptr, U32Ptr
+from ..paged_cache import FP8_SCALE_BLOCK, CacheShard, Fp8LatentRows, PagedLatentRows, PageTable, RaggedBatch
 from .addressing import find_request
 
 
@@ -125,3 +126,46 @@ struct DeviceCache[dtype: DType](TrivialRegisterPassable):
             self.lookup, Int(self.pages_per_request), Int(self.page_size), Int(self.page_stride),
             Int(self.layer_offset), Int(self.key_dim),
         ).row_offset(b, pos)
+
+
+@fieldwise_init
+struct DeviceFp8Rows(TrivialRegisterPassable):
+    """`Fp8LatentRows` on the device: one layer's `fp8_ds_mla` rows, or none (`active` 0).
+
+    `rows` addresses them as a cache of bytes (`key_dim` = the row's bytes). A
+    row: `kv_lora_rank` e4m3 bytes, one float32 scale per 128 of them
+    (`scales`), `rope_dim` bfloat16 values (`rope`); `pymla/cache_format.py`.
+    """
+
+    var rows: DeviceCache[DType.uint8]
+    var kv_lora_rank: Int32
+    var rope_dim: Int32
+    var active: Int32
+
+    @staticmethod
+    def of(fp8: Fp8LatentRows) -> Self:
+        var rows = DeviceCache[DType.uint8](
+            fp8.bytes, fp8.lookup_table, Int32(fp8.pages_per_request), Int32(fp8.page_size),
+            Int64(fp8.page_stride), Int64(fp8.layer_offset), Int32(fp8.row_bytes),
+        )
+        return Self(rows, Int32(fp8.kv_lora_rank), Int32(fp8.rope_dim), Int32(1 if fp8.active else 0))
+
+    @always_inline
+    def row_bytes(self) -> Int:
+        return Int(self.rows.key_dim)
+
+    @always_inline
+    def row(self, b: Int, pos: Int) -> U8Ptr:
+        """The bytes of request `b`'s row at position `pos`."""
+        return self.rows.blocks.unsafe_offset(self.rows.row_offset(b, pos))
+
+    @always_inline
+    def scales(self, row: U8Ptr) -> FPtr:
+        """The row's float32 scales: one per 128 latent values."""
+        return row.unsafe_offset(Int(self.kv_lora_rank)).unsafe_bitcast[Float32]()
+
+    @always_inline
+    def rope(self, row: U8Ptr) -> DPtr[DType.bfloat16]:
+        """The row's bfloat16 rope values."""
+        var rank = Int(self.kv_lora_rank)
+        return row.unsafe_offset(rank + 4 * (rank // FP8_SCALE_BLOCK)).unsafe_bitcast[BFloat16]()

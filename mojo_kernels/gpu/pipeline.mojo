@@ -33,6 +33,11 @@ launches them; the kernels live in one file per concern:
                                 optional attention-output store; float32: `store_kernel` +
                                 `quantize_kernel` + `fp8_matmul_kernel`.
 
+An `fp8_ds_mla` cache (`p.fp8_cache`, bfloat16 ops): steps 1-2 quantize the new rows
+(`rope_norm_fp8_row`), step 5 takes the tensor-core kernels' fp8 instances (they
+widen each staged key tile into bfloat16, exactly; `KeyTiles`); the FMA attention
+kernel reads no fp8 rows (`check_fp8_shapes` refuses sizes only it takes).
+
 Rounding points are the reference's: `q_full` and the attention output
 hold dtype values (in float32 buffers), the probabilities enter P V rounded
 to dtype.
@@ -76,9 +81,9 @@ from .merge import (
     store_kernel,
     widen_kernel,
 )
-from .params import DeviceBatch, DeviceCache, to_global
+from .params import DeviceBatch, DeviceCache, DeviceFp8Rows, to_global
 from .pdl import launch_attributes
-from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes
+from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes, fp8_row_bytes
 from .projection import (
     MATMUL_M_TILE,
     MATMUL_SMEM_FLOATS,
@@ -102,10 +107,19 @@ from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rop
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
 
 
+def device_cache[dtype: DType](p: DecodeProblem[dtype]) -> DeviceCache[dtype]:
+    """The cache of `p` as kernel parameters; with `fp8_ds_mla` rows (`DeviceFp8Rows`) only its `key_dim` (R + Dr) counts."""
+    var cache = DeviceCache[dtype].of(p.cache)
+    if p.fp8_cache.active:
+        cache.key_dim = Int32(p.key_dim())
+    return cache
+
+
 def cache_rows_params[dtype: DType](p: DecodeProblem[dtype], count: Int) -> CacheRowsParams[dtype]:
     """Steps 1 and 2 on the first `count` new tokens' cache rows (0: none), as kernel parameters."""
     return CacheRowsParams[dtype](
-        DeviceCache[dtype].of(p.cache),
+        device_cache(p),
+        DeviceFp8Rows.of(p.fp8_cache),
         DeviceBatch.of(p.batch),
         p.freqs_cis,
         p.kv_norm_gamma,
@@ -334,45 +348,35 @@ def gpu_attention_with[
     attention kernel and the merge start early (programmatic dependent launch, pdl.mojo).
     With `quant` active (only with a merge) the merge writes step 6's quantized rows and the
     attention output (`has_attention_output`), not `raw`.
+    An `fp8_ds_mla` cache (bfloat16) takes the tensor-core kernels' fp8 instances.
     """
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
     comptime if groups > 0 and dtype != DType.bfloat16 and dtype != DType.float16:
         raise Error("pymla gpu: the tensor-core attention kernels take bf16 / f16 caches")
     else:
+        if p.fp8_cache.active and (groups == 0 or dtype != DType.bfloat16):
+            raise Error("pymla gpu: fp8_ds_mla rows are read by the tensor-core attention kernels of bfloat16 ops only")
         var num_tokens = p.num_tokens
         if num_tokens == 0 or p.num_heads == 0:
             return
-        var key_dim = p.cache.head_dim
+        var key_dim = p.key_dim()
         var rank = p.kv_lora_rank
         var rows = num_tokens * p.num_heads
         var part_out = ws.part_out.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var part_max = ws.part_max.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var part_sum = ws.part_sum.unsafe_ptr().unsafe_mut_cast[True]().unsafe_origin_cast[MutUntrackedOrigin]()
         var params = AttentionParams[dtype](
-            q_full, DeviceCache[dtype].of(p.cache), DeviceBatch.of(p.batch), Int32(p.num_heads), Int32(rank),
-            ws.schedule(), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
+            q_full, device_cache(p), DeviceFp8Rows.of(p.fp8_cache), DeviceBatch.of(p.batch), Int32(p.num_heads),
+            Int32(rank), ws.schedule(), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
             raw, part_out, part_max, part_sum,
         )
-        comptime if groups == 0:
-            var smem = attention_smem_bytes[dtype](key_dim)
-            if rank <= 2 * ATT_THREADS:
-                enqueue_attention[attention_fma_kernel[dtype, 2], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem, pdl)
+        comptime if groups > 0 and dtype == DType.bfloat16:
+            if p.fp8_cache.active:
+                enqueue_attention_variant[variant, fp8=True](ctx, p, params, num_tokens, key_dim, fp8_row_bytes(p), pdl)
             else:
-                enqueue_attention[attention_fma_kernel[dtype, 4], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem, pdl)
-        elif gw < 0:
-            enqueue_attention_with[attention_sm90_kernel[dtype], S9_ROWS](
-                ctx, TmaAttentionParams[dtype].create(ctx, p.cache, params), params, num_tokens, S9_THREADS,
-                attention_sm90_smem_bytes(), pdl,
-            )
-        elif gw == 0:
-            enqueue_attention[attention_wgmma_kernel[dtype, kt], WG_ROWS](
-                ctx, params, num_tokens, WG_BLOCK_THREADS, attention_wgmma_smem_bytes[dtype](kt, key_dim), pdl
-            )
+                enqueue_attention_variant[variant, fp8=False](ctx, p, params, num_tokens, key_dim, 0, pdl)
         else:
-            enqueue_attention[attention_mma_kernel[dtype, groups, kt, gw], MMA_ROWS * groups](
-                ctx, params, num_tokens, WARP_SIZE * gw * groups, attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim),
-                pdl,
-            )
+            enqueue_attention_variant[variant, fp8=False](ctx, p, params, num_tokens, key_dim, 0, pdl)
         if ws.split():
             var merge = MergeParams[dtype](
                 to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw), ws.schedule(), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
@@ -386,6 +390,41 @@ def gpu_attention_with[
                 ctx.enqueue_function[merge_kernel[dtype, False]](
                     merge, grid_dim=rows, block_dim=MERGE_THREADS, attributes=launch_attributes(pdl)
                 )
+
+
+def enqueue_attention_variant[
+    dtype: DType, //, variant: Tuple[Int, Int, Int], fp8: Bool
+](
+    ctx: DeviceContext, p: DecodeProblem[dtype], params: AttentionParams[dtype], num_tokens: Int, key_dim: Int,
+    fp8_rows: Int, pdl: Bool,
+) raises:
+    """Launches attention kernel `variant` of problem `p` on `params` (`fp8`: its instance reading `fp8_ds_mla`
+    rows of `fp8_rows` bytes; the TMA kernel reads only rows of dtype); with `pdl`, programmatic dependent
+    launch (pdl.mojo)."""
+    comptime groups, kt, gw = variant[0], variant[1], variant[2]
+    comptime if gw < 0:
+        comptime if fp8:
+            raise Error("pymla gpu: the TMA attention kernel reads no fp8_ds_mla rows")
+        else:
+            enqueue_attention_with[attention_sm90_kernel[dtype], S9_ROWS](
+                ctx, TmaAttentionParams[dtype].create(ctx, p.cache, params), params, num_tokens, S9_THREADS,
+                attention_sm90_smem_bytes(), pdl,
+            )
+    elif groups == 0:
+        var smem = attention_smem_bytes[dtype](key_dim)
+        if Int(params.kv_lora_rank) <= 2 * ATT_THREADS:
+            enqueue_attention[attention_fma_kernel[dtype, 2], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem, pdl)
+        else:
+            enqueue_attention[attention_fma_kernel[dtype, 4], ATT_ROWS](ctx, params, num_tokens, ATT_THREADS, smem, pdl)
+    elif gw == 0:
+        enqueue_attention[attention_wgmma_kernel[dtype, kt, fp8], WG_ROWS](
+            ctx, params, num_tokens, WG_BLOCK_THREADS, attention_wgmma_smem_bytes[dtype](kt, key_dim, fp8_rows), pdl
+        )
+    else:
+        enqueue_attention[attention_mma_kernel[dtype, groups, kt, gw, fp8], MMA_ROWS * groups](
+            ctx, params, num_tokens, WARP_SIZE * gw * groups, attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim, fp8_rows),
+            pdl,
+        )
 
 
 def merge_quantizes[dtype: DType](p: DecodeProblem[dtype], plan: GpuPlan, split: Bool) -> Bool:
@@ -447,8 +486,6 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     request times page size) bounds every request's visible keys; it only
     shapes the key partitioning (`GpuPlan`).
     """
-    if p.fp8_cache.active:
-        raise Error("pymla gpu: the fp8_ds_mla cache format is not yet on the GPU (CPU only)")
     if p.num_tokens == 0 or p.num_heads == 0:
         return
     if p.batch.shard.count > 1 and p.score_mod == SCORE_MOD_ALIBI_POS:

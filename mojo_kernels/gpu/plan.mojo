@@ -122,11 +122,17 @@ def attention_supported[
         return mma_supported[dtype, v[2]](key_dim, kv_lora_rank)
 
 
-def choose_attention[dtype: DType](num_heads: Int, key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Int:
-    """Index in ATTENTION_VARIANTS of the op's attention kernel."""
+def choose_attention[
+    dtype: DType
+](num_heads: Int, key_dim: Int, kv_lora_rank: Int, page_size: Int, fp8_rows: Bool = False) -> Int:
+    """Index in ATTENTION_VARIANTS of the op's attention kernel (`fp8_rows`: an `fp8_ds_mla` cache, which
+    the TMA kernel does not read)."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
-        if num_heads >= ATTENTION_MIN_HEADS[i] and attention_supported[dtype, ATTENTION_VARIANTS[i]](
-            key_dim, kv_lora_rank, page_size
+        comptime v = ATTENTION_VARIANTS[i]
+        if (
+            num_heads >= ATTENTION_MIN_HEADS[i]
+            and not (fp8_rows and v[2] < 0)
+            and attention_supported[dtype, v](key_dim, kv_lora_rank, page_size)
         ):
             return i
     return FMA_ATTENTION
@@ -143,12 +149,20 @@ def attention_rows_per_block(v: Tuple[Int, Int, Int]) -> Int:
     return v[0] * MMA_ROWS
 
 
-def attention_blocks_per_sm[dtype: DType](v: Tuple[Int, Int, Int], key_dim: Int, limits: DeviceLimits) -> Int:
-    """Blocks of variant `v` one SM holds (FMA: 256 threads at up to 255 registers; wgmma, sm90: one)."""
+def fp8_row_bytes[dtype: DType](p: DecodeProblem[dtype]) -> Int:
+    """Bytes per `fp8_ds_mla` cache row of `p`, 0 for a cache of `dtype` rows."""
+    return p.fp8_cache.row_bytes if p.fp8_cache.active else 0
+
+
+def attention_blocks_per_sm[
+    dtype: DType
+](v: Tuple[Int, Int, Int], key_dim: Int, limits: DeviceLimits, fp8_rows: Int = 0) -> Int:
+    """Blocks of variant `v` one SM holds (FMA: 256 threads at up to 255 registers; wgmma, sm90: one);
+    `fp8_rows`: the bytes of an `fp8_ds_mla` cache's rows."""
     if v[0] == 0 or v[2] <= 0:
         return 1
     var threads = v[0] * v[2] * WARP_SIZE
-    var smem = attention_mma_smem_bytes[dtype](v[0], v[1], v[2], key_dim)
+    var smem = attention_mma_smem_bytes[dtype](v[0], v[1], v[2], key_dim, fp8_rows)
     return max(1, min(limits.registers_per_sm // (MMA_REGISTERS * threads), limits.smem_per_sm // (smem + 1024)))
 
 
@@ -185,7 +199,8 @@ def attention_split[
 def uniform_partitions[dtype: DType](p: DecodeProblem[dtype], v: Tuple[Int, Int, Int], limits: DeviceLimits) -> Int:
     """`plan_partitions` for variant `v` on problem `p`: one count for every request, sized on the longest."""
     return plan_partitions(
-        p.num_tokens, p.num_heads, attention_rows_per_block(v), attention_blocks_per_sm[dtype](v, p.key_dim(), limits),
+        p.num_tokens, p.num_heads, attention_rows_per_block(v),
+        attention_blocks_per_sm[dtype](v, p.key_dim(), limits, fp8_row_bytes(p)),
         p.max_visible_keys(), limits.sm_count,
     )
 
@@ -232,7 +247,9 @@ struct GpuPlan(TrivialRegisterPassable):
     @staticmethod
     def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
         """The op's plan for `p` on a device of `limits`."""
-        var attention = choose_attention[dtype](p.num_heads, p.key_dim(), p.kv_lora_rank, p.cache.page_size)
+        var attention = choose_attention[dtype](
+            p.num_heads, p.key_dim(), p.kv_lora_rank, p.cache.page_size, p.fp8_cache.active
+        )
         return Self.with_attention(p, limits, attention)
 
     @staticmethod
@@ -262,7 +279,9 @@ struct GpuPlan(TrivialRegisterPassable):
 def check_gpu_shapes[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) raises:
     """Raises for sizes the GPU kernels do not handle."""
     var key_dim = p.key_dim()
-    if p.cache.head_dim != key_dim:
+    if p.fp8_cache.active:
+        check_fp8_shapes(p)
+    elif p.cache.head_dim != key_dim:
         raise Error("pymla gpu: cache head_dim ", p.cache.head_dim, " != kv_lora_rank + rope_dim = ", key_dim)
     if p.kv_lora_rank % 4 != 0 or p.rope_dim % 4 != 0:
         raise Error("pymla gpu: kv_lora_rank and rope_dim must be multiples of 4")
@@ -273,3 +292,19 @@ def check_gpu_shapes[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits
     var smem = attention_smem_bytes[dtype](key_dim)
     if smem > limits.smem_per_block:
         raise Error("pymla gpu: key dim ", key_dim, " needs ", smem, " bytes of shared memory")
+
+
+def check_fp8_shapes[dtype: DType](p: DecodeProblem[dtype]) raises:
+    """Raises for `fp8_ds_mla` rows the GPU does not read: a dtype other than bfloat16, a row size other than
+    `R + 4 R / 128 + 2 Dr`, or sizes no tensor-core attention kernel takes (the FMA kernel reads no fp8 rows)."""
+    comptime if dtype != DType.bfloat16:
+        raise Error("pymla gpu: fp8_ds_mla rows serve bfloat16 ops, got ", dtype)
+    var rank = p.kv_lora_rank
+    var row_bytes = rank + 4 * (rank // 128) + 2 * p.rope_dim
+    if rank % 128 != 0 or p.fp8_cache.row_bytes != row_bytes:
+        raise Error("pymla gpu: fp8_ds_mla rows of ", p.fp8_cache.row_bytes, " bytes, expected ", row_bytes, " (kv_lora_rank a multiple of 128)")
+    if choose_attention[dtype](p.num_heads, p.key_dim(), rank, p.cache.page_size, True) == FMA_ATTENTION:
+        raise Error(
+            "pymla gpu: fp8_ds_mla rows need a tensor-core attention kernel: key dim ", p.key_dim(),
+            " (a multiple of 16, at most 576) and kv_lora_rank ", rank, " (at most 512)",
+        )

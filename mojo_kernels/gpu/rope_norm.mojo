@@ -3,6 +3,7 @@
 The work of one token is a device function (`rope_norm_cache_row`, `rope_q_pair`)
 so that the fused q kernel (`steps_fused.mojo`) runs it as extra blocks of its
 own launch; `rope_norm_cache_kernel` and `rope_q_kernel` launch it alone.
+An `fp8_ds_mla` cache's new rows are quantized as they are stored (`rope_norm_fp8_row`).
 """
 
 from std.math import sqrt
@@ -13,9 +14,13 @@ from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
 from .addressing import ELEMENTWISE_THREADS
-from ..common import DPtr
+from ..common import DPtr, FPtr, U8Ptr
+from ..fp8 import cache_block_scale, e4m3_bytes, round_to_e4m3, widen_e4m3
+from ..paged_cache import FP8_SCALE_BLOCK
 from ..spec import rope_pair
-from .params import DeviceBatch, DeviceCache, GFPtr, GPtr, KernelParams
+from .params import DeviceBatch, DeviceCache, DeviceFp8Rows, GFPtr, GPtr, KernelParams
+
+comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
 
 
 @fieldwise_init
@@ -23,10 +28,12 @@ struct CacheRowsParams[dtype: DType](KernelParams):
     """Steps 1 and 2 on the new tokens' cache rows: where the rows are and how to normalize them.
 
     `count` rows (the new tokens; 0 = none); the raw row of token `t` is
-    `new_rows[t]` when `has_new_rows`, else the cache row itself.
+    `new_rows[t]` when `has_new_rows`, else the cache row itself. With an
+    `fp8_ds_mla` cache (`fp8.active`) the rows are `fp8`'s, quantized on store.
     """
 
-    var cache: DeviceCache[Self.dtype]
+    var cache: DeviceCache[Self.dtype]  # key_dim: values per row (R + Dr)
+    var fp8: DeviceFp8Rows
     var batch: DeviceBatch
     var freqs_cis: DPtr[Self.dtype]
     var gamma: DPtr[Self.dtype]
@@ -58,11 +65,41 @@ struct RopeQParams[dtype: DType](KernelParams):
 
 
 @always_inline
+def block_sum[threads: Int](x: Float32, sums: SPtr[Float32]) -> Float32:
+    """The sum of `x` over the block's `threads` threads (every thread calls it; it has a barrier)."""
+    var tid = thread_idx.x
+    var s = warp.sum(x)
+    if tid % WARP_SIZE == 0:
+        sums.unsafe_store(tid // WARP_SIZE, s)
+    barrier()
+    var total = Float32(0)
+    comptime for w in range(threads // WARP_SIZE):
+        total += sums.unsafe_load(w)
+    return total
+
+
+@always_inline
+def rotate_rope_part[
+    src_dtype: DType, dst_dtype: DType, freq_dtype: DType, threads: Int
+](src: DPtr[src_dtype], dst: DPtr[dst_dtype], freqs: DPtr[freq_dtype], rope: Int):
+    """`dst[:rope] = rope(src[:rope])` in pairs, by the block's threads (`dst` may be `src`)."""
+    for j in range(thread_idx.x, rope // 2, threads):
+        var x0 = src.unsafe_load(2 * j).cast[DType.float32]()
+        var x1 = src.unsafe_load(2 * j + 1).cast[DType.float32]()
+        var c = freqs.unsafe_load(2 * j).cast[DType.float32]()
+        var s = freqs.unsafe_load(2 * j + 1).cast[DType.float32]()
+        var y = rope_pair(x0, x1, c, s)
+        dst.unsafe_store(2 * j, y[0].cast[dst_dtype]())
+        dst.unsafe_store(2 * j + 1, y[1].cast[dst_dtype]())
+
+
+@always_inline
 def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t: Int):
     """RMSNorm of `row[:R]`, RoPE of `row[R:]` for new token `t`, by a block of `threads` threads.
 
     Every thread of the block calls it (it has a barrier). With a shard of the
     cache, only a token the shard holds, at its slot (the whole block returns otherwise).
+    An `fp8_ds_mla` cache (`a.fp8.active`, bfloat16 ops) takes `rope_norm_fp8_row`.
     """
     var sums = stack_allocation[threads // WARP_SIZE, Float32, address_space=AddressSpace.SHARED]()
     var tid = thread_idx.x
@@ -73,6 +110,10 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t
     var shard = a.batch.shard()
     if not shard.owns(pos):
         return
+    comptime if dtype == DType.bfloat16:
+        if a.fp8.active != 0:
+            rope_norm_fp8_row[dtype, threads](a, t, a.fp8.row(b, shard.local_count(pos)), pos, sums)
+            return
     var row = a.cache.blocks.unsafe_offset(a.cache.row_offset(b, shard.local_count(pos)))
 
     var src = a.new_rows.unsafe_offset(t * Int(a.cache.key_dim)) if a.has_new_rows != 0 else row
@@ -80,30 +121,75 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t
     for i in range(tid, rank, threads):
         var x = src.unsafe_load(i).cast[DType.float32]()
         sum_sq += x * x
-    sum_sq = warp.sum(sum_sq)
-    if tid % WARP_SIZE == 0:
-        sums.unsafe_store(tid // WARP_SIZE, sum_sq)
-    barrier()
-    var total = Float32(0)
-    comptime for w in range(threads // WARP_SIZE):
-        total += sums.unsafe_load(w)
+    var total = block_sum[threads](sum_sq, sums)
     var inv = Float32(1.0) / sqrt(total / Float32(rank) + a.epsilon)
     for i in range(tid, rank, threads):
         var x = src.unsafe_load(i).cast[DType.float32]()
         var g = a.gamma.unsafe_load(i).cast[DType.float32]()
         row.unsafe_store(i, (x * inv * g).cast[dtype]())
+    rotate_rope_part[dtype, dtype, dtype, threads](
+        src.unsafe_offset(rank), row.unsafe_offset(rank), a.freqs_cis.unsafe_offset(pos * rope), rope
+    )
 
-    var rsrc = src.unsafe_offset(rank)
-    var rrow = row.unsafe_offset(rank)
-    var freqs = a.freqs_cis.unsafe_offset(pos * rope)
-    for j in range(tid, rope // 2, threads):
-        var x0 = rsrc.unsafe_load(2 * j).cast[DType.float32]()
-        var x1 = rsrc.unsafe_load(2 * j + 1).cast[DType.float32]()
-        var c = freqs.unsafe_load(2 * j).cast[DType.float32]()
-        var s = freqs.unsafe_load(2 * j + 1).cast[DType.float32]()
-        var y = rope_pair(x0, x1, c, s)
-        rrow.unsafe_store(2 * j, y[0].cast[dtype]())
-        rrow.unsafe_store(2 * j + 1, y[1].cast[dtype]())
+
+@always_inline
+def rope_norm_fp8_row[
+    dtype: DType, threads: Int
+](a: CacheRowsParams[dtype], t: Int, row: U8Ptr, pos: Int, sums: SPtr[Float32]):
+    """Steps 1 and 2 of new token `t` into its `fp8_ds_mla` row `row`, as the CPU's `Fp8LatentRows.store_row`.
+
+    The source is `new_rows[t]` when given, else the row's own values (e4m3 x
+    scale, exact). RMSNorm rounded to `dtype` (bfloat16) as the bf16 cache
+    stores it; then warp `w` quantizes the 128-value blocks `w, w + warps, ..`
+    (4 values per lane): scale `cache_block_scale(amax)`, bytes
+    `e4m3_rne(x / scale)`; the rope part rotated into the row as bfloat16.
+    Each warp reads a block before it writes it (in place, the warp's
+    reduction orders the reads of the old scale before lane 0 writes the new one).
+    """
+    var tid = thread_idx.x
+    var lane = tid % WARP_SIZE
+    var rank = Int(a.kv_lora_rank)
+    var rope = Int(a.rope_dim)
+    var has_new = a.has_new_rows != 0
+    var src = a.new_rows.unsafe_offset(t * (rank + rope))
+    var scales = a.fp8.scales(row)
+    var rope_row = a.fp8.rope(row)
+
+    var sum_sq = SIMD[DType.float32, 4](0)
+    for i in range(4 * tid, rank, 4 * threads):
+        var x = fp8_row_source(src, row, scales, has_new, i)
+        sum_sq += x * x
+    var total = block_sum[threads](sum_sq.reduce_add(), sums)  # its barrier: every read of pass 1 is done
+    var inv = Float32(1.0) / sqrt(total / Float32(rank) + a.epsilon)
+    for blk in range(tid // WARP_SIZE, rank // FP8_SCALE_BLOCK, threads // WARP_SIZE):
+        var i = blk * FP8_SCALE_BLOCK + 4 * lane
+        var x = fp8_row_source(src, row, scales, has_new, i)
+        var g = a.gamma.unsafe_load[width=4](i).cast[DType.float32]()
+        var y = (x * inv * g).cast[dtype]().cast[DType.float32]()
+        var s = cache_block_scale(warp.max(abs(y).reduce_max()))
+        row.unsafe_offset(i).unsafe_store[alignment=4](0, e4m3_bytes[4](round_to_e4m3[4](y / s)))
+        if lane == 0:
+            scales.unsafe_store(blk, s)
+    if has_new:
+        rotate_rope_part[dtype, DType.bfloat16, dtype, threads](
+            src.unsafe_offset(rank), rope_row, a.freqs_cis.unsafe_offset(pos * rope), rope
+        )
+    else:
+        rotate_rope_part[DType.bfloat16, DType.bfloat16, dtype, threads](
+            rope_row, rope_row, a.freqs_cis.unsafe_offset(pos * rope), rope
+        )
+
+
+@always_inline
+def fp8_row_source[
+    dtype: DType
+](src: DPtr[dtype], row: U8Ptr, scales: FPtr, has_new: Bool, i: Int) -> SIMD[DType.float32, 4]:
+    """Latent values `i .. i + 3` of a new fp8 row's source: `new_rows` (`has_new`), else the row's own (e4m3 x scale)."""
+    if has_new:
+        return src.unsafe_load[width=4](i).cast[DType.float32]()
+    return widen_e4m3[4](row.unsafe_offset(i).unsafe_load[width=4, alignment=4](0)) * scales.unsafe_load(
+        i // FP8_SCALE_BLOCK
+    )
 
 
 def rope_norm_cache_kernel[dtype: DType](a: CacheRowsParams[dtype]):

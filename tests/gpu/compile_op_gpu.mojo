@@ -1,7 +1,7 @@
 # Offline check that the registered op compiles for the GPU (no GPU needed), once
 # `MLADecodeBranchFP8.execute` dispatches `target == "gpu"` to `mla_decode_branch_fp8_gpu`:
 #     mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/compile_op_gpu.mojo -o /tmp/op_gpu/op.s
-# It instantiates `execute` for target "gpu" (bf16, f16, f32) and "cpu" (bf16, and bf16 with a uint8 fp8_ds_mla cache) with placeholder
+# It instantiates `execute` for target "gpu" (bf16, f16, f32, and bf16 with a uint8 fp8_ds_mla cache) and "cpu" (bf16, and bf16 with the fp8 cache) with placeholder
 # tensors; the build writes one .ptx per kernel next to op.s (check them with
 # `ptxas -arch=sm_90a -v FILE.ptx -o /dev/null`). The program itself is never run.
 
@@ -62,6 +62,7 @@ def main() raises:
         instantiate[DType.bfloat16, "gpu"](ctx)
         instantiate[DType.float16, "gpu"](ctx)
         instantiate[DType.float32, "gpu"](ctx)
+        instantiate[DType.bfloat16, "gpu", DType.uint8](ctx)
         instantiate[DType.bfloat16, "cpu"](ctx)
         instantiate[DType.bfloat16, "cpu", DType.uint8](ctx)
     else:

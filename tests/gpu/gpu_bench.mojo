@@ -1,13 +1,15 @@
 # GPU timings of mojo_kernels/gpu/ (no correctness checks: tests/gpu/gpu_smoke.mojo).
 #
 # Run on a machine with an NVIDIA GPU, from the repository root; configurations are
-# BATCH:HEADS:CACHE_LEN[:ITERS] (one new token per request, bf16):
+# BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]] (one new token per request, bf16; `fp8`: the configuration
+# with a bf16 cache, then with an fp8_ds_mla cache, side by side):
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench                     # the copy rate, then the whole op
 #                                                                      # (B=64 H=16/128 L=4096, B=1 L=32768, B=256 L=1024)
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the whole op on these configurations,
 #                                                                      # PDL and the quantization in the merge off / on,
 #                                                                      # alternating (GpuPlan.pdl, quantize_in_merge)
 #     mojo run -I . tests/gpu/gpu_bench.mojo variants 64:128:8191:5    # step 5 alone: the op's plan, then pinned kernels
+#     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:4095:5:fp8   # the whole op, bf16 cache then fp8_ds_mla cache
 #     mojo run -I . tests/gpu/gpu_bench.mojo proj 64:128:0:50          # steps 1-4 on q and step 6 alone, every tile shape
 
 from std.sys import argv, has_accelerator, size_of
@@ -63,6 +65,15 @@ def bench_copy(ctx: DeviceContext, iters: Int) raises:
     print("copy", 2.0 * Float64(N * 4) / s / 1e9, "GB/s (bytes read + written, 1 GiB device-to-device)")
 
 
+def cache_row_bytes[dtype: DType](c: Case) -> Int:
+    """Bytes per cache row: of dtype values, or an fp8_ds_mla row."""
+    return c.row_bytes if c.fp8 else c.key_dim * size_of[dtype]()
+
+
+def cache_label(c: Case) -> String:
+    return String("fp8_ds_mla cache") if c.fp8 else String("dtype cache")
+
+
 def time_op[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], plan: GpuPlan, iters: Int) raises -> Float64:
     """Microseconds per call of the whole op under `plan`, `iters` calls back to back after one warm-up."""
     d.run_plan(ctx, c, plan)
@@ -98,15 +109,15 @@ def split_label(plan: GpuPlan) -> String:
 
 def bench[
     dtype: DType
-](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False) raises:
-    """Times the whole op on a DeepSeek-sized decode step (one new token per request): the op's plan, and
-    the plan with one choice turned the other way each (programmatic dependent launch, `GpuPlan.pdl`;
-    step 6's quantization in step 6, not the merge, `quantize_in_merge`; the split schedule in a
-    launch of its own, not the q step's, `schedule_in_q_step`), the four alternating, two rounds:
-    an A/B in one process."""
-    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long)  # random inputs, no CPU reference (large)
+](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False, fp8: Bool = False) raises:
+    """Times the whole op on a DeepSeek-sized decode step (one new token per request; `fp8`: an fp8_ds_mla
+    cache): the op's plan, and the plan with one choice turned the other way each (programmatic
+    dependent launch, `GpuPlan.pdl`; step 6's quantization in step 6, not the merge,
+    `quantize_in_merge`; the split schedule in a launch of its own, not the q step's,
+    `schedule_in_q_step`), the four alternating, two rounds: an A/B in one process."""
+    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long, fp8=fp8)  # random inputs, no CPU reference (large)
     var d = DeviceCase[dtype](ctx, c)
-    var cache_bytes = Float64(visible_keys(c) * c.key_dim * size_of[dtype]())
+    var cache_bytes = Float64(visible_keys(c) * cache_row_bytes[dtype](c))
     var weight_bytes = Float64(len(c.w_uk.bytes) + len(c.w_uv.bytes))
     var flops = 2.0 * Float64(heads) * Float64(visible_keys(c)) * Float64(c.key_dim + c.rank)
     var best = [Float64(1e30), Float64(1e30), Float64(1e30), Float64(1e30)]
@@ -119,12 +130,12 @@ def bench[
             var us = time_op[dtype](ctx, c, d, plan, iters)
             best[mode] = min(best[mode], us)
             print(
-                "bench", dtype, shape_label(batch, heads, cache_len, one_long), "(", names[mode], ", ", split_label(plan),
+                "bench", dtype, cache_label(c), shape_label(batch, heads, cache_len, one_long), "(", names[mode], ", ", split_label(plan),
                 " ) :", us, "us per call,", (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,",
                 flops / us / 1e6, "TFLOP/s attention",
             )
     for mode in range(4):
-        print("  best of 2,", names[mode], ":", best[mode], "us (", best[mode] - best[0], "us vs the op's plan )")
+        print("  best of 2,", cache_label(c), names[mode], ":", best[mode], "us (", best[mode] - best[0], "us vs the op's plan )")
 
 
 def plan_mode(plan: GpuPlan, mode: Int) -> GpuPlan:
@@ -186,7 +197,7 @@ def bench_attention[
         else:
             gpu_attention_with[dtype, v](ctx, problem, untracked(q_full), untracked(raw), ws, False, QuantizedRows.none(to_global(untracked(raw))))
     var us = time_us(ctx, t0) / Float64(iters)
-    var cache_bytes = Float64(visible_keys(c) * c.key_dim * size_of[dtype]())
+    var cache_bytes = Float64(visible_keys(c) * cache_row_bytes[dtype](c))
     var line = String(
         "  attention groups ", v[0], " kt ", v[1], " warps/group ", v[2], " : ", us, " us, ", cache_bytes / us / 1e3,
         " GB/s of cache",
@@ -208,9 +219,9 @@ def bench_attention[
 
 def bench_variants[
     dtype: DType
-](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False) raises:
-    """Step 5 alone, the op's plan and pinned attention kernels, on one decode step."""
-    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long)
+](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False, fp8: Bool = False) raises:
+    """Step 5 alone, the op's plan and pinned attention kernels, on one decode step (`fp8`: an fp8_ds_mla cache)."""
+    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long, fp8=fp8)
     var d = DeviceCase[dtype](ctx, c)
     var rows = c.num_tokens * c.heads
     var q_host = List[Float32]()
@@ -219,7 +230,7 @@ def bench_variants[
         q_host.append(rng.normal())
     var q_full = upload[DType.float32](ctx, q_host)
     var raw = ctx.enqueue_create_buffer[DType.float32](rows * c.rank)
-    print("variants", shape_label(batch, heads, cache_len, one_long))
+    print("variants", cache_label(c), shape_label(batch, heads, cache_len, one_long))
     bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
     bench_attention[dtype, UNIFORM_SPLIT](ctx, c, d, q_full, raw, iters, expected)
@@ -343,15 +354,16 @@ def bench_candidate_tile[
     print(line)
 
 
-def one_long_of(config: String) raises -> Bool:
-    """Whether configuration `config` (BATCH:HEADS:CACHE_LEN[:ITERS[:one-long]]) asks for one long request
-    beside short ones."""
+def config_flag(config: String, flag: String) raises -> Bool:
+    """Whether configuration `config` (BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]]) has `flag`: `one-long` (the
+    first request CACHE_LEN, the others CACHE_LEN // 16) or `fp8` (the fp8_ds_mla cache too)."""
     var f = config.split(":")
-    if len(f) <= 4:
-        return False
-    if String(f[4]) != "one-long":
-        raise Error("gpu_bench: the fifth field of a configuration is one-long, got ", f[4])
-    return True
+    var found = False
+    for i in range(4, len(f)):
+        if String(f[i]) != "one-long" and String(f[i]) != "fp8":
+            raise Error("gpu_bench: a configuration's flags are one-long and fp8, got ", f[i])
+        found = found or String(f[i]) == flag
+    return found
 
 
 def main() raises:
@@ -362,27 +374,31 @@ def main() raises:
         var ctx = DeviceContext()
         var args = argv()
         var mode = String(args[1]) if len(args) > 1 else String("")
-        # Configurations BATCH:HEADS:CACHE_LEN[:ITERS[:one-long]], e.g. 64:128:8191:5 (one-long: the
-        # first request CACHE_LEN, the others CACHE_LEN // 16)
+        # Configurations BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]], e.g. 64:128:8191:5 or 8:16:8191:10:fp8
+        # (`config_flag`: one-long, fp8)
         if mode == "proj":
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
                 bench_proj[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[3]) if len(f) > 3 else 50)
-        elif mode == "variants":
+        elif mode == "variants" or mode == "bench":
+            if mode == "bench":
+                bench_copy(ctx, 10)
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
-                bench_variants[DType.bfloat16](
-                    ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10, one_long_of(String(args[i]))
-                )
-        elif mode == "bench":
-            bench_copy(ctx, 10)
-            for i in range(2, len(args)):
-                var f = String(args[i]).split(":")
-                bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), Int(f[3]) if len(f) > 3 else 10, one_long_of(String(args[i])))
-            if len(args) == 2:
+                var iters = Int(f[3]) if len(f) > 3 else 10
+                var one_long = config_flag(String(args[i]), "one-long")
+                # the bf16 cache, then (`:fp8`) the fp8_ds_mla cache: side by side
+                for fp8 in [False, True]:
+                    if fp8 and not config_flag(String(args[i]), "fp8"):
+                        break
+                    if mode == "bench":
+                        bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, one_long, fp8)
+                    else:
+                        bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, one_long, fp8)
+            if mode == "bench" and len(args) == 2:
                 bench[DType.bfloat16](ctx, 64, 16, 4095, 20)
                 bench[DType.bfloat16](ctx, 64, 128, 4095, 5)
                 bench[DType.bfloat16](ctx, 1, 128, 32767, 20)
                 bench[DType.bfloat16](ctx, 256, 16, 1023, 20)
         else:
-            raise Error("gpu_bench: mode bench, variants or proj, then BATCH:HEADS:CACHE_LEN[:ITERS]...")
+            raise Error("gpu_bench: mode bench, variants or proj, then BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]]...")

@@ -1,5 +1,7 @@
 # The cases of the GPU checks (gpu_smoke.mojo) and timings (gpu_bench.mojo): random inputs on
 # the host (`Case`), the same on the device with each step launched alone (`DeviceCase`).
+# A case with `fp8` holds its cache as fp8_ds_mla rows (`fp8_bytes`, pymla/cache_format.py);
+# its `blocks` are then those rows' values (e4m3 x scale, exact bfloat16 values).
 
 from std.math import cos, log, sin, sqrt
 from std.memory import bitcast
@@ -7,6 +9,7 @@ from std.memory import bitcast
 from max.gpu.host import DeviceBuffer, DeviceContext
 
 from mojo_kernels.common import DPtr
+from mojo_kernels.fp8 import cache_block_scale, e4m3_bytes, round_to_e4m3, widen_e4m3
 from mojo_kernels.gpu.pipeline import (
     cache_rows_params,
     gpu_attention,
@@ -74,6 +77,47 @@ def fp8_byte(x: Float32) -> UInt8:
 
 def round_to[dtype: DType](x: Float32) -> Float32:
     return x.cast[dtype]().cast[DType.float32]()
+
+
+def fp8_row_bytes(rank: Int, rope: Int) -> Int:
+    """Bytes of an fp8_ds_mla row: R e4m3 bytes, R / 128 float32 scales, Dr bfloat16 values."""
+    return rank + 4 * (rank // 128) + 2 * rope
+
+
+def quantize_row(values: List[Float32], at: Int, rank: Int, rope: Int, mut bytes: List[UInt8], bat: Int):
+    """`values[at : at + R + Dr]` (bfloat16 values) into the fp8_ds_mla row `bytes[bat ..]`: the CPU's
+    `Fp8LatentRows.store_row` (per 128 values the scale `cache_block_scale(amax)`, e4m3 RNE bytes; rope as bf16)."""
+    for blk in range(rank // 128):
+        var amax = Float32(0)
+        for i in range(128):
+            amax = max(amax, abs(values[at + blk * 128 + i]))
+        var s = cache_block_scale(amax)
+        for i in range(128):
+            var x = SIMD[DType.float32, 1](values[at + blk * 128 + i] / s)
+            bytes[bat + blk * 128 + i] = e4m3_bytes[1](round_to_e4m3[1](x))[0]
+        var sb = bitcast[DType.uint8, 4](s)
+        for k in range(4):
+            bytes[bat + rank + 4 * blk + k] = sb[k]
+    var rope_at = bat + rank + 4 * (rank // 128)
+    for d in range(rope):  # bfloat16 bits: the float32 bits' top half (the values are bfloat16 values)
+        var bits = bitcast[DType.uint32, 1](SIMD[DType.float32, 1](values[at + rank + d].cast[DType.bfloat16]().cast[DType.float32]()))[0] >> 16
+        bytes[rope_at + 2 * d] = UInt8(bits & 0xFF)
+        bytes[rope_at + 2 * d + 1] = UInt8(bits >> 8)
+
+
+def dequantize_row(bytes: List[UInt8], bat: Int, rank: Int, rope: Int, mut values: List[Float32], at: Int):
+    """The values of the fp8_ds_mla row `bytes[bat ..]` into `values[at : at + R + Dr]` (e4m3 x scale, then rope)."""
+    for blk in range(rank // 128):
+        var s = bitcast[DType.float32, 1](
+            SIMD[DType.uint8, 4](bytes[bat + rank + 4 * blk], bytes[bat + rank + 4 * blk + 1],
+                                 bytes[bat + rank + 4 * blk + 2], bytes[bat + rank + 4 * blk + 3])
+        )[0]
+        for i in range(128):
+            values[at + blk * 128 + i] = widen_e4m3[1](SIMD[DType.uint8, 1](bytes[bat + blk * 128 + i]))[0] * s
+    var rope_at = bat + rank + 4 * (rank // 128)
+    for d in range(rope):
+        var bits = (UInt32(bytes[rope_at + 2 * d + 1]) << 24) | (UInt32(bytes[rope_at + 2 * d]) << 16)
+        values[at + rank + d] = bitcast[DType.float32, 1](SIMD[DType.uint32, 1](bits))[0]
 
 
 struct QuantWeights(Movable):
@@ -153,6 +197,9 @@ struct Case(Movable):
     var freqs: List[Float32]  # [S, Dr]
     var gamma: List[Float32]  # [R]
     var blocks: List[Float32]  # [num_blocks, 1, L, ps, 1, D]
+    var fp8: Bool  # the cache holds fp8_ds_mla rows (`fp8_bytes`); `blocks` are their values
+    var row_bytes: Int  # of an fp8_ds_mla row
+    var fp8_bytes: List[UInt8]  # [num_blocks, 1, L, ps, 1, row_bytes] when `fp8`
     var w_uk: QuantWeights
     var w_uv: QuantWeights
 
@@ -177,6 +224,7 @@ struct Case(Movable):
         gm: Int = 1,
         gn: Int = 128,
         gk: Int = 128,
+        fp8: Bool = False,
     ):
         var rng = Rng(seed)
         self.heads = heads
@@ -228,6 +276,16 @@ struct Case(Movable):
         self.blocks = List[Float32](length=row_elems, fill=0)
         for i in range(row_elems):
             self.blocks[i] = round_to[dtype](rng.normal() * 2 + 0.5)
+        self.fp8 = fp8
+        self.row_bytes = fp8_row_bytes(rank, rope)
+        self.fp8_bytes = List[UInt8](length=1, fill=0)
+        if fp8:
+            var physical_rows = self.num_blocks * num_layers * page_size
+            self.fp8_bytes = List[UInt8](length=physical_rows * self.row_bytes, fill=0)
+            for r in range(physical_rows):
+                quantize_row(self.blocks, r * self.key_dim, rank, rope, self.fp8_bytes, r * self.row_bytes)
+            for r in range(physical_rows):
+                dequantize_row(self.fp8_bytes, r * self.row_bytes, rank, rope, self.blocks, r * self.key_dim)
         self.q = List[Float32](length=self.num_tokens * heads * (nope + rope), fill=0)
         for i in range(len(self.q)):
             self.q[i] = round_to[dtype](rng.normal() * 1.5)
@@ -246,6 +304,27 @@ struct Case(Movable):
     def row_offset(self, b: Int, pos: Int) -> Int:
         var page = Int(self.lookup[b * self.pages_per_request + pos // self.page_size])
         return ((page * self.num_layers + self.layer) * self.page_size + pos % self.page_size) * self.key_dim
+
+    def fp8_row_offset(self, b: Int, pos: Int) -> Int:
+        """Byte offset of request `b`'s fp8_ds_mla row at `pos`."""
+        return self.row_offset(b, pos) // self.key_dim * self.row_bytes
+
+    def values_of(self, fp8_bytes: List[UInt8]) -> List[Float32]:
+        """Every row's values (`blocks`' layout) of a cache of fp8_ds_mla rows."""
+        var rows = len(fp8_bytes) // self.row_bytes
+        var values = List[Float32](length=rows * self.key_dim, fill=0)
+        for r in range(rows):
+            dequantize_row(fp8_bytes, r * self.row_bytes, self.rank, self.rope, values, r * self.key_dim)
+        return values^
+
+    def quantized_new_rows(self, values: List[Float32]) -> List[UInt8]:
+        """`fp8_bytes` with the new tokens' rows quantized from `values` (`blocks`' layout): the expected cache."""
+        var out = self.fp8_bytes.copy()
+        for t in range(self.num_tokens):
+            var b = self.request_of(t)
+            var pos = self.position(t)
+            quantize_row(values, self.row_offset(b, pos), self.rank, self.rope, out, self.fp8_row_offset(b, pos))
+        return out^
 
     def request_of(self, t: Int) -> Int:
         var b = 0
@@ -299,6 +378,13 @@ def upload_u8(ctx: DeviceContext, values: List[UInt8]) raises -> DeviceBuffer[DT
     return buf^
 
 
+def download_u8(ctx: DeviceContext, buf: DeviceBuffer[DType.uint8]) raises -> List[UInt8]:
+    var host = List[UInt8](length=len(buf), fill=0)
+    ctx.enqueue_copy(dst_ptr=host.unsafe_ptr(), src_buf=buf)
+    ctx.synchronize()
+    return host^
+
+
 def download[dtype: DType](ctx: DeviceContext, buf: DeviceBuffer[dtype], n: Int) raises -> List[Float32]:
     var host = List[Scalar[dtype]](length=max(len(buf), 1), fill=0)
     ctx.enqueue_copy(dst_ptr=host.unsafe_ptr(), src_buf=buf)
@@ -323,6 +409,7 @@ struct DeviceCase[dtype: DType](Movable):
     var freqs: DeviceBuffer[Self.dtype]
     var gamma: DeviceBuffer[Self.dtype]
     var blocks: DeviceBuffer[Self.dtype]
+    var fp8_bytes: DeviceBuffer[DType.uint8]  # the cache when the case is `fp8` (else unused)
     var w_uk: DeviceBuffer[DType.uint8]
     var w_uk_scale: DeviceBuffer[DType.float32]
     var w_uv: DeviceBuffer[DType.uint8]
@@ -337,6 +424,7 @@ struct DeviceCase[dtype: DType](Movable):
         self.freqs = upload[Self.dtype](ctx, c.freqs)
         self.gamma = upload[Self.dtype](ctx, c.gamma)
         self.blocks = upload[Self.dtype](ctx, c.blocks)
+        self.fp8_bytes = upload_u8(ctx, c.fp8_bytes)
         self.w_uk = upload_u8(ctx, c.w_uk.bytes)
         self.w_uk_scale = upload[DType.float32](ctx, c.w_uk.scales)
         self.w_uv = upload_u8(ctx, c.w_uv.bytes)
@@ -344,11 +432,22 @@ struct DeviceCase[dtype: DType](Movable):
         self.output = ctx.enqueue_create_buffer[Self.dtype](max(c.num_tokens * c.heads * c.v_dim, 1))
 
     def problem(self, c: Case) -> DecodeProblem[Self.dtype]:
-        """The op's inputs: no attention output, no new rows (the rows are in the cache, of dtype)."""
+        """The op's inputs: no attention output, no new rows (the rows are in the cache, of dtype or,
+        for an `fp8` case, fp8_ds_mla rows as the op passes them: `cache` over the bytes, `fp8_cache` active)."""
         var rows = PagedLatentRows[Self.dtype].create(
             untracked(self.blocks), untracked(self.lookup), c.pages_per_request,
             c.num_layers, c.page_size, c.key_dim, c.layer,
         )
+        var fp8 = Fp8LatentRows.absent(rows)
+        if c.fp8:
+            rows = PagedLatentRows[Self.dtype].create(
+                untracked(self.fp8_bytes).unsafe_bitcast[Scalar[Self.dtype]](), untracked(self.lookup),
+                c.pages_per_request, c.num_layers, c.page_size, c.row_bytes, c.layer,
+            )
+            fp8 = Fp8LatentRows.create(
+                untracked(self.fp8_bytes), untracked(self.lookup), c.pages_per_request, c.num_layers, c.page_size,
+                c.row_bytes, c.layer, c.rank,
+            )
         return DecodeProblem[Self.dtype](
             untracked(self.output), True, untracked(self.q),
             RaggedBatch(untracked(self.offsets), untracked(self.lengths), c.num_requests, CacheShard.whole()),
@@ -362,7 +461,7 @@ struct DeviceCase[dtype: DType](Movable):
             untracked(self.w_uk_scale), False,  # no lse
             untracked(self.q), False,  # no new_rows
             False,  # all six steps
-            Fp8LatentRows.absent(rows),
+            fp8,
         )
 
     def plan(self, ctx: DeviceContext, c: Case) raises -> GpuPlan:
@@ -446,12 +545,13 @@ def variant_index[v: Tuple[Int, Int, Int]]() -> Int:
 
 def decode_case[
     dtype: DType
-](batch: Int, heads: Int, cache_len: Int, seed: Int = 99, one_long: Bool = False) -> Case:
+](batch: Int, heads: Int, cache_len: Int, seed: Int = 99, one_long: Bool = False, fp8: Bool = False) -> Case:
     """A DeepSeek-sized decode step: `batch` requests of `cache_len` cached tokens and one new token each
-    (`one_long`: the first request's; the others have `cache_len // 16`, a long request beside short ones)."""
+    (`one_long`: the first request's; the others have `cache_len // 16`, a long request beside short ones;
+    `fp8`: the cache in fp8_ds_mla rows)."""
     var lengths = List[Int]()
     var news = List[Int]()
     for b in range(batch):
         lengths.append(cache_len if b == 0 or not one_long else cache_len // 16)
         news.append(1)
-    return Case.__init__[dtype](seed, heads, lengths, news, page_size=64, num_layers=1, layer=0)
+    return Case.__init__[dtype](seed, heads, lengths, news, page_size=64, num_layers=1, layer=0, fp8=fp8)

@@ -2,13 +2,16 @@
 #
 # Run on a machine with an NVIDIA GPU, from the repository root:
 #     mojo run -I . tests/gpu/gpu_smoke.mojo            # the correctness cases
+#     mojo run -I . tests/gpu/gpu_smoke.mojo fp8        # the fp8_ds_mla cache's cases alone
 #     mojo run -I . tests/gpu/gpu_smoke.mojo sm90       # only the sm90 (TMA) kernel's raw checks, every case
 # (timings: tests/gpu/gpu_bench.mojo). Build without a GPU (checks that every kernel compiles
 # for sm_90, emits PTX):
 #     mojo build --target-accelerator=sm_90 --emit asm -I . tests/gpu/gpu_smoke.mojo -o /tmp/smoke/smoke.s
 #
 # Each case checks, in order:
-#   cache   rows rotated + normalized in place (CPU loops on the same inputs), other bytes unchanged
+#   cache   rows rotated + normalized in place (CPU loops on the same inputs), other bytes unchanged;
+#           an fp8_ds_mla cache (`fp8` cases): the new rows quantized as the CPU's Fp8LatentRows.store_row
+#           (bytes, power-of-two scales, values within an e4m3 step), and from `new_rows` byte for byte alike
 #   q_full  concat(fp8mm(q_nope, w_uk), rope(q_rope)) against the blockwise fp8 formula of pymla/quant.py,
 #           with every projection tile and the FMA path pinned by a plan, then the op's plan
 #   raw     attention from the GPU's own q_full and cache (float64 on the CPU), without a split, with
@@ -18,9 +21,11 @@
 #   output  output projection of the GPU's raw (CPU fp8mm), then the whole op against the CPU pipeline
 #           with the tolerance of pymla/parity.py, with programmatic dependent launch (PDL) on and
 #           off (`GpuPlan.pdl`) and step 6's quantization in the partition merge on and off
-#           (`GpuPlan.quantize_in_merge`), the four bit for bit equal
+#           (`GpuPlan.quantize_in_merge`), the four bit for bit equal (output, attention output and
+#           the cache: its values, or an fp8_ds_mla cache's bytes)
 # Exit status 1 if any check fails.
 
+from std.memory import bitcast
 from std.sys import argv, has_accelerator
 from std.utils.numerics import nan
 
@@ -42,7 +47,7 @@ from mojo_kernels.gpu.plan import (
 )
 from mojo_kernels.spec import Granularity
 
-from gpu_case import Case, DeviceCase, download, round_to, variant_index
+from gpu_case import Case, DeviceCase, download, download_u8, round_to, untracked, upload, upload_u8, variant_index
 from gpu_reference import cpu_attention, cpu_attention_lse, cpu_cache_rows, cpu_output, cpu_q_full
 
 
@@ -165,6 +170,78 @@ def check_cache[dtype: DType](c: Case, got: List[Float32], want: List[Float32]) 
     return report("cache", ok, String("max err ", rel, " x max|ref| (tol ", cache_tolerance[dtype](), "), other elements changed: ", changed))
 
 
+def check_fp8_rows(name: String, c: Case, got: List[UInt8], want: List[UInt8]) -> Bool:
+    """An fp8_ds_mla cache after steps 1-2: every byte but the new rows' unchanged; the new rows
+    99% of the reference's bytes, power-of-two scales, values within an e4m3 step (2^-3) of the row's largest."""
+    var changed = 0
+    for i in range(len(got)):
+        if got[i] != c.fp8_bytes[i]:
+            changed += 1
+    var same = 0
+    var total = 0
+    var bad_scales = 0
+    var worst = Float32(0)
+    var got_values = c.values_of(got)
+    var want_values = c.values_of(want)
+    for t in range(c.num_tokens):
+        var b = c.request_of(t)
+        var pos = c.position(t)
+        var at = c.fp8_row_offset(b, pos)
+        for i in range(c.row_bytes):
+            total += 1
+            if got[at + i] == want[at + i]:
+                same += 1
+            if got[at + i] != c.fp8_bytes[at + i]:
+                changed -= 1  # a new row's byte: not counted as changed
+        for blk in range(c.rank // 128):
+            var sat = at + c.rank + 4 * blk
+            var bits = bitcast[DType.uint32, 1](SIMD[DType.uint8, 4](got[sat], got[sat + 1], got[sat + 2], got[sat + 3]))[0]
+            if bits & 0x807FFFFF != 0:
+                bad_scales += 1
+        var vat = c.row_offset(b, pos)
+        var top = Float32(0)
+        var err = Float32(0)
+        for i in range(c.key_dim):
+            top = max(top, abs(want_values[vat + i]))
+            var e = abs(got_values[vat + i] - want_values[vat + i])
+            err = max(err, e if e == e else Float32(1e30))
+        worst = max(worst, err / top if top > 0 else err)
+    var frac = Float32(same) / Float32(max(total, 1))
+    var ok = changed == 0 and frac >= 0.99 and bad_scales == 0 and worst <= Float32(0.125)
+    return report(
+        name, ok,
+        String(frac * 100, "% of the new rows' bytes the reference's, max err ", worst, " x the row's max|ref| (tol 0.125), ",
+               bad_scales, " scales not powers of two, other bytes changed: ", changed),
+    )
+
+
+def check_fp8_new_rows_source[dtype: DType](ctx: DeviceContext, c: Case, in_place: List[UInt8]) raises -> Bool:
+    """Steps 1-2 from `new_rows` (the rows' values) into rows zeroed first: the bytes of the in-place run, exactly."""
+    var d = DeviceCase[dtype](ctx, c)
+    var poisoned = c.fp8_bytes.copy()
+    var rows = List[Float32](length=max(c.num_tokens * c.key_dim, 1), fill=0)
+    for t in range(c.num_tokens):
+        var b = c.request_of(t)
+        var pos = c.position(t)
+        for i in range(c.row_bytes):
+            poisoned[c.fp8_row_offset(b, pos) + i] = 0
+        for i in range(c.key_dim):
+            rows[t * c.key_dim + i] = c.blocks[c.row_offset(b, pos) + i]
+    d.fp8_bytes = upload_u8(ctx, poisoned)
+    var new_rows = upload[dtype](ctx, rows)
+    var p = d.problem(c)
+    p.new_rows = untracked(new_rows)
+    p.has_new_rows = True
+    gpu_rotate_and_normalize_new_rows[dtype](ctx, cache_rows_params(p, c.num_tokens))
+    var got = download_u8(ctx, d.fp8_bytes)
+    var differ = 0
+    for i in range(len(got)):
+        if got[i] != in_place[i]:
+            differ += 1
+    _ = new_rows^
+    return report("cache (fp8 rows from new_rows)", differ == 0, String(differ, " bytes differ from the in-place run"))
+
+
 comptime PLANNED = -1
 """A partition count of the smoke loops: the op's own plan (1: no split; SPLIT_BY_WORK: by each
 request's share of the keys; n > 1: n for every request)."""
@@ -196,9 +273,20 @@ def poison_workspaces[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[d
     _ = ws^
 
 
+def cache_state[dtype: DType](ctx: DeviceContext, c: Case, d: DeviceCase[dtype]) raises -> List[Float32]:
+    """The cache after a run, to compare runs bit for bit: its values, or (`fp8`) the fp8_ds_mla rows' bytes."""
+    if not c.fp8:
+        return download[dtype](ctx, d.blocks, len(c.blocks))
+    var bytes = download_u8(ctx, d.fp8_bytes)
+    var out = List[Float32](capacity=len(bytes))
+    for b in bytes:
+        out.append(Float32(b))
+    return out^
+
+
 def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c: Case) raises -> Bool:
     """The checks above on case `c`; `sm90_only`: the sm90 kernel's raw checks alone (then returns)."""
-    print(name, "dtype", dtype, "T", c.num_tokens, "H", c.heads, "R", c.rank, "Dr", c.rope, "Dn", c.nope, "Dv", c.v_dim,
+    print(name, "dtype", dtype, "fp8_ds_mla" if c.fp8 else "", "T", c.num_tokens, "H", c.heads, "R", c.rank, "Dr", c.rope, "Dn", c.nope, "Dv", c.v_dim,
           "mask", c.mask_kind, "window", c.window, "score_mod", c.score_mod, "gran", c.gm, c.gn, c.gk)
     var ok = True
     var rows = c.num_tokens * c.heads
@@ -209,9 +297,20 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
     var limits = DeviceLimits.read(ctx)
     var plan = d.plan(ctx, c)  # the op's own
     gpu_rotate_and_normalize_new_rows[dtype](ctx, cache_rows_params(problem, c.num_tokens))
-    var gpu_blocks = download[dtype](ctx, d.blocks, len(c.blocks))
     var ref_blocks = cpu_cache_rows[dtype](c)
-    ok = check_cache[dtype](c, gpu_blocks, ref_blocks) and ok
+    var gpu_blocks: List[Float32]
+    var want_bytes = List[UInt8]()  # fp8: the expected cache
+    if c.fp8:
+        # Values from here on: the rows' values (e4m3 x scale), the GPU's and the reference's.
+        want_bytes = c.quantized_new_rows(ref_blocks)
+        var got_bytes = download_u8(ctx, d.fp8_bytes)
+        ok = check_fp8_rows("cache (fp8 rows)", c, got_bytes, want_bytes) and ok
+        ok = check_fp8_new_rows_source[dtype](ctx, c, got_bytes) and ok
+        gpu_blocks = c.values_of(got_bytes)
+        ref_blocks = c.values_of(want_bytes)
+    else:
+        gpu_blocks = download[dtype](ctx, d.blocks, len(c.blocks))
+        ok = check_cache[dtype](c, gpu_blocks, ref_blocks) and ok
 
     var q_full_buf = ctx.enqueue_create_buffer[DType.float32](max(rows * c.key_dim, 1))
     var raw_buf = ctx.enqueue_create_buffer[DType.float32](max(rows * c.rank, 1))
@@ -258,10 +357,10 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
         gpu_raw = download[DType.float32](ctx, raw_buf, rows * c.rank)
         ok = check_close(String("raw (", parts_label(parts), ")"), gpu_raw, raw_from_gpu, raw_tolerance[dtype]()) and ok
     comptime if dtype != DType.float32:
-        # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow).
+        # The FMA kernel too (the op uses tensor cores for this dtype when sizes allow; it reads no fp8 rows).
         var fma = GpuPlan.with_attention(problem, limits, FMA_ATTENTION)
         fma.num_partitions = 2
-        if not sm90_only:
+        if not sm90_only and not c.fp8:
             d.attention(ctx, c, fma, q_full_buf, raw_buf)
             ok = check_close("raw (FMA kernel, 2 partitions)", download[DType.float32](ctx, raw_buf, rows * c.rank), raw_from_gpu, raw_tolerance[dtype]()) and ok
         # The tensor-core shape for small kv_lora_rank (the op picks it only when the others do not fit).
@@ -280,8 +379,8 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
         comptime for h in range(len(HOPPER)):
             comptime shape = HOPPER[h]
             var name = String("wgmma") if shape[2] == 0 else String("sm90 TMA")
-            if sm90_only and shape[2] == 0:
-                pass
+            if (sm90_only and shape[2] == 0) or (c.fp8 and shape[2] < 0):
+                pass  # (the TMA kernel reads no fp8_ds_mla rows)
             elif attention_supported[dtype, shape](c.key_dim, c.rank, c.page_size):
                 for parts in [1, 3, SPLIT_BY_WORK]:
                     var pinned = GpuPlan.with_attention(problem, limits, variant_index[shape]())
@@ -378,7 +477,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
             d2.run_plan_storing(ctx, c, op_plan, op_att)
             var out = download[dtype](ctx, d2.output, rows * c.v_dim)
             var att = download[dtype](ctx, op_att, rows * c.rank)
-            var blocks_after = download[dtype](ctx, d2.blocks, len(c.blocks))
+            var cache_after = cache_state[dtype](ctx, c, d2)  # fp8: the rows' bytes
             var tag = String(
                 " (", parts_label(parts), ", PDL ", "on" if pdl else "off",
                 ", quantized in the merge" if in_merge else "", ", schedule in the q step" if in_q_step else "", ")",
@@ -391,14 +490,17 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
                     # the probabilities: pymla/parity.py's end-to-end element bound (2 ulp + 2^-5).
                     ok = check_close(String("op output (end to end)", tag), out, ref_out, 2 * ulp_of[dtype]() + Float32(2.0) ** -5) and ok
                 ok = check_close(String("op attention output", tag), att, raw_from_gpu, raw_tolerance[dtype]()) and ok
-                ok = check_cache[dtype](c, blocks_after, ref_blocks) and ok
+                if c.fp8:
+                    ok = check_fp8_rows(String("cache (fp8 rows, op)", tag), c, download_u8(ctx, d2.fp8_bytes), want_bytes) and ok
+                else:
+                    ok = check_cache[dtype](c, cache_after, ref_blocks) and ok
                 first_out = out^
                 first_att = att^
-                first_cache = blocks_after^
+                first_cache = cache_after^
             else:
                 ok = check_close(String("op output, bit for bit", tag), out, first_out, 0) and ok
                 ok = check_close(String("op attention output, bit for bit", tag), att, first_att, 0) and ok
-                ok = check_close(String("cache, bit for bit", tag), blocks_after, first_cache, 0) and ok
+                ok = check_close(String("cache, bit for bit", tag), cache_after, first_cache, 0) and ok
     _ = op_att^
     _ = q_full_buf^
     _ = raw_buf^
@@ -414,7 +516,11 @@ def ints(*values: Int) -> List[Int]:
     return out^
 
 
-def correctness(ctx: DeviceContext, sm90_only: Bool) raises -> Bool:
+def correctness(ctx: DeviceContext, only: String) raises -> Bool:
+    """Every case; `only` "fp8": the fp8_ds_mla cache's cases alone; "sm90": the sm90 kernel's raw checks alone."""
+    if only == "fp8":
+        return fp8_cases(ctx)
+    var sm90_only = only == "sm90"
     var ok = True
     ok = run_case[DType.bfloat16](ctx, sm90_only, "decode bf16", Case.__init__[DType.bfloat16](1, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
     ok = run_case[DType.float32](ctx, sm90_only, "decode f32", Case.__init__[DType.float32](2, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1))) and ok
@@ -456,6 +562,36 @@ def correctness(ctx: DeviceContext, sm90_only: Bool) raises -> Bool:
     ok = run_case[DType.float16](
         ctx, sm90_only, "73 tokens, per_channel", Case.__init__[DType.float16](12, 4, ints(5, 60, 0), ints(33, 40, 0), gm=1, gn=1, gk=0)
     ) and ok
+    return fp8_cases(ctx) and ok
+
+
+def fp8_cases(ctx: DeviceContext) raises -> Bool:
+    # The fp8_ds_mla cache (bfloat16 ops): 16 heads (mma.sync) and 128 (wgmma), ragged, masks, page sizes 1 / 16 / 64;
+    # every case also runs 1 and 3 partitions and the pinned tensor-core kernels.
+    var ok = True
+    ok = run_case[DType.bfloat16](
+        ctx, False, "fp8 cache, 16 heads", Case.__init__[DType.bfloat16](20, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1), fp8=True)
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, False, "fp8 cache, 128 heads, page 64",
+        Case.__init__[DType.bfloat16](21, 128, ints(300, 17), ints(1, 2), page_size=64, fp8=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, False, "fp8 cache, page 1, sliding window",
+        Case.__init__[DType.bfloat16](22, 16, ints(40, 7), ints(2, 1), page_size=1, mask_kind=2, window=9, fp8=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, False, "fp8 cache, alibi, null mask, 32 heads",
+        Case.__init__[DType.bfloat16](23, 32, ints(20, 33, 0), ints(3, 1, 2), mask_kind=0, score_mod=1, fp8=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, False, "fp8 cache, chunked, long context",
+        Case.__init__[DType.bfloat16](24, 16, ints(2000, 9), ints(2, 3), page_size=64, mask_kind=3, window=32, fp8=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, False, "fp8 cache, small dims (R 256, Dr 32)",
+        Case.__init__[DType.bfloat16](25, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, fp8=True),
+    ) and ok
     return ok
 
 
@@ -466,9 +602,9 @@ def main() raises:
     else:
         var args = argv()
         var only = String(args[1]) if len(args) > 1 else String("")
-        if only != "" and only != "sm90":
-            raise Error(String("gpu_smoke: unknown argument '", only, "' (none: every check; sm90: the sm90 kernel's alone)"))
-        var ok = correctness(DeviceContext(), only == "sm90")
+        if only != "" and only != "sm90" and only != "fp8":
+            raise Error(String("gpu_smoke: unknown argument '", only, "' (none: every check; sm90: the sm90 kernel's alone; fp8: the fp8 cache's cases alone)"))
+        var ok = correctness(DeviceContext(), only)
         print("ALL PASS" if ok else "SOME CHECKS FAILED")
         if not ok:
             raise Error("gpu_smoke failed")
