@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs ON the H200 machine: pymla (the carried .devbin, no MAX needed) and its peers at the shapes
 # of issue 23, all in ONE call, so every ratio comes from one run (the issue's rule). Writes into
-# $OUT the inputs of `python -m pymla.tools.peers FOLDER` (run here afterwards): gpu_op_bench.log
-# (the whole op), gpu_variants.log (step 5 alone), peers.json (FlashMLA, and Triton with
+# $OUT the inputs of `python -m pymla.tools.peers FOLDER` (run here afterwards): gpu_both.log
+# (step 5 alone and the whole op, `gpu_bench both`), peers.json (FlashMLA, and Triton with
 # PEERS_WHICH=flashmla,triton) and, when FlashInfer's wheels are staged, flashinfer.json.
 #
 #   call 1 (optional, FlashInfer), carry [".whl/fi/a"]:
@@ -38,9 +38,8 @@ echo "FlashMLA build exit: $(cat /tmp/fmla_build.rc 2> /dev/null || echo 'not fi
 stamp "FlashMLA"
 timeout 200 python3 .peers/peers.py "${SHAPES[@]}" --which "${PEERS_WHICH:-flashmla}" --budget 180 \
   --json "$out/peers.json" > "$out/peers.log" 2>&1 || echo "peers.py: exit $?"
-stamp "pymla step 5 alone"
-bash scripts/device_kernel_profile.sh variants "${CFGS[@]}" > "$out/gpu_variants.log" 2>&1
-stamp "pymla whole op"
-bash scripts/device_kernel_profile.sh bench "${CFGS[@]}" > "$out/gpu_op_bench.log" 2>&1
+stamp "pymla: step 5 alone, then the whole op, one random case per shape"
+LD_LIBRARY_PATH=$PWD/.devbin/lib timeout 400 .devbin/bench both "${CFGS[@]}" > "$out/gpu_both.log" 2>&1 \
+  || echo "gpu_bench both: exit $?"
 stamp "done"
-grep -h -E "^copy|attention groups 0|B [0-9]+ H [0-9]+" "$out/gpu_variants.log" "$out/gpu_op_bench.log" | head -40
+grep -h -E "^copy|op's plan|best of 2" "$out/gpu_both.log" | head -60

@@ -1,11 +1,12 @@
 """pymla beside FlashMLA and vLLM's Triton MLA, from logs of ONE device call (H200).
 
 Inputs, all written by the same `run` on the device (scripts/README.md):
-  * `gpu_op_bench.log`  - `scripts/device_kernel_profile.sh bench CFG...`: the whole op
-    (all six steps) per call, from a Mojo host loop of back-to-back calls (GPU-bound: the
-    launches queue ahead), with a device-to-device copy measured first;
-  * `gpu_variants.log`  - `... variants CFG...`: step 5 (attention) alone; the op's own
-    plan is the `attention op's plan` line (`attention groups 0 kt 0` in logs before 2026-12-04);
+  * `gpu_both.log`      - `gpu_bench both CFG...` (scripts/device_gpu_vs_peers.sh): per shape,
+    step 5 (attention) alone, the op's own plan being the `attention op's plan` line, then the
+    whole op (all six steps) per call, from a Mojo host loop of back-to-back calls (GPU-bound:
+    the launches queue ahead), after a device-to-device copy; or, in results before
+    2026-12-05g, the same lines in two files from two runs: `gpu_op_bench.log` (`bench`, the
+    whole op) and `gpu_variants.log` (`variants`; `attention groups 0 kt 0` before 2026-12-04);
   * `peers.json`        - `.peers/peers.py` (`../shared/peers`): FlashMLA and Triton
     attention alone, `triton.testing.do_bench` medians (CUDA events, L2 flushed);
   * `flashinfer.json`   - optional, `scripts/flashinfer_peer.py`: FlashInfer's MLA decode
@@ -27,7 +28,8 @@ from pathlib import Path
 
 from pymla.tools.gpu_bench_json import parse_bench_line
 
-VARIANTS = re.compile(r"^variants B (\d+) H (\d+) L (\d+)")
+# `variants [CACHE cache ][one-long ]B b H h L l` (the cache label since 2026-12-05g)
+VARIANTS = re.compile(r"^variants (.*)B (\d+) H (\d+) L (\d+)")
 OWN = re.compile(r"attention (?:groups 0 kt 0 .*|op's plan \(.*\)) : ([\d.]+) us")
 COPY = re.compile(r"^copy ([\d.]+) GB/s")
 
@@ -44,9 +46,16 @@ def triton_ms(peer: dict) -> float | None:
     return min(times) if times else None
 
 
+def pymla_lines(folder: Path) -> list[str]:
+    """pymla's log lines: `gpu_both.log`, else the older pair of logs."""
+    names = ["gpu_both.log"] if (folder / "gpu_both.log").exists() else ["gpu_op_bench.log", "gpu_variants.log"]
+    return [line for name in names for line in (folder / name).read_text().splitlines()]
+
+
 def parse(folder: Path) -> dict:
     op, attention, copy = {}, {}, None
-    for line in (folder / "gpu_op_bench.log").read_text().splitlines():
+    lines = pymla_lines(folder)
+    for line in lines:
         if m := COPY.match(line):
             copy = float(m[1])
         r = parse_bench_line(line)
@@ -56,9 +65,10 @@ def parse(folder: Path) -> dict:
             key = (r["heads"], r["batch"], r["context"])
             op[key] = min(op.get(key, float("inf")), r["us"] / 1e3)
     shape = None
-    for line in (folder / "gpu_variants.log").read_text().splitlines():
+    for line in lines:
         if m := VARIANTS.match(line):
-            shape = (int(m[2]), int(m[1]), int(m[3]))
+            # a uniform batch on a bf16 cache only (an fp8 cache's lines follow under the same shape)
+            shape = (int(m[3]), int(m[2]), int(m[4])) if m[1] in ("", "dtype cache ") else None
         elif (us := own_attention_us(line)) is not None and shape:
             attention[shape] = us / 1e3
     peers = json.loads((folder / "peers.json").read_text())

@@ -3,12 +3,13 @@
 # Run on a machine with an NVIDIA GPU, from the repository root; configurations are
 # BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]] (one new token per request, bf16; `fp8`: the configuration
 # with a bf16 cache, then with an fp8_ds_mla cache, side by side):
-#     mojo run -I . tests/gpu/gpu_bench.mojo bench                     # the copy rate, then the whole op
-#                                                                      # (B=64 H=16/128 L=4096, B=1 L=32768, B=256 L=1024)
-#     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the whole op on these configurations,
-#                                                                      # PDL and the quantization in the merge off / on,
-#                                                                      # alternating (GpuPlan.pdl, quantize_in_merge)
+#     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the copy rate, then the whole op on these
+#                                                                      # configurations: the op's plan and each plan
+#                                                                      # choice turned, alternating (`bench` below)
 #     mojo run -I . tests/gpu/gpu_bench.mojo variants 64:128:8191:5    # step 5 alone: the op's plan, then pinned kernels
+#     mojo run -I . tests/gpu/gpu_bench.mojo both 64:128:8191:5        # step 5 alone (the op's plan, a uniform split),
+#                                                                      # then the whole op, on one random case per
+#                                                                      # configuration (scripts/device_gpu_vs_peers.sh)
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:4095:5:fp8   # the whole op, bf16 cache then fp8_ds_mla cache
 #     mojo run -I . tests/gpu/gpu_bench.mojo proj 64:128:0:50          # steps 1-4 on q and step 6 alone, every tile shape
 
@@ -109,17 +110,15 @@ def split_label(plan: GpuPlan) -> String:
 
 def bench[
     dtype: DType
-](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False, fp8: Bool = False) raises:
-    """Times the whole op on a DeepSeek-sized decode step (one new token per request; `fp8`: an fp8_ds_mla
-    cache): the op's plan, and the plan with one choice turned the other way each (programmatic
+](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], shape: String, iters: Int) raises:
+    """Times the whole op on decode step `c` (`shape`: its label; an fp8_ds_mla cache where `c` has one):
+    the op's plan, and the plan with one choice turned the other way each (programmatic
     dependent launch, `GpuPlan.pdl`; step 6's quantization in step 6, not the merge,
     `quantize_in_merge`; the split schedule in a launch of its own, not the q step's,
     `schedule_in_q_step`), the four alternating, two rounds: an A/B in one process."""
-    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long, fp8=fp8)  # random inputs, no CPU reference (large)
-    var d = DeviceCase[dtype](ctx, c)
     var cache_bytes = Float64(visible_keys(c) * cache_row_bytes[dtype](c))
     var weight_bytes = Float64(len(c.w_uk.bytes) + len(c.w_uv.bytes))
-    var flops = 2.0 * Float64(heads) * Float64(visible_keys(c)) * Float64(c.key_dim + c.rank)
+    var flops = 2.0 * Float64(c.heads) * Float64(visible_keys(c)) * Float64(c.key_dim + c.rank)
     var best = [Float64(1e30), Float64(1e30), Float64(1e30), Float64(1e30)]
     var names = List[String]()
     for mode in range(4):
@@ -130,7 +129,7 @@ def bench[
             var us = time_op[dtype](ctx, c, d, plan, iters)
             best[mode] = min(best[mode], us)
             print(
-                "bench", dtype, cache_label(c), shape_label(batch, heads, cache_len, one_long), "(", names[mode], ", ", split_label(plan),
+                "bench", dtype, cache_label(c), shape, "(", names[mode], ", ", split_label(plan),
                 " ) :", us, "us per call,", (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,",
                 flops / us / 1e6, "TFLOP/s attention",
             )
@@ -219,10 +218,9 @@ def bench_attention[
 
 def bench_variants[
     dtype: DType
-](ctx: DeviceContext, batch: Int, heads: Int, cache_len: Int, iters: Int, one_long: Bool = False, fp8: Bool = False) raises:
-    """Step 5 alone, the op's plan and pinned attention kernels, on one decode step (`fp8`: an fp8_ds_mla cache)."""
-    var c = decode_case[dtype](batch, heads, cache_len, one_long=one_long, fp8=fp8)
-    var d = DeviceCase[dtype](ctx, c)
+](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], shape: String, iters: Int, pinned: Bool = True) raises:
+    """Step 5 alone on decode step `c` (`shape`: its label): the op's plan, a uniform split and (`pinned`)
+    every attention kernel pinned."""
     var rows = c.num_tokens * c.heads
     var q_host = List[Float32]()
     var rng = Rng(5)
@@ -230,10 +228,12 @@ def bench_variants[
         q_host.append(rng.normal())
     var q_full = upload[DType.float32](ctx, q_host)
     var raw = ctx.enqueue_create_buffer[DType.float32](rows * c.rank)
-    print("variants", cache_label(c), shape_label(batch, heads, cache_len, one_long))
+    print("variants", cache_label(c), shape)
     bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
     bench_attention[dtype, UNIFORM_SPLIT](ctx, c, d, q_full, raw, iters, expected)
+    if not pinned:
+        return
     # (groups, kt, warps per group; 0: the warpgroup kernel, -1: the sm90 TMA kernel): a launch
     # that asks for too many registers is reported, not fatal.
     comptime VARIANTS = [(1, 32, 4), (2, 32, 4), (2, 64, 4), (1, 32, 8), (1, 64, 8), (4, 32, 0), (4, 64, 0), (4, 64, -1)]
@@ -381,25 +381,25 @@ def main() raises:
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
                 bench_proj[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[3]) if len(f) > 3 else 50)
-        elif mode == "variants" or mode == "bench":
-            if mode == "bench":
+        elif mode == "variants" or mode == "bench" or mode == "both":
+            if mode != "variants":
                 bench_copy(ctx, 10)
             for i in range(2, len(args)):
                 var f = String(args[i]).split(":")
                 var iters = Int(f[3]) if len(f) > 3 else 10
                 var one_long = config_flag(String(args[i]), "one-long")
+                var shape = shape_label(Int(f[0]), Int(f[1]), Int(f[2]), one_long)
                 # the bf16 cache, then (`:fp8`) the fp8_ds_mla cache: side by side
                 for fp8 in [False, True]:
                     if fp8 and not config_flag(String(args[i]), "fp8"):
                         break
-                    if mode == "bench":
-                        bench[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, one_long, fp8)
-                    else:
-                        bench_variants[DType.bfloat16](ctx, Int(f[0]), Int(f[1]), Int(f[2]), iters, one_long, fp8)
-            if mode == "bench" and len(args) == 2:
-                bench[DType.bfloat16](ctx, 64, 16, 4095, 20)
-                bench[DType.bfloat16](ctx, 64, 128, 4095, 5)
-                bench[DType.bfloat16](ctx, 1, 128, 32767, 20)
-                bench[DType.bfloat16](ctx, 256, 16, 1023, 20)
+                    # random inputs, no CPU reference (large); built once for both timings (`both`:
+                    # at 32k x 128 requests the random cache takes a minute on the host)
+                    var c = decode_case[DType.bfloat16](Int(f[0]), Int(f[1]), Int(f[2]), one_long=one_long, fp8=fp8)
+                    var d = DeviceCase[DType.bfloat16](ctx, c)
+                    if mode != "bench":
+                        bench_variants[DType.bfloat16](ctx, c, d, shape, iters, pinned=mode == "variants")
+                    if mode != "variants":
+                        bench[DType.bfloat16](ctx, c, d, shape, iters)
         else:
-            raise Error("gpu_bench: mode bench, variants or proj, then BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]]...")
+            raise Error("gpu_bench: mode bench, variants, both or proj, then BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]]...")
