@@ -68,8 +68,12 @@ comptime SPLIT_BY_WORK = 0  # GpuPlan.num_partitions: each request's share of th
 # 8.6 / 9.5 us, output 15.9 / 17.5 / 23.1 us. A 64 x 128 tile (2, 4, 2, 4; 168 registers,
 # one block per SM) lost everywhere (q 44.9 and 14.3 us, output 27.1 and 40.3 us) and was dropped.
 # A larger tile replaces a smaller one when its grid still has a block per SM and fewer of them
-# (fewer re-staged activations and weights); the smallest tile is the default.
-comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (2, 4, 1, 4))
+# (fewer re-staged activations and weights); the smallest tile is the default. 16 x 128 (1, 4, 1,
+# 4), a head's output columns per block, joined on the H200 (2026-12-05, seventh session,
+# benchmarks/results/h200-2026-12-05g/): where it ties 32 x 128 on blocks (128 heads, 8 tokens:
+# 16 rows hold them) the q step takes 12.6 us against 20.9 (H100) and the whole op 101 -> 93 us;
+# 16 heads b8 unchanged (64.5 -> 64.5 us, its grid is too small for this tile).
+comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (1, 4, 1, 4), (2, 4, 1, 4))
 comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile fits in shared memory
 
 # Programmatic dependent launch (pdl.mojo) of the attention kernel, the merge and the output step,

@@ -298,11 +298,11 @@ def bench_proj[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, iters: 
         bench_candidate_tile[dtype, CANDIDATE_TILES[i]](ctx, c, d, q_full, raw, att_out, iters, want_q, want_out)
 
 
-comptime CANDIDATE_TILES = [(1, 4, 1, 4), (1, 8, 1, 4), (1, 8, 1, 8), (1, 4, 1, 16)]
+comptime CANDIDATE_TILES = [(1, 8, 1, 4), (1, 8, 1, 8), (1, 4, 1, 16)]
 """Projection tiles outside PROJ_TILES that `bench proj` times beside them: a head's whole weight tile per
-block (the q step's 512 columns: 1x8x1x8, 1x4x1x16, or half of them: 1x8x1x4; the output step's 128: 1x4x1x4), so each head's
+block (the q step's 512 columns: 1x8x1x8, 1x4x1x16, or half of them: 1x8x1x4), so each head's
 weights are read once and its activations quantized once (today's small tiles re-stage them per
-column tile). 2x8x1x8 (16 warps) was dropped: its launch asks for more registers than an SM has
+column tile). 1x4x1x4 (the output step's 128 columns) joined PROJ_TILES. 2x8x1x8 (16 warps) was dropped: its launch asks for more registers than an SM has
 (H100, CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES). A tile joins PROJ_TILES (and the plan's choice) only after it is measured faster."""
 
 
