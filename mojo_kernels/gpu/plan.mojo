@@ -43,7 +43,10 @@ comptime WGMMA_MIN_HEADS = 64
 # 680, b8 8k 69 against 118; at 16 heads it wins at batch 64 (225 against the mma kernel's 245
 # us) and 128, and loses at batch 8 (69 against 49), so below 64 heads the mma kernels stay.
 comptime SM90_SHAPE = (S9_ROWS // MMA_ROWS, 64, -1)
-comptime SM90_MIN_HEADS = 64
+# Since step 5 is split by work (more blocks per request) it wins at 16 heads too (H200,
+# 2026-12-05, seventh session, benchmarks/results/h200-2026-12-05g/variants_fp8.log, step 5
+# alone): b64 8k 188 us against the mma kernel's 250, b8 8k 44 against 49.
+comptime SM90_MIN_HEADS = 16
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
 comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
 # (H200, 16 heads, B128 L32k, step 5: 1798.5 us; (1, 32, 4) 1895 us; (1, 32, 8) 2262 us, and
