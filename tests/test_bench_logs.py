@@ -82,7 +82,11 @@ def test_one_log_of_both_timings_keeps_the_bf16_uniform_case(tmp_path):
     (tmp_path / "peers.json").write_text((src / "peers.json").read_text())
     plan = "PDL off, quantize in merge, schedule in q step"
     lines = ["copy 2995.9 GB/s (bytes read + written, 1 GiB device-to-device)"]
-    for label, us in (("dtype cache ", 51.0), ("fp8_ds_mla cache ", 77.0), ("dtype cache one-long ", 33.0)):
+    for label, us in (
+        ("dtype cache ", 51.0),
+        ("fp8_ds_mla cache ", 77.0),
+        ("dtype cache one-long ", 33.0),
+    ):
         lines += [
             f"variants {label}B 8 H 16 L 8192",
             f"  attention op's plan ( {plan} ) : {us} us, 1 GB/s of cache",
@@ -92,5 +96,9 @@ def test_one_log_of_both_timings_keeps_the_bf16_uniform_case(tmp_path):
     (tmp_path / "gpu_both.log").write_text("\n".join(lines) + "\n")
     data = parse(tmp_path)
     row = next(r for r in data["rows"] if (r["heads"], r["batch"], r["context"]) == (16, 8, 8192))
-    assert (row["pymla_attention_ms"], row["pymla_op_ms"], data["copy_gb_per_s"]) == (0.051, 0.071, 2995.9)
+    assert (row["pymla_attention_ms"], row["pymla_op_ms"], data["copy_gb_per_s"]) == (
+        0.051,
+        0.071,
+        2995.9,
+    )
     assert row["triton_ms"] is None  # the peers call ran FlashMLA alone

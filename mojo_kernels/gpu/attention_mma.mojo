@@ -96,37 +96,49 @@ def mma_acc[dt: DType](mut acc: SIMD[DType.float32, 4], a: SIMD[dt, 8], b: SIMD[
     mma(acc, a, b, c)
 
 
+@fieldwise_init
+struct TileVectors(TrivialRegisterPassable):
+    """A thread's share of a key tile's 16-byte vectors: `tid, tid + threads, ...` as (row, vector) pairs,
+    from `divmod(tid, per_row)` in steps of `divmod(threads, per_row)` (no divisions in the copy loop);
+    `stride`: elements per row of the tile."""
+
+    var row: Int
+    var vec: Int
+    var row_step: Int
+    var vec_step: Int
+    var stride: Int
+    var per_row: Int
+
+    @staticmethod
+    @always_inline
+    def of(tid: Int, threads: Int, per_row: Int, stride: Int) -> Self:
+        return Self(tid // per_row, tid % per_row, threads // per_row, threads % per_row, stride, per_row)
+
+
 @always_inline
 def copy_key_tile[
-    dtype: DType, kt: Int, threads: Int
+    dtype: DType, kt: Int
 ](
     blocks: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.GLOBAL],
     rowoff: Pointer[Int64, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     k_s: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    first: Tuple[Int, Int],
-    step: Tuple[Int, Int],
-    stride: Int,
-    vec_per_row: Int,
+    vecs: TileVectors,
 ):
-    """Starts the copy of `kt` cache rows (offsets in `rowoff`, -1 = zeros) into `k_s`; one commit group.
-
-    The thread copies 16-byte vectors `tid, tid + threads, ...` of the tile,
-    `first = divmod(tid, vec_per_row)`, `step = divmod(threads, vec_per_row)`
-    (row, vector) pairs, stepped without divisions.
-    """
+    """Starts the copy of `kt` cache rows (offsets in `rowoff`, -1 = zeros) into `k_s`, this thread's
+    vectors `vecs`; one commit group."""
     comptime VEC = 16 // size_of[dtype]()
-    var r = first[0]
-    var c = first[1]
+    var r = vecs.row
+    var c = vecs.vec
     while r < kt:
         var ro = Int(rowoff.unsafe_load(r))
         var src = blocks.unsafe_offset(max(ro, 0) + c * VEC)
         async_copy[16, fill=Scalar[dtype](0)](
-            src, k_s.unsafe_offset(r * stride + c * VEC), src_size=Int32(16) if ro >= 0 else Int32(0)
+            src, k_s.unsafe_offset(r * vecs.stride + c * VEC), src_size=Int32(16) if ro >= 0 else Int32(0)
         )
-        r += step[0]
-        c += step[1]
-        if c >= vec_per_row:
-            c -= vec_per_row
+        r += vecs.row_step
+        c += vecs.vec_step
+        if c >= vecs.per_row:
+            c -= vecs.per_row
             r += 1
     async_copy_commit_group()
 
@@ -140,10 +152,7 @@ def copy_tile[
     blocks: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.GLOBAL],
     rowoff: Pointer[Int64, MutUntrackedOrigin, address_space=AddressSpace.SHARED],
     k_s: Pointer[Scalar[dtype], MutUntrackedOrigin, address_space=AddressSpace.SHARED],
-    first: Tuple[Int, Int],
-    step: Tuple[Int, Int],
-    stride: Int,
-    vec_per_row: Int,
+    vecs: TileVectors,
     tid: Int,
 ):
     """Starts the copy of the tile of cache rows `rowoff`: into `k_s` (`copy_key_tile`), or (`fp8`)
@@ -151,7 +160,7 @@ def copy_tile[
     comptime if fp8:
         tiles.copy_staged[threads](p, rowoff, tid)
     else:
-        copy_key_tile[dtype, kt, threads](blocks, rowoff, k_s, first, step, stride, vec_per_row)
+        copy_key_tile[dtype, kt](blocks, rowoff, k_s, vecs)
 
 
 def attention_mma_kernel[
@@ -229,8 +238,7 @@ def attention_mma_kernel[
     var blocks_global = to_global(p.cache.blocks)
 
     # Double-buffered key tiles: tile i + 1 is copied (cp.async) while tile i is used.
-    var copy_first = (tid // vec_per_row, tid % vec_per_row)
-    var copy_step = (THREADS // vec_per_row, THREADS % vec_per_row)
+    var vecs = TileVectors.of(tid, THREADS, vec_per_row, stride)
     comptime Tiles = KeyTiles[dtype, kt, fp8, stages=MMA_FP8_STAGES if fp8 else 1]
     var tiles = Tiles(rowoff_s, k_s0, k_s1, span, staging, stride)
     tiles.start(blk, p, tid)
@@ -239,11 +247,11 @@ def attention_mma_kernel[
     # new cache rows follow.
     var copied = tiles.more() and tiles.first_is_old(blk, p)
     if copied:
-        copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row, tid)
+        copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, vecs, tid)
     wait_for_producers()
     allow_dependents()
     if tiles.more() and not copied:
-        copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, copy_first, copy_step, stride, vec_per_row, tid)
+        copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, vecs, tid)
 
     # This lane's q fragments (rows g and g + 8 of its group), in dtype.
     var nks = dim // 16
@@ -270,9 +278,7 @@ def attention_mma_kernel[
         var k_s = tiles.wait[fence=False, threads=THREADS](blk, p, tid)
         var j0 = tiles.j0
         if tiles.has_next and not Tiles.COPIES_IN_WAIT:
-            copy_tile[THREADS](
-                tiles, p, blocks_global, tiles.next_rows(), tiles.next_keys(), copy_first, copy_step, stride, vec_per_row, tid
-            )
+            copy_tile[THREADS](tiles, p, blocks_global, tiles.next_rows(), tiles.next_keys(), vecs, tid)
             tiles.look_ahead(blk, p, tid)
 
         # Partial scores of this warp's k-steps.

@@ -48,7 +48,11 @@ def triton_ms(peer: dict) -> float | None:
 
 def pymla_lines(folder: Path) -> list[str]:
     """pymla's log lines: `gpu_both.log`, else the older pair of logs."""
-    names = ["gpu_both.log"] if (folder / "gpu_both.log").exists() else ["gpu_op_bench.log", "gpu_variants.log"]
+    names = (
+        ["gpu_both.log"]
+        if (folder / "gpu_both.log").exists()
+        else ["gpu_op_bench.log", "gpu_variants.log"]
+    )
     return [line for name in names for line in (folder / name).read_text().splitlines()]
 
 

@@ -162,6 +162,11 @@ comptime OP_PLAN = (-1, 0, 0)
 comptime UNIFORM_SPLIT = (-2, 0, 0)
 """`bench_attention`'s variant for the op's plan with one partition count for every request, sized on
 the longest (`uniform_partitions`: the GPU split before the schedule split by work)."""
+comptime ALWAYS_SPLIT = (-3, 0, 0)
+"""`bench_attention`'s variant for the op's plan split by work where the op's would not split: the plan
+decides from sizes alone (a uniform split's partition count), so one long request beside short ones in
+a batch that fills a wave (128 heads, batch 64) keeps its keys in one block; what splitting it costs
+and saves."""
 
 
 def bench_attention[
@@ -179,6 +184,8 @@ def bench_attention[
         comptime for i in range(len(ATTENTION_VARIANTS)):
             if plan.attention == i and plan.num_partitions != 1:
                 plan.num_partitions = max(uniform_partitions(problem, ATTENTION_VARIANTS[i], limits), 2)
+    comptime if v == ALWAYS_SPLIT:
+        plan.num_partitions = SPLIT_BY_WORK
     comptime if v[0] >= 0:  # a pinned variant: its own rows per block and split
         plan.rows_per_block = attention_rows_per_block(v)
         var split = attention_split(problem, v, limits)
@@ -202,7 +209,9 @@ def bench_attention[
         " GB/s of cache",
     )
     comptime if v[0] < 0:
-        var name = "op's plan" if v == OP_PLAN else "op's kernel, uniform split"
+        var name = "op's plan" if v == OP_PLAN else (
+            "op's kernel, uniform split" if v == UNIFORM_SPLIT else "op's kernel, split by work always"
+        )
         line = String("  attention ", name, " (variant ", plan.attention, ", ", split_label(plan), ") : ", us,
                       " us, ", cache_bytes / us / 1e3, " GB/s of cache")
     if len(expected) > 0:  # a pinned variant: compared with the op's own kernel
@@ -219,8 +228,8 @@ def bench_attention[
 def bench_variants[
     dtype: DType
 ](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], shape: String, iters: Int, pinned: Bool = True) raises:
-    """Step 5 alone on decode step `c` (`shape`: its label): the op's plan, a uniform split and (`pinned`)
-    every attention kernel pinned."""
+    """Step 5 alone on decode step `c` (`shape`: its label): the op's plan, its kernel with a uniform split
+    and split by work always, and (`pinned`) every attention kernel pinned."""
     var rows = c.num_tokens * c.heads
     var q_host = List[Float32]()
     var rng = Rng(5)
@@ -232,6 +241,7 @@ def bench_variants[
     bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
     bench_attention[dtype, UNIFORM_SPLIT](ctx, c, d, q_full, raw, iters, expected)
+    bench_attention[dtype, ALWAYS_SPLIT](ctx, c, d, q_full, raw, iters, expected)
     if not pinned:
         return
     # (groups, kt, warps per group; 0: the warpgroup kernel, -1: the sm90 TMA kernel): a launch
