@@ -10,6 +10,9 @@
 #   ncu CFG            Nsight Compute sections of one launch of KERNEL (a regex; default attention_mma)
 #   breakdown CFG...   GPU time of every kernel of the whole op, one ncu summary per CFG
 #   smoke [sm90]       the correctness cases (sm90: the sm90 TMA kernel's raw checks alone)
+#   ab A B CFG...      the whole op (`bench`) of two builds carried as folders A and B (e.g. .devbin and a
+#                      branch's .devbin-x: bench, smoke and lib/ are enough), alternated, 2 rounds each;
+#                      prints each run's best-of-2 lines, the full log in $OUT/ab.log
 set -u
 export LD_LIBRARY_PATH=$PWD/.devbin/lib
 out=${OUT:-/tmp/pymla-out}
@@ -37,5 +40,14 @@ case $step in
       grep -E "bench |[a-z_]+_kernel|gpu__time_duration" "$out/breakdown_${cfg//:/_}.log" | grep -v "==PROF==" | head -60
     done ;;
   smoke) timeout 560 .devbin/smoke "$@" ;;
+  ab)
+    a=$1; b=$2; shift 2
+    for round in 1 2; do
+      for d in "$a" "$b"; do
+        echo "== $d (round $round)"
+        LD_LIBRARY_PATH=$PWD/$d/lib timeout 150 "$d/bench" bench "$@"
+      done
+    done > "$out/ab.log" 2>&1
+    grep -E "^== |best of 2" "$out/ab.log" | cut -c1-140 ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac

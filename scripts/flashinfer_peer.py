@@ -10,7 +10,9 @@ Same cases and timing as peers.py: q [b, h, 576] bf16, a paged latent cache
 [pages, 64, 576] (random pages, random values), V = cache[..., :512], ctx + 1 keys per
 request, scale 1/sqrt(192); `bench_ms` = triton.testing.do_bench median (CUDA events,
 L2 flushed). `--kv fp8` also times an e4m3 cache with one per-tensor scale
-(`scale_mode="kv-per-tensor"`), FlashInfer's fp8 dense decode (issue 24's peer).
+(`scale_mode="kv-per-tensor"`), FlashInfer's fp8 dense decode (issue 24's peer). Its 0.7.2
+MLA wrapper has no per-token scales (`scale_mode`: default, kv-per-tensor, bmm-scalar,
+bmm-tensor; `flashinfer/mla/_batch_mla/_planning.py`), so per-tensor is the peer.
 
     python3 scripts/flashinfer_peer.py --json $OUT/flashinfer.json
 """
