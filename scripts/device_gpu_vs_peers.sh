@@ -17,7 +17,9 @@
 set -u
 out=${OUT:-/tmp/pymla-out}
 mkdir -p "$out"
-CFGS=(64:128:8191:5 128:128:32767:5 8:128:8191:5 128:16:32767:5 64:16:8191:5 8:16:8191:5)
+# pymla's shapes: issue 23's; PYMLA_CFGS (space-separated) replaces them, e.g. issue 24's with the fp8
+# cache beside the bf16 one: PYMLA_CFGS="128:16:32767:5:fp8 8:16:8191:5:fp8 64:128:8191:5:fp8"
+read -r -a CFGS <<< "${PYMLA_CFGS:-64:128:8191:5 128:128:32767:5 8:128:8191:5 128:16:32767:5 64:16:8191:5 8:16:8191:5}"
 SHAPES=(--heads 16,128 --batches 8,64,128 --contexts 8192,32768)
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }

@@ -56,23 +56,26 @@ def pymla_lines(folder: Path) -> list[str]:
     return [line for name in names for line in (folder / name).read_text().splitlines()]
 
 
+CACHES = {"": "dtype", "dtype cache ": "dtype", "fp8_ds_mla cache ": "fp8_ds_mla"}
+"""A `variants` header's cache label -> the cache format (others, e.g. `one-long` batches: not tabled)."""
+
+
 def parse(folder: Path) -> dict:
+    # (cache format, (heads, batch, context)) -> ms: the whole op and step 5 alone, the op's own plan
     op, attention, copy = {}, {}, None
     lines = pymla_lines(folder)
     for line in lines:
         if m := COPY.match(line):
             copy = float(m[1])
         r = parse_bench_line(line)
-        if (
-            r and r["cache"] == "dtype" and r["default_plan"]
-        ):  # the op's own plan, best of its rounds
-            key = (r["heads"], r["batch"], r["context"])
+        if r and r["default_plan"]:  # the op's own plan, best of its rounds
+            key = (r["cache"], (r["heads"], r["batch"], r["context"]))
             op[key] = min(op.get(key, float("inf")), r["us"] / 1e3)
     shape = None
     for line in lines:
         if m := VARIANTS.match(line):
-            # a uniform batch on a bf16 cache only (an fp8 cache's lines follow under the same shape)
-            shape = (int(m[3]), int(m[2]), int(m[4])) if m[1] in ("", "dtype cache ") else None
+            cache = CACHES.get(m[1])
+            shape = (cache, (int(m[3]), int(m[2]), int(m[4]))) if cache else None
         elif (us := own_attention_us(line)) is not None and shape:
             attention[shape] = us / 1e3
     peers = json.loads((folder / "peers.json").read_text())
@@ -82,12 +85,10 @@ def parse(folder: Path) -> dict:
             flashinfer[(p["h"], p["b"], p["ctx"])] = p
     rows = []
     for p in peers["bench"]:
-        key = (
-            p["h"],
-            p["b"],
-            p["keys"] - 1,
-        )  # peers count the new token; the bench's L is the cache
-        key = key if key in op or key in attention else (p["h"], p["b"], p["keys"])
+        # peers count the new token; the bench's L is the cache
+        key = (p["h"], p["b"], p["keys"] - 1)
+        if ("dtype", key) not in op and ("dtype", key) not in attention:
+            key = (p["h"], p["b"], p["keys"])
         row = {
             "heads": p["h"],
             "batch": p["b"],
@@ -96,8 +97,10 @@ def parse(folder: Path) -> dict:
             "flops": p["flops"],
             "flashmla_ms": p["flashmla_bench_ms"],
             "triton_ms": triton_ms(p),
-            "pymla_attention_ms": attention.get(key),
-            "pymla_op_ms": op.get(key),
+            "pymla_attention_ms": attention.get(("dtype", key)),
+            "pymla_op_ms": op.get(("dtype", key)),
+            "pymla_fp8_attention_ms": attention.get(("fp8_ds_mla", key)),
+            "pymla_fp8_op_ms": op.get(("fp8_ds_mla", key)),
         }
         fi = flashinfer.get((p["h"], p["b"], p["ctx"]), {})
         row["flashinfer_ms"] = fi.get("flashinfer_bf16_bench_ms")
@@ -134,6 +137,28 @@ def table(data: dict) -> str:
             f"| {_fmt(att and r['cache_bytes'] / att / 1e9, '.2f')} |"
         )
     return head + "\n".join(lines)
+
+
+def fp8_table(data: dict) -> str:
+    """Issue 24's table: pymla with an fp8_ds_mla cache beside FlashMLA's bf16 attention and FlashInfer's
+    fp8 attention (per-tensor scale), where the call timed pymla's fp8 cache."""
+    head = (
+        "| heads | batch | context | FlashMLA bf16 ms | FlashInfer fp8 ms | pymla bf16 whole op ms "
+        "| pymla fp8 attention ms | pymla fp8 whole op ms | x FlashMLA bf16 | x FlashInfer fp8 |\n"
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
+    )
+    lines = []
+    for r in data["rows"]:
+        fp8 = r["pymla_fp8_op_ms"]
+        if fp8 is None and r["pymla_fp8_attention_ms"] is None:
+            continue
+        lines.append(
+            f"| {r['heads']} | {r['batch']} | {r['context'] // 1024}k | {r['flashmla_ms']:.3f} "
+            f"| {_fmt(r['flashinfer_fp8_ms'])} | {_fmt(r['pymla_op_ms'])} "
+            f"| {_fmt(r['pymla_fp8_attention_ms'])} | {_fmt(fp8)} | {_ratio(fp8, r['flashmla_ms'])} "
+            f"| {_ratio(fp8, r['flashinfer_fp8_ms']) if r['flashinfer_fp8_ms'] else '-'} |"
+        )
+    return head + "\n".join(lines) if lines else ""
 
 
 def plot(data: dict, path: Path) -> None:
@@ -177,6 +202,9 @@ def main() -> None:
     data = parse(args.folder)
     print(f"{data['gpu']}, device-to-device copy {data['copy_gb_per_s']:.0f} GB/s in the same call")
     print(table(data))
+    if fp8 := fp8_table(data):
+        print("\nWith the fp8_ds_mla cache (issue 24):")
+        print(fp8)
     (args.folder / "gpu_vs_peers.json").write_text(json.dumps(data, indent=1) + "\n")
     plot(data, args.folder / "gpu_vs_peers.png")
 

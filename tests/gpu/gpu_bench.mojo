@@ -1,8 +1,9 @@
 # GPU timings of mojo_kernels/gpu/ (no correctness checks: tests/gpu/gpu_smoke.mojo).
 #
 # Run on a machine with an NVIDIA GPU, from the repository root; configurations are
-# BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]] (one new token per request, bf16; `fp8`: the configuration
-# with a bf16 cache, then with an fp8_ds_mla cache, side by side):
+# BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]] (one new token per request, bf16; `fp8`: the configuration
+# with a bf16 cache, then with an fp8_ds_mla cache, side by side; `fp8-only`: the fp8_ds_mla cache
+# alone; `one-long`: the first request CACHE_LEN, the others CACHE_LEN // 16):
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the copy rate, then the whole op on these
 #                                                                      # configurations: the op's plan and each plan
 #                                                                      # choice turned, alternating (`bench` below)
@@ -367,13 +368,15 @@ def bench_candidate_tile[
 
 def config_flag(config: String, flag: String) raises -> Bool:
     """Whether configuration `config` (BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]]) has `flag`: `one-long` (the
-    first request CACHE_LEN, the others CACHE_LEN // 16) or `fp8` (the fp8_ds_mla cache too)."""
+    first request CACHE_LEN, the others CACHE_LEN // 16), `fp8` (the fp8_ds_mla cache too) or `fp8-only`
+    (the fp8_ds_mla cache alone)."""
     var f = config.split(":")
     var found = False
     for i in range(4, len(f)):
-        if String(f[i]) != "one-long" and String(f[i]) != "fp8":
-            raise Error("gpu_bench: a configuration's flags are one-long and fp8, got ", f[i])
-        found = found or String(f[i]) == flag
+        var name = String(f[i])
+        if name != "one-long" and name != "fp8" and name != "fp8-only":
+            raise Error("gpu_bench: a configuration's flags are one-long, fp8 and fp8-only, got ", name)
+        found = found or name == flag
     return found
 
 
@@ -400,9 +403,12 @@ def main() raises:
                 var one_long = config_flag(String(args[i]), "one-long")
                 var shape = shape_label(Int(f[0]), Int(f[1]), Int(f[2]), one_long)
                 # the bf16 cache, then (`:fp8`) the fp8_ds_mla cache: side by side
+                var fp8_only = config_flag(String(args[i]), "fp8-only")
                 for fp8 in [False, True]:
-                    if fp8 and not config_flag(String(args[i]), "fp8"):
+                    if fp8 and not (fp8_only or config_flag(String(args[i]), "fp8")):
                         break
+                    if fp8_only and not fp8:
+                        continue
                     # random inputs, no CPU reference (large); built once for both timings (`both`:
                     # at 32k x 128 requests the random cache takes a minute on the host)
                     var c = decode_case[DType.bfloat16](Int(f[0]), Int(f[1]), Int(f[2]), one_long=one_long, fp8=fp8)
