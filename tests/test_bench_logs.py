@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pymla.tools.gpu_bench_json import parse_bench_line
-from pymla.tools.peers import own_attention_us
+from pymla.tools.peers import fp8_table, own_attention_us, parse
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
@@ -77,8 +77,6 @@ def test_one_log_of_both_timings_keeps_the_cases_apart(tmp_path):
     """`gpu_bench both`: per shape, step 5 alone then the whole op, for the bf16 cache, then the fp8 cache
     and a one-long batch under the same sizes; issue 23's table takes the bf16 cache's uniform case,
     issue 24's the fp8 cache's; the one-long batch is in neither."""
-    from pymla.tools.peers import parse
-
     src = RESULTS / "h100-2026-12-05g"
     (tmp_path / "peers.json").write_text((src / "peers.json").read_text())
     plan = "PDL off, quantize in merge, schedule in q step"
@@ -105,8 +103,6 @@ def test_one_log_of_both_timings_keeps_the_cases_apart(tmp_path):
     assert row["triton_ms"] is None  # the peers call ran FlashMLA alone
     # the fp8 cache's lines: issue 24's columns and table
     assert (row["pymla_fp8_attention_ms"], row["pymla_fp8_op_ms"]) == (0.077, 0.097)
-    from pymla.tools.peers import fp8_table
-
     fp8_rows = [line for line in fp8_table(data).splitlines() if line.startswith("| 16 | 8 | 8k")]
     assert fp8_rows == [
         f"| 16 | 8 | 8k | {row['flashmla_ms']:.3f} | - | 0.071 | 0.077 | 0.097 | {0.097 / row['flashmla_ms']:.2f}x | - |"

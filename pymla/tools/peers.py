@@ -115,7 +115,7 @@ def _fmt(x, spec=".3f"):
 
 
 def _ratio(x, ceiling):
-    return "-" if x is None else f"{x / ceiling:.2f}x"
+    return "-" if x is None or not ceiling else f"{x / ceiling:.2f}x"
 
 
 def table(data: dict) -> str:
@@ -156,7 +156,7 @@ def fp8_table(data: dict) -> str:
             f"| {r['heads']} | {r['batch']} | {r['context'] // 1024}k | {r['flashmla_ms']:.3f} "
             f"| {_fmt(r['flashinfer_fp8_ms'])} | {_fmt(r['pymla_op_ms'])} "
             f"| {_fmt(r['pymla_fp8_attention_ms'])} | {_fmt(fp8)} | {_ratio(fp8, r['flashmla_ms'])} "
-            f"| {_ratio(fp8, r['flashinfer_fp8_ms']) if r['flashinfer_fp8_ms'] else '-'} |"
+            f"| {_ratio(fp8, r['flashinfer_fp8_ms'])} |"
         )
     return head + "\n".join(lines) if lines else ""
 

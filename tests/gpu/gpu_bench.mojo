@@ -8,7 +8,8 @@
 #                                                                      # configurations: the op's plan and each plan
 #                                                                      # choice turned, alternating (`bench` below)
 #     mojo run -I . tests/gpu/gpu_bench.mojo variants 64:128:8191:5    # step 5 alone: the op's plan, then pinned kernels
-#     mojo run -I . tests/gpu/gpu_bench.mojo both 64:128:8191:5        # step 5 alone (the op's plan, a uniform split),
+#     mojo run -I . tests/gpu/gpu_bench.mojo both 64:128:8191:5        # step 5 alone (the op's plan, its kernel split
+#                                                                      # uniformly and by work always),
 #                                                                      # then the whole op, on one random case per
 #                                                                      # configuration (scripts/device_gpu_vs_peers.sh)
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:4095:5:fp8   # the whole op, bf16 cache then fp8_ds_mla cache
@@ -217,12 +218,10 @@ def bench_attention[
                       " us, ", cache_bytes / us / 1e3, " GB/s of cache")
     if len(expected) > 0:  # a pinned variant: compared with the op's own kernel
         var got = download[DType.float32](ctx, raw, c.num_tokens * c.heads * c.rank)
-        var diff = Float32(0)
         var top = Float32(0)
-        for i in range(len(got)):
-            diff = max(diff, abs(got[i] - expected[i]))
+        for i in range(len(expected)):
             top = max(top, abs(expected[i]))
-        line += String("; max |diff| vs the op's kernel ", diff / top, " x max|raw|")
+        line += String("; max |diff| vs the op's kernel ", max_diff(got, expected) / top, " x max|raw|")
     print(line)
 
 
@@ -318,6 +317,7 @@ column tile). 1x4x1x4 (the output step's 128 columns) joined PROJ_TILES. 2x8x1x8
 
 
 def max_diff(got: List[Float32], want: List[Float32]) -> Float32:
+    """The largest `|got - want|`, 1e30 where one is NaN."""
     var diff = Float32(0)
     for i in range(len(got)):
         var e = abs(got[i] - want[i])
@@ -402,13 +402,14 @@ def main() raises:
                 var iters = Int(f[3]) if len(f) > 3 else 10
                 var one_long = config_flag(String(args[i]), "one-long")
                 var shape = shape_label(Int(f[0]), Int(f[1]), Int(f[2]), one_long)
-                # the bf16 cache, then (`:fp8`) the fp8_ds_mla cache: side by side
+                # the bf16 cache, then (`:fp8`) the fp8_ds_mla cache, side by side; `:fp8-only`: the latter
                 var fp8_only = config_flag(String(args[i]), "fp8-only")
-                for fp8 in [False, True]:
-                    if fp8 and not (fp8_only or config_flag(String(args[i]), "fp8")):
-                        break
-                    if fp8_only and not fp8:
-                        continue
+                var caches = List[Bool]()
+                if not fp8_only:
+                    caches.append(False)
+                if fp8_only or config_flag(String(args[i]), "fp8"):
+                    caches.append(True)
+                for fp8 in caches:
                     # random inputs, no CPU reference (large); built once for both timings (`both`:
                     # at 32k x 128 requests the random cache takes a minute on the host)
                     var c = decode_case[DType.bfloat16](Int(f[0]), Int(f[1]), Int(f[2]), one_long=one_long, fp8=fp8)
@@ -418,4 +419,4 @@ def main() raises:
                     if mode != "variants":
                         bench[DType.bfloat16](ctx, c, d, shape, iters)
         else:
-            raise Error("gpu_bench: mode bench, variants, both or proj, then BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]]...")
+            raise Error("gpu_bench: mode bench, variants, both or proj, then BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]]...")
