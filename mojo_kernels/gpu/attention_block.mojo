@@ -509,17 +509,22 @@ struct KeyTiles[
 
 
 @always_inline
+def dequantize8[dtype: DType](e4m3: SIMD[DType.uint8, 8], scale: Float32) -> SIMD[dtype, 8]:
+    """Eight e4m3 bytes of an `fp8_ds_mla` row times their block's scale, as `dtype` (exact in bfloat16:
+    `pymla/cache_format.py`). The bytes widen on the hardware (`cvt.rn.f16x2.e4m3x2`, then f16 -> f32:
+    exact, about half the instructions of `fp8.widen_e4m3`'s integer path); the product in float32
+    rounded to `dtype`, as the CPU's `Fp8LatentRows.dequantize_row`."""
+    return (bitcast[DType.float8_e4m3fn, 8](e4m3).cast[DType.float32]() * scale).cast[dtype]()
+
+
+@always_inline
 def widen_chunk[dtype: DType](row: SPtr[UInt8], c: Int, rank: Int) -> SIMD[dtype, 8]:
     """Values `8 c .. 8 c + 7` of the staged `fp8_ds_mla` row `row` (`rank` latent values) as `dtype`:
-    `e4m3 x scale` (exact in bfloat16: `pymla/cache_format.py`), or the rope part's bfloat16 values.
-
-    The e4m3 bytes widen on the hardware (`cvt.rn.f16x2.e4m3x2`, then f16 -> f32: exact, about half
-    the instructions of `fp8.widen_e4m3`'s integer path); the product in float32 rounded to `dtype`,
-    as the CPU's `Fp8LatentRows.dequantize_row`."""
+    `dequantize8`, or the rope part's bfloat16 values."""
     if 8 * c < rank:
         var e4m3 = row.unsafe_offset(8 * c).unsafe_load[width=8, alignment=8](0)
         var scale = row.unsafe_offset(rank + 4 * (8 * c // FP8_SCALE_BLOCK)).unsafe_bitcast[Float32]().unsafe_load[alignment=4](0)
-        return (bitcast[DType.float8_e4m3fn, 8](e4m3).cast[DType.float32]() * scale).cast[dtype]()
+        return dequantize8[dtype](e4m3, scale)
     var rope_at = rank + 4 * (rank // FP8_SCALE_BLOCK)
     return row.unsafe_offset(rope_at + 2 * (8 * c - rank)).unsafe_bitcast[BFloat16]().unsafe_load[width=8, alignment=4](0).cast[dtype]()
 

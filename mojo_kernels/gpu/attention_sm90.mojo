@@ -1,4 +1,6 @@
-"""Step 5 on Hopper with TMA key blocks and a producer warpgroup (sm_90a), bf16 / f16 caches.
+"""Step 5 on Hopper with TMA key blocks and a producer warpgroup (sm_90a), bf16 / f16 caches, and
+`fp8_ds_mla` caches for bf16 ops (`fp8`: the producer warpgroup widens raw TMA slots into the bf16
+stage; see `S9_FP8_STAGES`).
 
 Same contract as `attention_wgmma_kernel` (same `AttentionParams`, outputs
 and rounding points: q_full holds dtype values, scores are dtype products
@@ -88,8 +90,9 @@ from max.gpu.memory import AddressSpace, external_memory, fence_mbarrier_init
 from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
 from max.gpu.sync import mbarrier_arrive, mbarrier_init, named_barrier
 
-from ..paged_cache import PagedLatentRows
-from .attention_block import AttentionBlock, AttentionParams, RowMasks, SPtr, fence_async_proxy, rescale_row
+from ..common import U32Ptr
+from ..paged_cache import Fp8LatentRows, PagedLatentRows
+from .attention_block import AttentionBlock, AttentionParams, RowMasks, SPtr, dequantize8, fence_async_proxy, rescale_row
 from .attention_wgmma import quad_max, quad_sum
 from .pdl import allow_dependents, wait_for_producers
 
@@ -113,10 +116,25 @@ comptime S9_MATH_REGS = 232
 comptime S9_BOX_BYTES = S9_KEYS * S9_BOX_COLS * 2
 comptime S9_BLOCK_BYTES = S9_BOXES * S9_BOX_BYTES
 comptime S9_STAGES = 2
+# An `fp8_ds_mla` cache (the kernel's `fp8`): each 64-key block's rows arrive by TMA as bytes in one of
+# two raw slots (4 latent boxes of 64 keys x 128 e4m3 bytes, 128-byte swizzle, and each key's 4 float32
+# scales); the producer warpgroup widens them (`dequantize8`) into boxes 0-7 of the one bf16 stage
+# (`S9_FP8_STAGES`: 72 KiB + 2 x 33 KiB of raw slots fit where two bf16 stages did), and its first
+# thread copies the rope part, bf16 already, by TMA straight into box 8.
+comptime S9_FP8_STAGES = 1
+comptime S9_RAW_BOXES = 4  # 128 latent bytes of a key each: two bf16 boxes
+comptime S9_RAW_BOX_BYTES = S9_KEYS * 128
+comptime S9_SCALE_BYTES = S9_KEYS * 16  # 4 float32 scales per key
+comptime S9_RAW_BYTES = S9_RAW_BOXES * S9_RAW_BOX_BYTES + S9_SCALE_BYTES  # 33 KiB: 1024-byte aligned
+comptime S9_RAW_SLOTS = 2
+comptime S9_ROPE_COL = S9_RAW_BOXES * 128 + 16  # byte column of the rope part in a 656-byte row
+comptime S9_FP8_PRODUCER_REGS = 56  # the widening takes a whole warpgroup's registers
+comptime S9_FP8_MATH_REGS = 224
 # Named barriers of the two math warpgroups (0 is `barrier()`).
 comptime BAR_MAX = 1
 comptime BAR_P = 2
 comptime BAR_SUM = 3
+comptime BAR_RAW = 4  # the producer warpgroup (fp8): every thread done with a raw slot
 # Debugging builds (`mojo build -D PYMLA_SM90_WATCHDOG_MS=2000`, scripts/build_devbin.sh's smoke
 # binary): an mbarrier wait longer than this many milliseconds traps (the launch fails instead of
 # hanging). No message: a `print` here is a call, for which ptxas drops `setmaxnreg` (C7507) and
@@ -143,15 +161,18 @@ def sm90_supported[dtype: DType](key_dim: Int, kv_lora_rank: Int, page_size: Int
     return key_dim == S9_KEY_DIM and kv_lora_rank == 2 * S9_VALUE_COLS and pages_ok
 
 
-def attention_sm90_smem_bytes() -> Int:
-    """Dynamic shared memory of `attention_sm90_kernel`: Q, two key stages, barriers, row tables."""
-    return (1 + S9_STAGES) * S9_BLOCK_BYTES + SmemPlan.TABLE_BYTES
+def attention_sm90_smem_bytes[fp8: Bool = False]() -> Int:
+    """Dynamic shared memory of `attention_sm90_kernel`: Q, the key stages (`fp8`: one, and the raw slots),
+    barriers, row tables."""
+    return SmemPlan[fp8].END
 
 
 @align(64)
 struct TmaAttentionParams[dtype: DType](DevicePassable, ImplicitlyCopyable):
-    """`attention_sm90_kernel`'s one argument: the launch's `AttentionParams` and the TMA descriptor
-    of the cache layer, `[pages, page_size, key_dim]` in boxes of `[1, box_rows, 64]` (128-byte swizzle).
+    """`attention_sm90_kernel`'s one argument: the launch's `AttentionParams` and the TMA descriptors
+    of the cache layer: `[pages, page_size, key_dim]` in boxes of `[1, box_rows, 64]` (128-byte swizzle);
+    or (`create_fp8`) its `fp8_ds_mla` rows as bytes, `[pages, page_size, row_bytes]`, in boxes of
+    `[1, box_rows, 128]` (`keys`, 128-byte swizzle) and `[1, box_rows, 16]` (`scales`).
 
     Not a `KernelParams` (the descriptor is not register-passable): the kernel
     takes it as a grid constant and hands TMA the descriptor's address in
@@ -159,12 +180,14 @@ struct TmaAttentionParams[dtype: DType](DevicePassable, ImplicitlyCopyable):
     """
 
     var keys: TMADescriptor
+    var scales: TMADescriptor  # fp8_ds_mla rows: the scales' boxes (a dtype cache: `keys` again, unused)
     var att: AttentionParams[Self.dtype]
 
     comptime device_type: AnyType = Self
 
-    def __init__(out self, keys: TMADescriptor, att: AttentionParams[Self.dtype]):
+    def __init__(out self, keys: TMADescriptor, scales: TMADescriptor, att: AttentionParams[Self.dtype]):
         self.keys = keys
+        self.scales = scales
         self.att = att
 
     @staticmethod
@@ -180,7 +203,24 @@ struct TmaAttentionParams[dtype: DType](DevicePassable, ImplicitlyCopyable):
             IndexList[3](cache.page_stride, cache.head_dim, 1),
             IndexList[3](1, box_rows(cache.page_size), S9_BOX_COLS),
         )
-        return Self(desc, att)
+        return Self(desc, desc, att)
+
+    @staticmethod
+    def create_fp8(ctx: DeviceContext, rows: Fp8LatentRows, att: AttentionParams[Self.dtype]) raises -> Self:
+        """The descriptors of `rows`' layer (`fp8_ds_mla`, as bytes from `layer_offset`) around `att`."""
+        comptime MAX_PAGES = 1 << 24  # as `create`'s
+        var view = DeviceBuffer[DType.uint8](
+            ctx, rows.bytes.unsafe_offset(rows.layer_offset), MAX_PAGES * rows.page_stride, owning=False
+        )
+        var dims = IndexList[3](MAX_PAGES, rows.page_size, rows.row_bytes)
+        var strides = IndexList[3](rows.page_stride, rows.row_bytes, 1)
+        var latent = create_tma_descriptor[DType.uint8, 3, TensorMapSwizzle.SWIZZLE_128B](
+            view, dims, strides, IndexList[3](1, box_rows(rows.page_size), 128)
+        )
+        var scales = create_tma_descriptor[DType.uint8, 3, TensorMapSwizzle.SWIZZLE_NONE](
+            view, dims, strides, IndexList[3](1, box_rows(rows.page_size), 16)
+        )
+        return Self(latent, scales, att)
 
     def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
         encoder.encode(self, target)
@@ -281,19 +321,23 @@ def sw128_desc[dtype: DType](addr: UInt32, lbo: Int, sbo: Int) -> WGMMADescripto
 
 
 @fieldwise_init
-struct SmemPlan(TrivialRegisterPassable):
-    """Where things live in the dynamic shared memory (see the module docstring)."""
+struct SmemPlan[fp8: Bool](TrivialRegisterPassable):
+    """Where things live in the dynamic shared memory (see the module docstring; `fp8`: one key stage,
+    then the two raw slots)."""
 
     var base: SPtr[UInt8]
 
+    comptime STAGES = S9_FP8_STAGES if Self.fp8 else S9_STAGES
     comptime Q = 0
     comptime K = S9_BLOCK_BYTES
-    comptime BARS = (1 + S9_STAGES) * S9_BLOCK_BYTES
-    comptime N_FULL = S9_STAGES * S9_BOXES
-    comptime XMAX = Self.BARS + 8 * (Self.N_FULL + S9_STAGES)
+    comptime RAW = (1 + Self.STAGES) * S9_BLOCK_BYTES
+    comptime BARS = Self.RAW + (S9_RAW_SLOTS * S9_RAW_BYTES if Self.fp8 else 0)
+    comptime N_FULL = Self.STAGES * S9_BOXES
+    comptime RAW_FULL = Self.BARS + 8 * (Self.N_FULL + Self.STAGES)
+    comptime XMAX = Self.RAW_FULL + 8 * S9_RAW_SLOTS
     comptime XSUM = Self.XMAX + 2 * S9_ROWS * 4
     comptime MASKS = Self.XSUM + 2 * S9_ROWS * 4
-    comptime TABLE_BYTES = Self.MASKS + 4 * S9_ROWS * 4 - Self.BARS
+    comptime END = Self.MASKS + 4 * S9_ROWS * 4
 
     @always_inline
     def q_u32(self) -> UInt32:
@@ -305,14 +349,25 @@ struct SmemPlan(TrivialRegisterPassable):
         return self.base.unsafe_offset(Self.K + s * S9_BLOCK_BYTES)
 
     @always_inline
+    def raw(self, slot: Int) -> SPtr[UInt8]:
+        """`fp8`: raw slot `slot`, a block's latent boxes (64 keys x 128 bytes each), then its scales."""
+        return self.base.unsafe_offset(Self.RAW + slot * S9_RAW_BYTES)
+
+    @always_inline
     def full(self, s: Int, box: Int) -> SPtr[Int64]:
-        """Transaction barrier of box `box` of stage `s` (one arrival: the producer's expect_tx)."""
+        """Barrier of box `box` of stage `s`: one arrival, the producer's expect_tx (`fp8`, boxes 0-7: the
+        producer warpgroup's arrivals once its widened values are stored)."""
         return self.base.unsafe_offset(Self.BARS + 8 * (s * S9_BOXES + box)).unsafe_bitcast[Int64]()
 
     @always_inline
     def empty(self, s: Int) -> SPtr[Int64]:
         """Release barrier of stage `s`: one arrival per math warp once its P V on the stage is done."""
         return self.base.unsafe_offset(Self.BARS + 8 * (Self.N_FULL + s)).unsafe_bitcast[Int64]()
+
+    @always_inline
+    def raw_full(self, slot: Int) -> SPtr[Int64]:
+        """`fp8`: transaction barrier of raw slot `slot` (one arrival: the producer's expect_tx)."""
+        return self.base.unsafe_offset(Self.RAW_FULL + 8 * slot).unsafe_bitcast[Int64]()
 
     @always_inline
     def xmax(self) -> SPtr[Float32]:
@@ -334,10 +389,14 @@ struct SmemPlan(TrivialRegisterPassable):
 
     def init_barriers(self):
         """One thread: the stage barriers, then the fence that shows them to the async proxy."""
-        for i in range(Self.N_FULL):
-            mbarrier_init(self.base.unsafe_offset(Self.BARS + 8 * i).unsafe_bitcast[Int64](), 1)
-        for s in range(S9_STAGES):
-            mbarrier_init(self.empty(s), Int32(S9_MATH_THREADS // WARP_SIZE))
+        for st in range(Self.STAGES):
+            for box in range(S9_BOXES):
+                var widened = Self.fp8 and box < S9_BOXES - 1
+                mbarrier_init(self.full(st, box), Int32(S9_WG if widened else 1))
+            mbarrier_init(self.empty(st), Int32(S9_MATH_THREADS // WARP_SIZE))
+        comptime if Self.fp8:
+            for slot in range(S9_RAW_SLOTS):
+                mbarrier_init(self.raw_full(slot), 1)
         fence_mbarrier_init()
 
 
@@ -366,6 +425,12 @@ struct KeyBlocks(TrivialRegisterPassable):
         return self.first + b * S9_KEYS
 
     @always_inline
+    def copies(self, b: Int, rows: UInt32) -> UInt32:
+        """Copies of `rows` keys that block `b` takes: those that start before the partition's last key
+        (the rest of the stage keeps stale rows: masked and zeroed by the math warpgroups)."""
+        return min(UInt32(S9_KEYS), UInt32(self.hi) - UInt32(self.start(b)) + rows - 1) // rows
+
+    @always_inline
     def partial(self, b: Int) -> Bool:
         """Whether some key of block `b` is outside `[lo, hi)`."""
         var k = self.start(b)
@@ -375,13 +440,12 @@ struct KeyBlocks(TrivialRegisterPassable):
 @always_inline
 def produce_keys[
     dtype: DType
-](p: AttentionParams[dtype], desc: Int, blk: AttentionBlock, sm: SmemPlan, keys: KeyBlocks):
+](p: AttentionParams[dtype], desc: Int, blk: AttentionBlock, sm: SmemPlan[False], keys: KeyBlocks):
     """The producer thread: block `b`'s 9 column boxes into stage `b % 2` once the stage is released.
 
     A column box is `box_rows(page_size)` rows of one page; a 64-key block takes
     `64 / box_rows` of them per column box (one for pages of 64 keys or more),
-    only those that start before the partition's last key (the rest of the stage
-    keeps stale rows: masked and zeroed by the math warpgroups). `desc`: the
+    `keys.copies(b)` of them. `desc`: the
     generic address of the kernel parameter's TMA descriptor (taken in the
     kernel: a copy of the parameter would not be in parameter space).
 
@@ -392,7 +456,6 @@ def produce_keys[
     var page_size = UInt32(p.cache.page_size)
     var rows = UInt32(box_rows(Int(p.cache.page_size)))
     var lookup = p.cache.lookup.unsafe_offset(blk.request * Int(p.cache.pages_per_request))
-    var hi = UInt32(keys.hi)
     var stage0 = smem_u32(sm.stage(0))
     var full0 = smem_u32(sm.full(0, 0))
     var empty0 = smem_u32(sm.empty(0))
@@ -401,7 +464,7 @@ def produce_keys[
         # Phase parity: a fresh barrier passes parity 1 at once (the first use of a stage waits for nothing).
         mbar_wait_u32(empty0 + UInt32(8 * s), UInt32(((b // S9_STAGES) & 1) ^ 1))
         var k = UInt32(keys.start(b))
-        var parts = min(UInt32(S9_KEYS), hi - k + rows - 1) // rows
+        var parts = keys.copies(b, rows)
         var dst = stage0 + UInt32(s * S9_BLOCK_BYTES)
         var full = full0 + UInt32(8 * S9_BOXES * s)
         for box in range(S9_BOXES):
@@ -418,7 +481,103 @@ def produce_keys[
 
 
 @always_inline
-def load_q[dtype: DType](p: AttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan, tid: Int):
+def produce_fp8_keys[
+    dtype: DType
+](p: AttentionParams[dtype], descs: Tuple[Int, Int], blk: AttentionBlock, sm: SmemPlan[True], keys: KeyBlocks, wt: Int):
+    """The producer warpgroup on an `fp8_ds_mla` cache, thread `wt` of its 128 (module docstring, `fp8`).
+
+    Thread 0 keeps the raw slots two blocks ahead (`copy_raw_block`). Per block,
+    once the math warpgroups release the one stage: thread 0 copies the rope
+    part into box 8 by TMA (`descs[0]`: the 128-byte boxes; the rows' bytes land
+    in the layout of a bf16 box), then every thread waits for the raw slot,
+    widens its chunks box by box (`widen_raw_block`: each box's barrier takes
+    all 128 arrivals, so the scores start on box 0 while box 7 is widened), and
+    the warpgroup meets (`BAR_RAW`) before thread 0 refills the slot.
+    """
+    var cache = p.fp8.rows
+    var page_size = UInt32(cache.page_size)
+    var rows = UInt32(box_rows(Int(cache.page_size)))
+    var lookup = cache.lookup.unsafe_offset(blk.request * Int(cache.pages_per_request))
+    var count = keys.count()
+    if wt == 0:
+        for b in range(min(count, S9_RAW_SLOTS)):
+            copy_raw_block(descs, sm, b, lookup, page_size, rows, keys)
+    var rope_box = smem_u32(sm.stage(0)) + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
+    var rope_full = smem_u32(sm.full(0, S9_BOXES - 1))
+    for b in range(count):
+        var slot = b % S9_RAW_SLOTS
+        mbar_wait(sm.empty(0), ((b // S9_FP8_STAGES) & 1) ^ 1)
+        if wt == 0:
+            var k = UInt32(keys.start(b))
+            var parts = keys.copies(b, rows)
+            arrive_expect_tx(rope_full, parts * rows * 128)
+            for q in range(parts):
+                var key = k + q * rows
+                var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
+                tma_load_box(rope_box + q * rows * 128, descs[0], rope_full, UInt32(S9_ROPE_COL), key % page_size, page)
+        mbar_wait(sm.raw_full(slot), (b // S9_RAW_SLOTS) & 1)
+        widen_raw_block[dtype](sm, slot, wt)
+        named_barrier[S9_WG](BAR_RAW)
+        if wt == 0 and b + S9_RAW_SLOTS < count:
+            copy_raw_block(descs, sm, b + S9_RAW_SLOTS, lookup, page_size, rows, keys)
+
+
+@always_inline
+def copy_raw_block(
+    descs: Tuple[Int, Int], sm: SmemPlan[True], b: Int, lookup: U32Ptr, page_size: UInt32, rows: UInt32,
+    keys: KeyBlocks,
+):
+    """One thread: block `b`'s `fp8_ds_mla` bytes into raw slot `b % 2` by TMA (its latent boxes with
+    `descs[0]`, its scales with `descs[1]`), all on the slot's one transaction barrier."""
+    var slot = b % S9_RAW_SLOTS
+    var bar = smem_u32(sm.raw_full(slot))
+    var dst = smem_u32(sm.raw(slot))
+    var k = UInt32(keys.start(b))
+    var parts = keys.copies(b, rows)
+    arrive_expect_tx(bar, parts * rows * (S9_RAW_BOXES * 128 + 16))
+    for q in range(parts):
+        var key = k + q * rows
+        var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
+        var row = key % page_size
+        for j in range(S9_RAW_BOXES):
+            tma_load_box(dst + UInt32(j * S9_RAW_BOX_BYTES) + q * rows * 128, descs[0], bar, UInt32(j * 128), row, page)
+        tma_load_box(
+            dst + UInt32(S9_RAW_BOXES * S9_RAW_BOX_BYTES) + q * rows * 16, descs[1], bar, UInt32(S9_RAW_BOXES * 128), row, page
+        )
+
+
+@always_inline
+def widen_raw_block[dtype: DType](sm: SmemPlan[True], slot: Int, wt: Int):
+    """The producer warpgroup: raw slot `slot`'s latent bytes times their scales (`dequantize8`) into
+    boxes 0-7 of the stage, in the 128-byte swizzle of both. Thread `wt` takes 16-byte output chunk
+    `wt % 8` of rows `wt / 8 + 16 i` of every box; after its stores to a box, an async-proxy fence and
+    its arrival on the box's barrier."""
+    comptime ROWS_PER_THREAD = S9_KEYS * 8 // S9_WG  # 16-byte chunks of a box per thread: 4
+    var raw = sm.raw(slot)
+    var scales = raw.unsafe_offset(S9_RAW_BOXES * S9_RAW_BOX_BYTES).unsafe_bitcast[Float32]()
+    var stage = sm.stage(0)
+    var c = wt % 8
+    var r0 = wt // 8
+    var swz = r0 % 8  # the rows r0 + 16 i share it
+    comptime for jb in range(S9_RAW_BOXES):
+        var sc = SIMD[DType.float32, ROWS_PER_THREAD](0)
+        comptime for i in range(ROWS_PER_THREAD):
+            sc[i] = scales.unsafe_load((r0 + 16 * i) * 4 + jb)
+        comptime for half in range(2):
+            comptime box = 2 * jb + half
+            comptime for i in range(ROWS_PER_THREAD):
+                var r = r0 + 16 * i
+                var src = raw.unsafe_offset(jb * S9_RAW_BOX_BYTES + r * 128 + (((half * 4 + c // 2) ^ swz) * 16) + (c % 2) * 8)
+                var v = dequantize8[dtype](src.unsafe_load[width=8, alignment=8](0), sc[i])
+                stage.unsafe_offset(box * S9_BOX_BYTES + r * 128 + ((c ^ swz) * 16)).unsafe_bitcast[
+                    Scalar[dtype]
+                ]().unsafe_store[alignment=16](0, v)
+            fence_async_proxy()
+            _ = mbarrier_arrive(sm.full(0, box))
+
+
+@always_inline
+def load_q[dtype: DType, fp8: Bool, //](p: AttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8], tid: Int):
     """Q rows of the block into `q_s` in dtype (exact: q_full holds dtype values), zeros past the request's rows."""
     comptime CHUNKS = S9_KEY_DIM // 8  # 16-byte chunks per row
     var v = tid
@@ -434,7 +593,7 @@ def load_q[dtype: DType](p: AttentionParams[dtype], blk: AttentionBlock, sm: Sme
 
 
 @always_inline
-def zero_outside_values(sm: SmemPlan, keys: KeyBlocks, b: Int, s: Int, wg: Int, wt: Int):
+def zero_outside_values[fp8: Bool, //](sm: SmemPlan[fp8], keys: KeyBlocks, b: Int, s: Int, wg: Int, wt: Int):
     """Zeros the value rows (boxes 0-7) of block `b`'s keys outside `[lo, hi)` in stage `s`: warpgroup `wg`
     the rows of its 32 keys."""
     var k0 = keys.start(b)
@@ -455,11 +614,12 @@ def zero_outside_values(sm: SmemPlan, keys: KeyBlocks, b: Int, s: Int, wg: Int, 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(S9_THREADS)))
 @__llvm_arg_metadata(p, `nvvm.grid_constant`)
-def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
-    """One block per (request, 64 rows, key partition); see the module docstring.
+def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams[dtype]):
+    """One block per (request, 64 rows, key partition); see the module docstring (`fp8`: the keys are
+    `p.att.fp8`'s `fp8_ds_mla` rows, `TmaAttentionParams.create_fp8`).
 
     Grid `attention_grid` (a row slot or a task of the split schedule per block), block `S9_THREADS`
-    threads, `attention_sm90_smem_bytes()` bytes of dynamic shared memory.
+    threads, `attention_sm90_smem_bytes[fp8]()` bytes of dynamic shared memory.
     """
     comptime HALF = S9_KEYS // 2  # keys scored per warpgroup
     comptime NJ_S = HALF // 8  # score n-tiles per thread
@@ -467,8 +627,12 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
     comptime ACC_W = S9_ROWS * S9_VALUE_COLS // S9_WG
     comptime ESZ = size_of[dtype]()
     comptime assert ESZ == 2, "bf16 / f16 boxes: 64 columns = 128 bytes"
+    comptime STAGES = S9_FP8_STAGES if fp8 else S9_STAGES
+    comptime PRODUCER_REGS = S9_FP8_PRODUCER_REGS if fp8 else S9_PRODUCER_REGS
+    comptime MATH_REGS = S9_FP8_MATH_REGS if fp8 else S9_MATH_REGS
+    comptime assert not fp8 or dtype == DType.bfloat16, "fp8_ds_mla rows serve bfloat16 ops"
     comptime assert (
-        S9_WG * S9_PRODUCER_REGS + S9_MATH_THREADS * S9_MATH_REGS <= S9_THREADS * S9_LAUNCH_REGS
+        S9_WG * PRODUCER_REGS + S9_MATH_THREADS * MATH_REGS <= S9_THREADS * S9_LAUNCH_REGS
     ), "setmaxnreg: the math warpgroups' registers must come from the producer's (else setmaxnreg.inc waits forever)"
 
     # With PDL (pdl.mojo) every thread waits for the q step (q_full, the new cache rows) at once,
@@ -479,7 +643,7 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
     var blk = AttentionBlock.locate[S9_ROWS](p.att)
     if not blk.has_rows():
         return
-    var sm = SmemPlan(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]())
+    var sm = SmemPlan[fp8](external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]())
     var masks = sm.masks()
     if tid < S9_ROWS:
         masks.store(blk, p.att, tid)
@@ -492,11 +656,17 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
 
     var wg = tid // S9_WG
     if wg == 2:
-        warpgroup_reg_dealloc[S9_PRODUCER_REGS]()
-        if tid == S9_MATH_THREADS:
-            produce_keys(p.att, Int(Pointer(to=p.keys)), blk, sm, keys)
+        warpgroup_reg_dealloc[PRODUCER_REGS]()
+        comptime if fp8:
+            produce_fp8_keys(
+                p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk, rebind[SmemPlan[True]](sm), keys,
+                tid - S9_MATH_THREADS,
+            )
+        else:
+            if tid == S9_MATH_THREADS:
+                produce_keys(p.att, Int(Pointer(to=p.keys)), blk, rebind[SmemPlan[False]](sm), keys)
         return
-    warpgroup_reg_alloc[S9_MATH_REGS]()
+    warpgroup_reg_alloc[MATH_REGS]()
 
     var wt = tid % S9_WG
     var warp = wt // WARP_SIZE
@@ -526,8 +696,8 @@ def attention_sm90_kernel[dtype: DType](p: TmaAttentionParams[dtype]):
     var acc = SIMD[DType.float32, ACC_W](0)
 
     for b in range(keys.count()):
-        var st = b % S9_STAGES
-        var phase = (b // S9_STAGES) & 1
+        var st = b % STAGES
+        var phase = (b // STAGES) & 1
         var k0 = keys.start(b) + wg * HALF  # this warpgroup's first key
 
         # S = Q K^T on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.

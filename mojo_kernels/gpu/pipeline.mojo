@@ -34,8 +34,9 @@ launches them; the kernels live in one file per concern:
                                 `quantize_kernel` + `fp8_matmul_kernel`.
 
 An `fp8_ds_mla` cache (`p.fp8_cache`, bfloat16 ops): steps 1-2 quantize the new rows
-(`rope_norm_fp8_row`), step 5 takes the tensor-core kernels' fp8 instances (they
-widen each staged key tile into bfloat16, exactly; `KeyTiles`); the FMA attention
+(`rope_norm_fp8_row`), step 5 takes the tensor-core kernels' fp8 instances (the mma
+and wgmma kernels widen each staged key tile into bfloat16, exactly, `KeyTiles`; the
+TMA kernel's producer warpgroup widens raw TMA slots into its bf16 stage); the FMA attention
 kernel reads no fp8 rows (`check_fp8_shapes` refuses sizes only it takes).
 
 Rounding points are the reference's: `q_full` and the attention output
@@ -399,12 +400,17 @@ def enqueue_attention_variant[
     fp8_rows: Int, pdl: Bool,
 ) raises:
     """Launches attention kernel `variant` of problem `p` on `params` (`fp8`: its instance reading `fp8_ds_mla`
-    rows of `fp8_rows` bytes; the TMA kernel reads only rows of dtype); with `pdl`, programmatic dependent
-    launch (pdl.mojo)."""
+    rows of `fp8_rows` bytes); with `pdl`, programmatic dependent launch (pdl.mojo)."""
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
     comptime if gw < 0:
         comptime if fp8:
-            raise Error("pymla gpu: the TMA attention kernel reads no fp8_ds_mla rows")
+            comptime if dtype == DType.bfloat16:
+                enqueue_attention_with[attention_sm90_kernel[dtype, True], S9_ROWS](
+                    ctx, TmaAttentionParams[dtype].create_fp8(ctx, p.fp8_cache, params), params, num_tokens, S9_THREADS,
+                    attention_sm90_smem_bytes[True](), pdl,
+                )
+            else:
+                raise Error("pymla gpu: fp8_ds_mla rows serve bfloat16 ops, got ", dtype)
         else:
             enqueue_attention_with[attention_sm90_kernel[dtype], S9_ROWS](
                 ctx, TmaAttentionParams[dtype].create(ctx, p.cache, params), params, num_tokens, S9_THREADS,

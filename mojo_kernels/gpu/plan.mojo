@@ -43,7 +43,10 @@ comptime WGMMA_MIN_HEADS = 64
 # 680, b8 8k 69 against 118; at 16 heads it wins at batch 64 (225 against the mma kernel's 245
 # us) and 128, and loses at batch 8 (69 against 49), so below 64 heads the mma kernels stay.
 comptime SM90_SHAPE = (S9_ROWS // MMA_ROWS, 64, -1)
-comptime SM90_MIN_HEADS = 64
+# Since step 5 is split by work (more blocks per request) it wins at 16 heads too (H200,
+# 2026-12-05, seventh session, benchmarks/results/h200-2026-12-05g/variants_fp8.log, step 5
+# alone): b64 8k 188 us against the mma kernel's 250, b8 8k 44 against 49.
+comptime SM90_MIN_HEADS = 16
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
 comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
 # (H200, 16 heads, B128 L32k, step 5: 1798.5 us; (1, 32, 4) 1895 us; (1, 32, 8) 2262 us, and
@@ -128,14 +131,13 @@ def attention_supported[
 
 def choose_attention[
     dtype: DType
-](num_heads: Int, key_dim: Int, kv_lora_rank: Int, page_size: Int, fp8_rows: Bool = False) -> Int:
-    """Index in ATTENTION_VARIANTS of the op's attention kernel (`fp8_rows`: an `fp8_ds_mla` cache, which
-    the TMA kernel does not read)."""
+](num_heads: Int, key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Int:
+    """Index in ATTENTION_VARIANTS of the op's attention kernel (the same for an `fp8_ds_mla` cache: every
+    tensor-core kernel reads its rows)."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
         comptime v = ATTENTION_VARIANTS[i]
         if (
             num_heads >= ATTENTION_MIN_HEADS[i]
-            and not (fp8_rows and v[2] < 0)
             and attention_supported[dtype, v](key_dim, kv_lora_rank, page_size)
         ):
             return i
@@ -252,7 +254,7 @@ struct GpuPlan(TrivialRegisterPassable):
     def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
         """The op's plan for `p` on a device of `limits`."""
         var attention = choose_attention[dtype](
-            p.num_heads, p.key_dim(), p.kv_lora_rank, p.cache.page_size, p.fp8_cache.active
+            p.num_heads, p.key_dim(), p.kv_lora_rank, p.cache.page_size
         )
         return Self.with_attention(p, limits, attention)
 
@@ -307,7 +309,7 @@ def check_fp8_shapes[dtype: DType](p: DecodeProblem[dtype]) raises:
     var row_bytes = rank + 4 * (rank // 128) + 2 * p.rope_dim
     if rank % 128 != 0 or p.fp8_cache.row_bytes != row_bytes:
         raise Error("pymla gpu: fp8_ds_mla rows of ", p.fp8_cache.row_bytes, " bytes, expected ", row_bytes, " (kv_lora_rank a multiple of 128)")
-    if choose_attention[dtype](p.num_heads, p.key_dim(), rank, p.cache.page_size, True) == FMA_ATTENTION:
+    if choose_attention[dtype](p.num_heads, p.key_dim(), rank, p.cache.page_size) == FMA_ATTENTION:
         raise Error(
             "pymla gpu: fp8_ds_mla rows need a tensor-core attention kernel: key dim ", p.key_dim(),
             " (a multiple of 16, at most 576) and kv_lora_rank ", rank, " (at most 512)",
