@@ -5,8 +5,10 @@
 the block setup they share: which request, rows and key partition a block
 takes (`locate`, from the split-KV schedule of `schedule.mojo` when the keys are split), each row's mask data (`row_meta`), the cache row of a key
 (`key_row`), the keys any of its rows needs (`widen_keys`), and its results:
-normalized into `raw` without a split, else the partition's unnormalized
-output and row statistics for `merge_kernel` (`result_row`, `store_stats`).
+normalized into `raw` where the block holds all of its request's keys (no
+split, or the request's only partition), else the partition's unnormalized
+output; with a split, row statistics for `merge_kernel` too (`result_row`,
+`result`, `store_stats`).
 
 `KeyTiles` holds the key tiles of the tensor-core kernels. Their key source is
 a compile-time parameter: rows of `dtype` copied with `cp.async` straight into
@@ -45,7 +47,9 @@ struct AttentionParams[dtype: DType](KernelParams):
     holding dtype values); keys are whole cache rows, values their first
     `kv_lora_rank`. Without a split (`split.active()` false) the kernels write
     `raw [T, H, R]`; with one, each task's partial rows (`schedule.mojo`) of
-    `part_out [rows, R]`, `part_max` and `part_sum [rows]`.
+    `part_out [rows, R]`, `part_max` and `part_sum [rows]`, except that a
+    request's only partition writes its rows normalized into `raw` (and its
+    statistics, for the LSE), as FlashMLA's split kernel does.
     With an `fp8_ds_mla` cache the rows are `fp8`'s (the kernels' `fp8`
     parameter says which) and `cache` gives only `key_dim`.
     """
@@ -70,7 +74,9 @@ struct AttentionParams[dtype: DType](KernelParams):
 @fieldwise_init
 struct AttentionBlock(TrivialRegisterPassable):
     """One block's request `request`, rows `[row0, row_end)` (`t H + h`) and keys `[k0, k1)`;
-    with a split, row `row`'s partial row is `partial0 + row`.
+    with a split, row `row`'s partial row is `partial0 + row`. `normalized`: the block holds all of
+    its request's keys (no split, or the request's only partition) and writes its rows normalized
+    into `raw`; the merge then only reads them (`merge_kernel`).
 
     Keys are the cache's slots: with a shard of the cache (`DeviceBatch.shard`),
     slot `j` holds position `shard.position(j)`; the key ranges of `row_meta` are slots.
@@ -89,6 +95,7 @@ struct AttentionBlock(TrivialRegisterPassable):
     var visible: Int  # the request's positions: cached and new
     var k0: Int
     var k1: Int
+    var normalized: Bool
 
     @staticmethod
     @always_inline
@@ -104,7 +111,7 @@ struct AttentionBlock(TrivialRegisterPassable):
             wait_for_producers()  # the q step's launch may build the schedule (pdl.mojo; else a no-op)
             var task = p.split.task(block_idx.x)
             if task[0] < 0:  # past the schedule's tasks: no rows
-                return Self(0, 0, 0, 0, 0, 0, 0, 0, 0)
+                return Self(0, 0, 0, 0, 0, 0, 0, 0, 0, True)
             b = Int(task[0])
             slot = Int(task[1])
             part = Int(task[2])
@@ -119,7 +126,8 @@ struct AttentionBlock(TrivialRegisterPassable):
         var visible = cache_length + o1 - o0  # positions (the mask's)
         var keys = partition_keys(part, parts, p.batch.shard().local_count(visible))
         return Self(
-            b, o0, row0, o1 * heads, block_idx.x * rows_per_block - row0, cache_length, visible, keys[0], keys[1]
+            b, o0, row0, o1 * heads, block_idx.x * rows_per_block - row0, cache_length, visible, keys[0], keys[1],
+            parts == 1,
         )
 
     @always_inline
@@ -174,19 +182,18 @@ struct AttentionBlock(TrivialRegisterPassable):
 
     @always_inline
     def result_row[dtype: DType, //](self, p: AttentionParams[dtype], row: Int) -> FPtr:
-        """Where row `row`'s (`t H + h`) output goes: its row of `raw` without a split, else its partial row of `part_out`."""
+        """Where row `row`'s (`t H + h`) output goes: its row of `raw` (`normalized`), else its partial row of `part_out`."""
         var rank = Int(p.kv_lora_rank)
-        if not p.split.active():
+        if self.normalized:
             return p.raw.unsafe_offset(row * rank)
         return p.part_out.unsafe_offset((self.partial0 + row) * rank)
 
-    @staticmethod
     @always_inline
     def result[
         dtype: DType, width: Int
-    ](p: AttentionParams[dtype], v: SIMD[DType.float32, width], inv_l: Float32) -> SIMD[DType.float32, width]:
-        """The stored value of output `v`: `rnd(v inv_l)` without a split (normalized, in dtype), else `v` (merged later)."""
-        if not p.split.active():
+    ](self, v: SIMD[DType.float32, width], inv_l: Float32) -> SIMD[DType.float32, width]:
+        """The stored value of output `v`: `rnd(v inv_l)` (`normalized`: in dtype), else `v` (merged later)."""
+        if self.normalized:
             return (v * inv_l).cast[dtype]().cast[DType.float32]()
         return v
 

@@ -193,7 +193,7 @@ def attention_fma_kernel[
                     v[i] = acc[i][r]
                 var inv = AttentionBlock.inverse_sum(st.l.unsafe_load(r))
                 blk.result_row(p, blk.row0 + r).unsafe_offset(c0).unsafe_store(
-                    0, AttentionBlock.result[dtype, CPT](p, v, inv)
+                    0, blk.result[dtype, CPT](v, inv)
                 )
     if tid < ATT_ROWS:
         blk.store_stats(p, blk.row0 + tid, st.m.unsafe_load(tid), st.l.unsafe_load(tid))

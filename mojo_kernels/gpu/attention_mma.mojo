@@ -381,11 +381,11 @@ def attention_mma_kernel[
             var col = col_base + nt * 8 + 2 * t4
             if gr_a < blk.row_end:
                 out_a.unsafe_offset(col).unsafe_store[alignment=8](
-                    0, AttentionBlock.result[dtype, 2](p, acc[nt].slice[2, offset=0](), inv_a)
+                    0, blk.result[dtype, 2](acc[nt].slice[2, offset=0](), inv_a)
                 )
             if gr_b < blk.row_end:
                 out_b.unsafe_offset(col).unsafe_store[alignment=8](
-                    0, AttentionBlock.result[dtype, 2](p, acc[nt].slice[2, offset=2](), inv_b)
+                    0, blk.result[dtype, 2](acc[nt].slice[2, offset=2](), inv_b)
                 )
     if tid < ROWS_BLK:
         blk.store_stats(p, blk.row0 + tid, st.m.unsafe_load(tid), st.l.unsafe_load(tid))

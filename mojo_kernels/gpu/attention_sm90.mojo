@@ -833,4 +833,4 @@ def store_rows[
     var e0 = 2 if second else 0
     comptime for j in range(nj):
         var v = SIMD[DType.float32, 2](acc[4 * j + e0], acc[4 * j + e0 + 1])
-        out.unsafe_offset(col0 + 8 * j).unsafe_store[alignment=8](0, AttentionBlock.result[dtype, 2](p, v, inv))
+        out.unsafe_offset(col0 + 8 * j).unsafe_store[alignment=8](0, blk.result[dtype, 2](v, inv))

@@ -190,6 +190,7 @@ def attention_wgmma_kernel[
     var row0 = blk.row0
     var row_end = blk.row_end
     var partial0 = blk.partial0
+    var normalized = blk.normalized
 
     # Shared memory.
     comptime chunks = dim // 8  # 16-byte vectors per row
@@ -385,7 +386,7 @@ def attention_wgmma_kernel[
         var col = wg * WG_VALUE_COLS + 8 * j + 2 * t4
         var va = SIMD[DType.float32, 2](acc[4 * j], acc[4 * j + 1])
         var vb = SIMD[DType.float32, 2](acc[4 * j + 2], acc[4 * j + 3])
-        if not split:
+        if normalized:
             if gr_a < row_end:
                 raw.unsafe_offset(gr_a * rank + col).unsafe_store[alignment=8](
                     0, (va * inv_a).cast[dtype]().cast[DType.float32]()

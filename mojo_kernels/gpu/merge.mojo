@@ -68,6 +68,8 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     `has_lse`, the row's LSE `M + log(sum_p exp(m_p - M) l_p)` (-inf without
     keys); then each thread adds four columns
     of the partitions' outputs, `MERGE_UNROLL` partitions at a time; `kv_lora_rank % 4 == 0`.
+    A row of one partition is already in `raw`, normalized by the attention kernel
+    (`AttentionBlock.normalized`): only its LSE and, with `quantize`, its quantization remain.
     """
     var weights = stack_allocation[MAX_PARTITIONS, Float32, address_space=AddressSpace.SHARED]()
     # The merged row for `quantize_row` (a parameter: the plain merge keeps its registers and shared memory).
@@ -95,6 +97,14 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
         if tid == 0 and p.has_lse != 0:
             p.lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
     barrier()
+    if parts == 1:
+        comptime if quantize:
+            for c in range(4 * tid, rank, 4 * MERGE_THREADS):
+                row_s.unsafe_offset(c).unsafe_store[alignment=16](
+                    0, p.raw.unsafe_offset(row * rank + c).unsafe_load[width=4, alignment=16](0)
+                )
+            quantize_row[dtype](p, row_s, row)
+        return
     for c in range(4 * tid, rank, 4 * MERGE_THREADS):
         var acc = SIMD[DType.float32, 4](0)
         for p0 in range(0, parts, MERGE_UNROLL):

@@ -1,10 +1,10 @@
 """Planning of the GPU launches: one `GpuPlan` per op call, from the sizes and the device.
 
 The plan names which attention kernel runs (`ATTENTION_VARIANTS`, each with
-its `attention_supported` predicate), how many rows a block takes, whether
-the keys split into partitions (`plan_partitions` estimates what a uniform
-split would give; each request's share is the device schedule's, schedule.mojo)
-and how many blocks that split aims at (a wave), and
+its `attention_supported` predicate), how many rows a block takes, that the
+keys split by work (each request's share is the device schedule's,
+schedule.mojo; a request of one partition is written normalized, no merge of
+it) and how many blocks that split aims at (a wave), and
 which tile shape the fused q and output steps take (`PROJ_TILES`,
 `choose_proj_tile`; `FMA_PATH` for the float32 FMA path), and whether the
 kernels after the q step start early (`pdl`, programmatic dependent launch) and
@@ -18,7 +18,6 @@ from max.gpu import WARP_SIZE
 from max.gpu.host import DeviceAttribute, DeviceContext
 
 from ..common import ceil_div
-from ..paged_cache import MIN_KEYS_PER_PARTITION
 from ..problem import DecodeProblem
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_smem_bytes, mma_supported
@@ -26,7 +25,6 @@ from .attention_sm90 import S9_ROWS, sm90_supported
 from .attention_wgmma import WG_ROWS, wgmma_supported
 from .projection import MATMUL_SMEM_FLOATS
 from .projection_mma import TileLayout
-from .schedule import MAX_PARTITIONS
 from .steps_fused import tile_cols, tile_rows
 
 # Attention kernels as (16-row groups per block, keys per tile, warps per group): the fastest of
@@ -172,43 +170,22 @@ def attention_blocks_per_sm[
     return max(1, min(limits.registers_per_sm // (MMA_REGISTERS * threads), limits.smem_per_sm // (smem + 1024)))
 
 
-def plan_partitions(
-    num_tokens: Int, num_heads: Int, rows_per_block: Int, blocks_per_sm: Int, max_cache_length_hint: Int, sm_count: Int
-) -> Int:
-    """Key partitions per request of a uniform split: enough blocks for one full wave of `sm_count` SMs,
-    none past it. More than one: the plan splits the keys (by the device schedule's shares).
-
-    Row tiles are estimated as `T H / rows_per_block`; a partition keeps at
-    least MIN_KEYS_PER_PARTITION keys of `max_cache_length_hint` (at most 16
-    partitions when the hint is unknown, i.e. not positive).
-    """
-    var wave = sm_count * blocks_per_sm
-    var tiles = max(1, ceil_div(num_tokens * num_heads, rows_per_block))
-    var parts = max(1, wave // tiles)
-    if max_cache_length_hint > 0:
-        parts = min(parts, ceil_div(max_cache_length_hint, MIN_KEYS_PER_PARTITION))
-    else:
-        parts = min(parts, 16)
-    return max(1, min(parts, MAX_PARTITIONS))
-
-
 def attention_split[
     dtype: DType
 ](p: DecodeProblem[dtype], v: Tuple[Int, Int, Int], limits: DeviceLimits) -> Tuple[Int, Int]:
-    """`GpuPlan.num_partitions` and `split_target` for variant `v` on problem `p`: split by work
-    where a uniform split would give more than one partition (`plan_partitions`) or the LSE is
-    asked for (it comes from the merge), aiming at one wave of blocks."""
-    var parts = uniform_partitions(p, v, limits)
-    return (SPLIT_BY_WORK if parts > 1 or p.has_lse else 1, limits.sm_count * attention_blocks_per_sm[dtype](v, p.key_dim(), limits))
+    """`GpuPlan.num_partitions` and `split_target` for variant `v` on problem `p`: split by work, aiming
+    at one wave of blocks.
 
-
-def uniform_partitions[dtype: DType](p: DecodeProblem[dtype], v: Tuple[Int, Int, Int], limits: DeviceLimits) -> Int:
-    """`plan_partitions` for variant `v` on problem `p`: one count for every request, sized on the longest."""
-    return plan_partitions(
-        p.num_tokens, p.num_heads, attention_rows_per_block(v),
-        attention_blocks_per_sm[dtype](v, p.key_dim(), limits, fp8_row_bytes(p)),
-        p.max_visible_keys(), limits.sm_count,
-    )
+    Always: the host knows no request's length, only the sizes, and the device schedule gives a
+    request one partition where the batch already fills the wave (its rows then go out normalized,
+    `AttentionBlock.normalized`). Deciding from the sizes alone kept one long request beside short
+    ones in one block per row slot. H100, 128 h b64, 1 x 8k + 63 x 512: step 5 97 us against 361
+    without a split, the whole op 159 against 397 us; the uniform 8k batch pays the merge's launch,
+    step 5 362 against 349 us, the whole op 426 against 404 us
+    (benchmarks/results/h100-2026-12-05h/split-always/).
+    """
+    var blocks_per_sm = attention_blocks_per_sm[dtype](v, p.key_dim(), limits, fp8_row_bytes(p))
+    return (SPLIT_BY_WORK, limits.sm_count * blocks_per_sm)
 
 
 def tile_fits(tile: Tuple[Int, Int, Int, Int], depth: Int, block_k: Int, smem_per_block: Int) -> Bool:

@@ -8,8 +8,8 @@
 #                                                                      # configurations: the op's plan and each plan
 #                                                                      # choice turned, alternating (`bench` below)
 #     mojo run -I . tests/gpu/gpu_bench.mojo variants 64:128:8191:5    # step 5 alone: the op's plan, then pinned kernels
-#     mojo run -I . tests/gpu/gpu_bench.mojo both 64:128:8191:5        # step 5 alone (the op's plan, its kernel split
-#                                                                      # uniformly and by work always),
+#     mojo run -I . tests/gpu/gpu_bench.mojo both 64:128:8191:5        # step 5 alone (the op's plan, its kernel
+#                                                                      # without a split),
 #                                                                      # then the whole op, on one random case per
 #                                                                      # configuration (scripts/device_gpu_vs_peers.sh)
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:4095:5:fp8   # the whole op, bf16 cache then fp8_ds_mla cache
@@ -42,7 +42,6 @@ from mojo_kernels.gpu.plan import (
     attention_rows_per_block,
     attention_split,
     tile_fits,
-    uniform_partitions,
 )
 
 from gpu_case import Case, DeviceCase, Rng, decode_case, download, round_to, untracked, upload
@@ -161,14 +160,10 @@ def plan_label(plan: GpuPlan) -> String:
 
 comptime OP_PLAN = (-1, 0, 0)
 """`bench_attention`'s variant for the op's own plan."""
-comptime UNIFORM_SPLIT = (-2, 0, 0)
-"""`bench_attention`'s variant for the op's plan with one partition count for every request, sized on
-the longest (`uniform_partitions`: the GPU split before the schedule split by work)."""
-comptime ALWAYS_SPLIT = (-3, 0, 0)
-"""`bench_attention`'s variant for the op's plan split by work where the op's would not split: the plan
-decides from sizes alone (a uniform split's partition count), so one long request beside short ones in
-a batch that fills a wave (128 heads, batch 64) keeps its keys in one block; what splitting it costs
-and saves."""
+comptime NO_SPLIT = (-2, 0, 0)
+"""`bench_attention`'s variant for the op's kernel without a split: one block per row slot with all of
+its request's keys, no schedule, no merge (the op's plan before it always split by work, where a
+uniform split would have given one partition)."""
 
 
 def bench_attention[
@@ -182,12 +177,8 @@ def bench_attention[
     var problem = d.problem(c)
     var limits = DeviceLimits.read(ctx)
     var plan = GpuPlan.create(problem, limits)
-    comptime if v == UNIFORM_SPLIT:
-        comptime for i in range(len(ATTENTION_VARIANTS)):
-            if plan.attention == i and plan.num_partitions != 1:
-                plan.num_partitions = max(uniform_partitions(problem, ATTENTION_VARIANTS[i], limits), 2)
-    comptime if v == ALWAYS_SPLIT:
-        plan.num_partitions = SPLIT_BY_WORK
+    comptime if v == NO_SPLIT:
+        plan.num_partitions = 1
     comptime if v[0] >= 0:  # a pinned variant: its own rows per block and split
         plan.rows_per_block = attention_rows_per_block(v)
         var split = attention_split(problem, v, limits)
@@ -211,9 +202,7 @@ def bench_attention[
         " GB/s of cache",
     )
     comptime if v[0] < 0:
-        var name = "op's plan" if v == OP_PLAN else (
-            "op's kernel, uniform split" if v == UNIFORM_SPLIT else "op's kernel, split by work always"
-        )
+        var name = "op's plan" if v == OP_PLAN else "op's kernel, no split"
         line = String("  attention ", name, " (variant ", plan.attention, ", ", split_label(plan), ") : ", us,
                       " us, ", cache_bytes / us / 1e3, " GB/s of cache")
     if len(expected) > 0:  # a pinned variant: compared with the op's own kernel
@@ -228,8 +217,8 @@ def bench_attention[
 def bench_variants[
     dtype: DType
 ](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], shape: String, iters: Int, pinned: Bool = True) raises:
-    """Step 5 alone on decode step `c` (`shape`: its label): the op's plan, its kernel with a uniform split
-    and split by work always, and (`pinned`) every attention kernel pinned."""
+    """Step 5 alone on decode step `c` (`shape`: its label): the op's plan, its kernel without a split, and
+    (`pinned`) every attention kernel pinned."""
     var rows = c.num_tokens * c.heads
     var q_host = List[Float32]()
     var rng = Rng(5)
@@ -240,8 +229,7 @@ def bench_variants[
     print("variants", cache_label(c), shape)
     bench_attention[dtype, OP_PLAN](ctx, c, d, q_full, raw, iters, List[Float32]())
     var expected = download[DType.float32](ctx, raw, rows * c.rank)
-    bench_attention[dtype, UNIFORM_SPLIT](ctx, c, d, q_full, raw, iters, expected)
-    bench_attention[dtype, ALWAYS_SPLIT](ctx, c, d, q_full, raw, iters, expected)
+    bench_attention[dtype, NO_SPLIT](ctx, c, d, q_full, raw, iters, expected)
     if not pinned:
         return
     # (groups, kt, warps per group; 0: the warpgroup kernel, -1: the sm90 TMA kernel): a launch
