@@ -1,6 +1,6 @@
 """Step 5 on Hopper with TMA key blocks and a producer warpgroup (sm_90a), bf16 / f16 caches, and
-`fp8_ds_mla` caches for bf16 ops (`fp8`: the producer warpgroup widens raw TMA slots into the bf16
-stage; see `S9_FP8_STAGES`).
+`fp8_ds_mla` caches for bf16 ops (`fp8`: each math warpgroup widens its keys' rows of raw TMA slots
+into the bf16 stage; see `S9_FP8_STAGES`).
 
 Same contract as `attention_wgmma_kernel` (same `AttentionParams`, outputs
 and rounding points: q_full holds dtype values, scores are dtype products
@@ -118,9 +118,12 @@ comptime S9_BLOCK_BYTES = S9_BOXES * S9_BOX_BYTES
 comptime S9_STAGES = 2
 # An `fp8_ds_mla` cache (the kernel's `fp8`): each 64-key block's rows arrive by TMA as bytes in one of
 # two raw slots (4 latent boxes of 64 keys x 128 e4m3 bytes, 128-byte swizzle, and each key's 4 float32
-# scales); the producer warpgroup widens them (`dequantize8`) into boxes 0-7 of the one bf16 stage
-# (`S9_FP8_STAGES`: 72 KiB + 2 x 33 KiB of raw slots fit where two bf16 stages did), and its first
-# thread copies the rope part, bf16 already, by TMA straight into box 8.
+# scales), and the producer thread copies the rope part, bf16 already, straight into box 8 of the one
+# bf16 stage (`S9_FP8_STAGES`: 72 KiB + 2 x 33 KiB of raw slots fit where two bf16 stages did). Each
+# math warpgroup widens its 32 keys' rows (`dequantize8`) into boxes 0-7 before it scores them
+# (`widen_raw_rows`): the producer warpgroup widening whole blocks alone (H100, 2026-12-05) held the
+# 16-head fp8 decode to 1.09 TB/s of fp8 rows, slower than the bf16 cache, since the one stage
+# serializes the widening with the math.
 comptime S9_FP8_STAGES = 1
 comptime S9_RAW_BOXES = 4  # 128 latent bytes of a key each: two bf16 boxes
 comptime S9_RAW_BOX_BYTES = S9_KEYS * 128
@@ -128,13 +131,11 @@ comptime S9_SCALE_BYTES = S9_KEYS * 16  # 4 float32 scales per key
 comptime S9_RAW_BYTES = S9_RAW_BOXES * S9_RAW_BOX_BYTES + S9_SCALE_BYTES  # 33 KiB: 1024-byte aligned
 comptime S9_RAW_SLOTS = 2
 comptime S9_ROPE_COL = S9_RAW_BOXES * 128 + 16  # byte column of the rope part in a 656-byte row
-comptime S9_FP8_PRODUCER_REGS = 56  # the widening takes a whole warpgroup's registers
-comptime S9_FP8_MATH_REGS = 224
 # Named barriers of the two math warpgroups (0 is `barrier()`).
 comptime BAR_MAX = 1
 comptime BAR_P = 2
 comptime BAR_SUM = 3
-comptime BAR_RAW = 4  # the producer warpgroup (fp8): every thread done with a raw slot
+comptime BAR_WIDEN = 4  # fp8, + the math warpgroup: its threads done widening its rows of a block
 # Debugging builds (`mojo build -D PYMLA_SM90_WATCHDOG_MS=2000`, scripts/build_devbin.sh's smoke
 # binary): an mbarrier wait longer than this many milliseconds traps (the launch fails instead of
 # hanging). No message: a `print` here is a call, for which ptxas drops `setmaxnreg` (C7507) and
@@ -334,7 +335,8 @@ struct SmemPlan[fp8: Bool](TrivialRegisterPassable):
     comptime BARS = Self.RAW + (S9_RAW_SLOTS * S9_RAW_BYTES if Self.fp8 else 0)
     comptime N_FULL = Self.STAGES * S9_BOXES
     comptime RAW_FULL = Self.BARS + 8 * (Self.N_FULL + Self.STAGES)
-    comptime XMAX = Self.RAW_FULL + 8 * S9_RAW_SLOTS
+    comptime RAW_EMPTY = Self.RAW_FULL + 8 * S9_RAW_SLOTS
+    comptime XMAX = Self.RAW_EMPTY + 8 * S9_RAW_SLOTS
     comptime XSUM = Self.XMAX + 2 * S9_ROWS * 4
     comptime MASKS = Self.XSUM + 2 * S9_ROWS * 4
     comptime END = Self.MASKS + 4 * S9_ROWS * 4
@@ -355,8 +357,8 @@ struct SmemPlan[fp8: Bool](TrivialRegisterPassable):
 
     @always_inline
     def full(self, s: Int, box: Int) -> SPtr[Int64]:
-        """Barrier of box `box` of stage `s`: one arrival, the producer's expect_tx (`fp8`, boxes 0-7: the
-        producer warpgroup's arrivals once its widened values are stored)."""
+        """Barrier of box `box` of stage `s`: one arrival, the producer's expect_tx (`fp8`: box 8 alone, the
+        rope part; the math warpgroups widen boxes 0-7 themselves)."""
         return self.base.unsafe_offset(Self.BARS + 8 * (s * S9_BOXES + box)).unsafe_bitcast[Int64]()
 
     @always_inline
@@ -368,6 +370,11 @@ struct SmemPlan[fp8: Bool](TrivialRegisterPassable):
     def raw_full(self, slot: Int) -> SPtr[Int64]:
         """`fp8`: transaction barrier of raw slot `slot` (one arrival: the producer's expect_tx)."""
         return self.base.unsafe_offset(Self.RAW_FULL + 8 * slot).unsafe_bitcast[Int64]()
+
+    @always_inline
+    def raw_empty(self, slot: Int) -> SPtr[Int64]:
+        """`fp8`: release barrier of raw slot `slot`: one arrival per math warp once its warpgroup has widened it."""
+        return self.base.unsafe_offset(Self.RAW_EMPTY + 8 * slot).unsafe_bitcast[Int64]()
 
     @always_inline
     def xmax(self) -> SPtr[Float32]:
@@ -391,12 +398,12 @@ struct SmemPlan[fp8: Bool](TrivialRegisterPassable):
         """One thread: the stage barriers, then the fence that shows them to the async proxy."""
         for st in range(Self.STAGES):
             for box in range(S9_BOXES):
-                var widened = Self.fp8 and box < S9_BOXES - 1
-                mbarrier_init(self.full(st, box), Int32(S9_WG if widened else 1))
+                mbarrier_init(self.full(st, box), 1)
             mbarrier_init(self.empty(st), Int32(S9_MATH_THREADS // WARP_SIZE))
         comptime if Self.fp8:
             for slot in range(S9_RAW_SLOTS):
                 mbarrier_init(self.raw_full(slot), 1)
+                mbarrier_init(self.raw_empty(slot), Int32(S9_MATH_THREADS // WARP_SIZE))
         fence_mbarrier_init()
 
 
@@ -483,42 +490,36 @@ def produce_keys[
 @always_inline
 def produce_fp8_keys[
     dtype: DType
-](p: AttentionParams[dtype], descs: Tuple[Int, Int], blk: AttentionBlock, sm: SmemPlan[True], keys: KeyBlocks, wt: Int):
-    """The producer warpgroup on an `fp8_ds_mla` cache, thread `wt` of its 128 (module docstring, `fp8`).
+](p: AttentionParams[dtype], descs: Tuple[Int, Int], blk: AttentionBlock, sm: SmemPlan[True], keys: KeyBlocks):
+    """The producer thread on an `fp8_ds_mla` cache (module docstring, `fp8`).
 
-    Thread 0 keeps the raw slots two blocks ahead (`copy_raw_block`). Per block,
-    once the math warpgroups release the one stage: thread 0 copies the rope
-    part into box 8 by TMA (`descs[0]`: the 128-byte boxes; the rows' bytes land
-    in the layout of a bf16 box), then every thread waits for the raw slot,
-    widens its chunks box by box (`widen_raw_block`: each box's barrier takes
-    all 128 arrivals, so the scores start on box 0 while box 7 is widened), and
-    the warpgroup meets (`BAR_RAW`) before thread 0 refills the slot.
+    It keeps the raw slots two blocks ahead (`copy_raw_block`): block `b + 2` goes into
+    block `b`'s slot once both math warpgroups have widened it (`raw_empty`). Per block, once
+    the math warpgroups release the one stage (`empty`: P V of the block before, which also
+    read P from box 8), it copies the rope part into box 8 by TMA (`descs[0]`: the 128-byte
+    boxes; the rows' bytes land in the layout of a bf16 box).
     """
     var cache = p.fp8.rows
     var page_size = UInt32(cache.page_size)
     var rows = UInt32(box_rows(Int(cache.page_size)))
     var lookup = cache.lookup.unsafe_offset(blk.request * Int(cache.pages_per_request))
     var count = keys.count()
-    if wt == 0:
-        for b in range(min(count, S9_RAW_SLOTS)):
-            copy_raw_block(descs, sm, b, lookup, page_size, rows, keys)
+    for b in range(min(count, S9_RAW_SLOTS)):
+        copy_raw_block(descs, sm, b, lookup, page_size, rows, keys)
     var rope_box = smem_u32(sm.stage(0)) + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
     var rope_full = smem_u32(sm.full(0, S9_BOXES - 1))
     for b in range(count):
         var slot = b % S9_RAW_SLOTS
         mbar_wait(sm.empty(0), ((b // S9_FP8_STAGES) & 1) ^ 1)
-        if wt == 0:
-            var k = UInt32(keys.start(b))
-            var parts = keys.copies(b, rows)
-            arrive_expect_tx(rope_full, parts * rows * 128)
-            for q in range(parts):
-                var key = k + q * rows
-                var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
-                tma_load_box(rope_box + q * rows * 128, descs[0], rope_full, UInt32(S9_ROPE_COL), key % page_size, page)
-        mbar_wait(sm.raw_full(slot), (b // S9_RAW_SLOTS) & 1)
-        widen_raw_block[dtype](sm, slot, wt)
-        named_barrier[S9_WG](BAR_RAW)
-        if wt == 0 and b + S9_RAW_SLOTS < count:
+        var k = UInt32(keys.start(b))
+        var parts = keys.copies(b, rows)
+        arrive_expect_tx(rope_full, parts * rows * 128)
+        for q in range(parts):
+            var key = k + q * rows
+            var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
+            tma_load_box(rope_box + q * rows * 128, descs[0], rope_full, UInt32(S9_ROPE_COL), key % page_size, page)
+        if b + S9_RAW_SLOTS < count:
+            mbar_wait(sm.raw_empty(slot), (b // S9_RAW_SLOTS) & 1)
             copy_raw_block(descs, sm, b + S9_RAW_SLOTS, lookup, page_size, rows, keys)
 
 
@@ -547,17 +548,16 @@ def copy_raw_block(
 
 
 @always_inline
-def widen_raw_block[dtype: DType](sm: SmemPlan[True], slot: Int, wt: Int):
-    """The producer warpgroup: raw slot `slot`'s latent bytes times their scales (`dequantize8`) into
-    boxes 0-7 of the stage, in the 128-byte swizzle of both. Thread `wt` takes 16-byte output chunk
-    `wt % 8` of rows `wt / 8 + 16 i` of every box; after its stores to a box, an async-proxy fence and
-    its arrival on the box's barrier."""
-    comptime ROWS_PER_THREAD = S9_KEYS * 8 // S9_WG  # 16-byte chunks of a box per thread: 4
+def widen_raw_rows[dtype: DType](sm: SmemPlan[True], slot: Int, wg: Int, wt: Int):
+    """Math warpgroup `wg`, thread `wt`: its 32 keys' latent bytes in raw slot `slot` times their scales
+    (`dequantize8`) into boxes 0-7 of the stage, in the 128-byte swizzle of both. The thread takes
+    16-byte output chunk `wt % 8` of rows `32 wg + wt / 8 + 16 i` of every box."""
+    comptime ROWS_PER_THREAD = (S9_KEYS // 2) * 8 // S9_WG  # 16-byte chunks of a box per thread: 2
     var raw = sm.raw(slot)
     var scales = raw.unsafe_offset(S9_RAW_BOXES * S9_RAW_BOX_BYTES).unsafe_bitcast[Float32]()
     var stage = sm.stage(0)
     var c = wt % 8
-    var r0 = wt // 8
+    var r0 = wg * (S9_KEYS // 2) + wt // 8
     var swz = r0 % 8  # the rows r0 + 16 i share it
     comptime for jb in range(S9_RAW_BOXES):
         var sc = SIMD[DType.float32, ROWS_PER_THREAD](0)
@@ -572,8 +572,6 @@ def widen_raw_block[dtype: DType](sm: SmemPlan[True], slot: Int, wt: Int):
                 stage.unsafe_offset(box * S9_BOX_BYTES + r * 128 + ((c ^ swz) * 16)).unsafe_bitcast[
                     Scalar[dtype]
                 ]().unsafe_store[alignment=16](0, v)
-            fence_async_proxy()
-            _ = mbarrier_arrive(sm.full(0, box))
 
 
 @always_inline
@@ -628,11 +626,9 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     comptime ESZ = size_of[dtype]()
     comptime assert ESZ == 2, "bf16 / f16 boxes: 64 columns = 128 bytes"
     comptime STAGES = S9_FP8_STAGES if fp8 else S9_STAGES
-    comptime PRODUCER_REGS = S9_FP8_PRODUCER_REGS if fp8 else S9_PRODUCER_REGS
-    comptime MATH_REGS = S9_FP8_MATH_REGS if fp8 else S9_MATH_REGS
     comptime assert not fp8 or dtype == DType.bfloat16, "fp8_ds_mla rows serve bfloat16 ops"
     comptime assert (
-        S9_WG * PRODUCER_REGS + S9_MATH_THREADS * MATH_REGS <= S9_THREADS * S9_LAUNCH_REGS
+        S9_WG * S9_PRODUCER_REGS + S9_MATH_THREADS * S9_MATH_REGS <= S9_THREADS * S9_LAUNCH_REGS
     ), "setmaxnreg: the math warpgroups' registers must come from the producer's (else setmaxnreg.inc waits forever)"
 
     # With PDL (pdl.mojo) every thread waits for the q step (q_full, the new cache rows) at once,
@@ -656,17 +652,16 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
 
     var wg = tid // S9_WG
     if wg == 2:
-        warpgroup_reg_dealloc[PRODUCER_REGS]()
-        comptime if fp8:
-            produce_fp8_keys(
-                p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk, rebind[SmemPlan[True]](sm), keys,
-                tid - S9_MATH_THREADS,
-            )
-        else:
-            if tid == S9_MATH_THREADS:
+        warpgroup_reg_dealloc[S9_PRODUCER_REGS]()
+        if tid == S9_MATH_THREADS:
+            comptime if fp8:
+                produce_fp8_keys(
+                    p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk, rebind[SmemPlan[True]](sm), keys
+                )
+            else:
                 produce_keys(p.att, Int(Pointer(to=p.keys)), blk, rebind[SmemPlan[False]](sm), keys)
         return
-    warpgroup_reg_alloc[MATH_REGS]()
+    warpgroup_reg_alloc[S9_MATH_REGS]()
 
     var wt = tid % S9_WG
     var warp = wt // WARP_SIZE
@@ -699,6 +694,19 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         var st = b % STAGES
         var phase = (b // STAGES) & 1
         var k0 = keys.start(b) + wg * HALF  # this warpgroup's first key
+        comptime if fp8:
+            # Its keys' rows widened into the stage once both warpgroups' P V of the block before is done.
+            var slot = b % S9_RAW_SLOTS
+            mbar_wait(sm.empty(0), (b & 1) ^ 1)
+            mbar_wait(sm.raw_full(slot), (b // S9_RAW_SLOTS) & 1)
+            widen_raw_rows[dtype](rebind[SmemPlan[True]](sm), slot, wg, wt)
+            fence_async_proxy()
+            if wg == 0:  # a barrier id known at compile time (a computed one reserves all 16)
+                named_barrier[S9_WG](BAR_WIDEN)
+            else:
+                named_barrier[S9_WG](BAR_WIDEN + 1)
+            if lane == 0:
+                _ = mbarrier_arrive(sm.raw_empty(slot))
 
         # S = Q K^T on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.
         var s = SIMD[DType.float32, NJ_S * 4](0)
@@ -706,7 +714,8 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         var stage_u = opaque(stage0_u + UInt32(st * S9_BLOCK_BYTES))
         var keys_u = stage_u + UInt32(wg * HALF * 128)
         comptime for box in range(S9_BOXES):
-            mbar_wait(sm.full(st, box), phase)
+            comptime if not fp8 or box == S9_BOXES - 1:  # fp8: boxes 0-7 widened above
+                mbar_wait(sm.full(st, box), phase)
             # A fence after every wait: ptxas takes the wait's spin loop for a divergent path and,
             # without one, serializes every wgmma of the kernel (C7520).
             wgmma_fence_aligned()

@@ -36,7 +36,7 @@ launches them; the kernels live in one file per concern:
 An `fp8_ds_mla` cache (`p.fp8_cache`, bfloat16 ops): steps 1-2 quantize the new rows
 (`rope_norm_fp8_row`), step 5 takes the tensor-core kernels' fp8 instances (the mma
 and wgmma kernels widen each staged key tile into bfloat16, exactly, `KeyTiles`; the
-TMA kernel's producer warpgroup widens raw TMA slots into its bf16 stage); the FMA attention
+TMA kernel's math warpgroups widen raw TMA slots into its bf16 stage); the FMA attention
 kernel reads no fp8 rows (`check_fp8_shapes` refuses sizes only it takes).
 
 Rounding points are the reference's: `q_full` and the attention output
