@@ -16,6 +16,7 @@ and 6: `cpu/amx_matmul.mojo`.
 """
 
 from std.ffi import external_call
+from std.memory import stack_allocation
 from std.sys import llvm_intrinsic
 from std.sys.info import CompilationTarget
 
@@ -100,9 +101,9 @@ struct AmxTiles(TileUnit):
             comptime for t in range(8):
                 config[16 + 2 * t] = UInt8(TILE_BYTES)
                 config[48 + t] = UInt8(TILE_ROWS)
-            var stack = List[SIMD[DType.uint8, 64]](length=1, fill=config)
-            llvm_intrinsic["llvm.x86.ldtilecfg", NoneType](stack.unsafe_ptr())
-            _ = stack^
+            var stack = stack_allocation[64, UInt8, alignment=64]()
+            stack.unsafe_store[width=64](0, config)
+            llvm_intrinsic["llvm.x86.ldtilecfg", NoneType](stack)
 
     @always_inline
     def load[t: Int](mut self, src: BytePtr, stride: Int):

@@ -51,9 +51,9 @@ from .amx import (
     as_bytes,
     f32_bytes,
     transpose_into_scores,
-    untracked_bf16,
 )
 from .bf16 import NEXT_TILE_PREFETCH, BF16Ptr
+from .scratch import Scratch
 
 comptime KEY_BLOCKS = 4
 """16-key blocks per key tile: the softmax bookkeeping and each `O` tile's load and store once per tile."""
@@ -429,28 +429,28 @@ def accumulate_values_amx[
 
 
 struct AmxScratch(Movable):
-    """A task's buffers for the AMX path: packed queries, staging for gathered keys, packed values, P, S^T,
-    and O with padded rows."""
+    """A task's buffers for the AMX path, in its `Scratch`: packed queries, staging for gathered keys,
+    packed values, P, S^T, and O with padded rows."""
 
-    var q_packed: List[BFloat16]  # [row blocks, steps, 16, 32]
-    var staging: List[BFloat16]  # [KEY_BLOCKS, 16, steps * 32]
-    var v_packed: List[BFloat16]  # [AMX_KEY_TILE / 2, packed_values_stride]
-    var probs: List[BFloat16]  # [padded rows, AMX_KEY_TILE] packed, [padded rows, SPLIT_ROW_WORDS] words in place
-    var acc: List[Float32]  # [4, 16, 16]
-    var out: List[Float32]  # [padded rows, out_stride]
+    var q_packed: BF16Ptr  # [row blocks, steps, 16, 32]
+    var staging: BF16Ptr  # [KEY_BLOCKS, 16, steps * 32]
+    var v_packed: BF16Ptr  # [AMX_KEY_TILE / 2, packed_values_stride]
+    var probs: BF16Ptr  # [padded rows, AMX_KEY_TILE] packed, [padded rows, SPLIT_ROW_WORDS] words in place
+    var acc: FPtr  # [4, 16, 16]
+    var out: FPtr  # [padded rows, out_stride]
     var steps: Int
     var out_stride: Int
 
-    def __init__(out self, padded_rows: Int, key_dim: Int, rank: Int):
+    def __init__(out self, mut mem: Scratch, padded_rows: Int, key_dim: Int, rank: Int):
         self.steps = ceil_div(key_dim, TILE_DEPTH)
         var padded_dim = self.steps * TILE_DEPTH
-        self.q_packed = List[BFloat16](length=padded_rows * padded_dim, fill=0)
-        self.staging = List[BFloat16](length=KEY_BLOCKS * TILE_ROWS * padded_dim, fill=0)
-        self.v_packed = List[BFloat16](length=(AMX_KEY_TILE // 2) * packed_values_stride(rank), fill=0)
+        self.q_packed = mem.take[DType.bfloat16](padded_rows * padded_dim)
+        self.staging = mem.take[DType.bfloat16](KEY_BLOCKS * TILE_ROWS * padded_dim)
+        self.v_packed = mem.take[DType.bfloat16]((AMX_KEY_TILE // 2) * packed_values_stride(rank))
         self.out_stride = rank + PAD // 4
-        self.out = List[Float32](length=padded_rows * self.out_stride, fill=0)
-        self.probs = List[BFloat16](length=padded_rows * max(AMX_KEY_TILE, 2 * SPLIT_ROW_WORDS), fill=0)
-        self.acc = List[Float32](length=4 * TILE_ROWS * TILE_ROWS, fill=0)
+        self.out = mem.take[DType.float32](padded_rows * self.out_stride)
+        self.probs = mem.take[DType.bfloat16](padded_rows * max(AMX_KEY_TILE, 2 * SPLIT_ROW_WORDS))
+        self.acc = mem.take[DType.float32](4 * TILE_ROWS * TILE_ROWS)
 
-    def staging_block(mut self, kb: Int) -> BF16Ptr:
-        return untracked_bf16(self.staging).unsafe_offset(kb * TILE_ROWS * self.steps * TILE_DEPTH)
+    def staging_block(self, kb: Int) -> BF16Ptr:
+        return self.staging.unsafe_offset(kb * TILE_ROWS * self.steps * TILE_DEPTH)

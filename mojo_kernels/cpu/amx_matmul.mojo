@@ -38,12 +38,12 @@ from .amx import (
     as_bytes,
     f32_bytes,
     transpose_into_scores,
-    untracked_bf16,
 )
 from .attention import PATH_AMX
 from .bf16 import BF16Ptr
 from .fp8_matmul import StridedMatrices, fp8_batched_matmul, quantize_activations
-from .simd import F32_WIDTH, run_tasks, scratch
+from .scratch import Scratch
+from .simd import F32_WIDTH, run_tasks
 
 comptime AMX_PROJECTION_MIN_TOKENS = 8
 """Tokens from which steps 3 and 6 take the tiles. A tile's 16 rows are the head's tokens: with fewer
@@ -271,21 +271,20 @@ def fp8_projection[
     var m_blocks = ceil_div(num_rows, blocks.m)
     var kb = KBlocks.of(depth, blocks.k)
     var row_blocks = ceil_div(num_rows, TILE_ROWS)
-    var a_q_buf = List[Float32](length=max(num_groups * num_rows * depth, 1), fill=0)
-    var a_scale_buf = List[Float32](length=max(num_groups * m_blocks * kb.count, 1), fill=0)
-    var packed_buf = List[BFloat16](length=max(num_groups * row_blocks * kb.padded_depth() * TILE_ROWS, 1), fill=0)
-    quantize_activations[in_dtype](a, num_groups, num_rows, depth, blocks, scratch(a_q_buf), scratch(a_scale_buf))
-    var a_q = scratch(a_q_buf)
-    var packed = untracked_bf16(packed_buf)
+    var mem = Scratch()
+    var a_q = mem.take[DType.float32](num_groups * num_rows * depth)
+    var a_scale = mem.take[DType.float32](num_groups * m_blocks * kb.count)
+    var packed = mem.take[DType.bfloat16](num_groups * row_blocks * kb.padded_depth() * TILE_ROWS)
+    quantize_activations[in_dtype](a, num_groups, num_rows, depth, blocks, a_q, a_scale)
 
     def pack_task(g: Int) {var a_q, var packed, var num_rows, var row_blocks, var kb}:
-        var row_buf = List[BFloat16](length=kb.padded_depth(), fill=0)
-        pack_activations(a_q, packed, untracked_bf16(row_buf), g, num_rows, row_blocks, kb)
-        _ = row_buf^
+        var task_mem = Scratch()
+        pack_activations(a_q, packed, task_mem.take[DType.bfloat16](kb.padded_depth()), g, num_rows, row_blocks, kb)
+        _ = task_mem^
 
     run_tasks(pack_task, num_groups, num_groups * num_rows * depth)
 
-    var mm = AmxMatmul[out_dtype](packed, scratch(a_scale_buf), w, w_scale, c, num_rows, n_out, blocks, kb, row_blocks)
+    var mm = AmxMatmul[out_dtype](packed, a_scale, w, w_scale, c, num_rows, n_out, blocks, kb, row_blocks)
     var slices = ceil_div(n_out, AMX_WEIGHT_ROWS_PER_TASK)
 
     def slice_task(i: Int) {var mm, var n_out, var slices}:
@@ -294,20 +293,18 @@ def fp8_projection[
         var n1 = min(n0 + AMX_WEIGHT_ROWS_PER_TASK, n_out)
         var n_tiles = ceil_div(n1 - n0, TILE_ROWS)
         # The slice's weights, widened once for every token; rows past n1 (up to the tile) zero.
-        var w_buf = List[BFloat16](unsafe_uninit_length=n_tiles * TILE_ROWS * mm.kb.padded_depth())
-        for i in range((n1 - n0) * mm.kb.padded_depth(), len(w_buf)):
-            w_buf[i] = 0
-        var buf = List[Float32](length=9 * TILE_ROWS * TILE_ROWS, fill=0)
-        var w_rows = untracked_bf16(w_buf)
+        var task_mem = Scratch()
+        var w_count = n_tiles * TILE_ROWS * mm.kb.padded_depth()
+        var w_rows = task_mem.take[DType.bfloat16](w_count, zero=False)
+        for i in range((n1 - n0) * mm.kb.padded_depth(), w_count):
+            w_rows.unsafe_store(i, 0)
+        var buf = task_mem.take[DType.float32](9 * TILE_ROWS * TILE_ROWS)
         mm.widen_weights(g, n0, n1, w_rows)
         var unit = tiles()
         unit.start()
-        mm.tiles_of_slice(unit, w_rows, g, n0, n_tiles, scratch(buf))
+        mm.tiles_of_slice(unit, w_rows, g, n0, n_tiles, buf)
         unit.stop()
-        _ = w_buf^
-        _ = buf^
+        _ = task_mem^
 
     run_tasks(slice_task, num_groups * slices, num_groups * n_out * depth * max(num_rows, 1))
-    _ = a_q_buf^
-    _ = a_scale_buf^
-    _ = packed_buf^
+    _ = mem^

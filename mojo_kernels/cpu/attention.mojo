@@ -42,7 +42,7 @@ from std.math import min
 from ..common import DPtr, FPtr, ceil_div
 from ..paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch, partition_keys
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
-from .amx import TILE_DEPTH, TILE_ROWS, AmxTiles, TileUnit, untracked_bf16
+from .amx import TILE_DEPTH, TILE_ROWS, AmxTiles, TileUnit
 from .amx_attention import (
     AMX_KEY_TILE,
     AMX_TUNING,
@@ -65,8 +65,9 @@ from .bf16 import (
     unpermute_value_columns,
 )
 from .merge import AttentionShape, PartialResults
+from .scratch import Scratch
 from .online_softmax import BF16_KEY_TILE, COL_BLOCK, KEY_TILE, ROW_BLOCK, TaskRows, softmax_update
-from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, cast_copy, dot_block, run_tasks, scratch
+from .simd import DOT_COLS, DOT_ROWS, F32_WIDTH, cast_copy, dot_block, run_tasks
 
 comptime PATH_F32 = 0
 """Keys widened to float32, float32 FMAs (every dtype, every CPU)."""
@@ -182,23 +183,22 @@ def accumulate_values(probs: FPtr, tile: FPtr, acc_out: FPtr, correction: FPtr, 
 def attend_tiles_f32[
     dtype: DType
 ](
-    mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    mut rows: TaskRows, mut mem: Scratch, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32,
+    shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
     """The task's keys `k_lo .. k_hi - 1`, tile by tile, widened to float32 once per tile."""
-    var tile_buf = List[Float32](length=KEY_TILE * key_dim, fill=0)
-    var tile = scratch(tile_buf)
+    var tile = mem.take[DType.float32](KEY_TILE * key_dim)
     var j0 = k_lo
     while j0 < k_hi:
         var j1 = min(j0 + KEY_TILE, k_hi)
         load_key_tile[dtype](keys, b, j0, j1, tile, key_dim)
-        tile_scores(scratch(rows.q_buf), tile, scratch(rows.scores_buf), rows.padded, key_dim)
+        tile_scores(rows.q_buf, tile, rows.scores_buf, rows.padded, key_dim)
         softmax_update[dtype, KEY_TILE](rows, j0, j1 - j0, scale, shard)
         accumulate_values(
-            scratch(rows.scores_buf), tile, scratch(rows.out_buf), rows.correction(), rows.padded, key_dim, rank
+            rows.scores_buf, tile, rows.out_buf, rows.correction(), rows.padded, key_dim, rank
         )
         j0 = j1
-    _ = tile_buf^
 
 
 def tile_rows[
@@ -219,7 +219,8 @@ def as_bf16_rows[dtype: DType, tile: Int](rows: Array[DPtr[dtype], tile]) -> Arr
 def attend_tiles_bf16[
     dtype: DType
 ](
-    mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    mut rows: TaskRows, mut mem: Scratch, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32,
+    shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
     """The task's keys tile by tile on the AVX512-BF16 unit, reading the bf16 cache rows in place.
@@ -231,19 +232,16 @@ def attend_tiles_bf16[
     comptime tile = BF16_KEY_TILE
     if k_lo >= k_hi:
         return
-    var q_buf = List[BFloat16](length=rows.padded * key_dim, fill=0)
-    var q = q_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    cast_copy(scratch(rows.q_buf), q, rows.num_rows * key_dim)  # exact: q_full holds bf16 values
-    var probs_buf = List[BFloat16](length=rows.padded * tile, fill=0)
-    var probs = probs_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-    var staging_buf = List[BFloat16](length=2 * tile * key_dim if keys.fp8.active else 0, fill=0)
-    var staging = staging_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    var q = mem.take[DType.bfloat16](rows.padded * key_dim)
+    cast_copy(rows.q_buf, q, rows.num_rows * key_dim)  # exact: q_full holds bf16 values
+    var probs = mem.take[DType.bfloat16](rows.padded * tile)
+    var staging = mem.take[DType.bfloat16](2 * tile * key_dim if keys.fp8.active else 0)
     # What the scores prefetch: the rows read next, in place (bf16 rows: the next tile's) or by the
     # dequantization (fp8 rows: the tile after the next, which is dequantized before this one is scored).
     var ahead = tile if keys.fp8.active else 0
     var slot = 0
     var first = keys.tile[tile](b, k_lo, k_hi, staging, key_dim)
-    var scoring = TileScores[tile](q, first.copy(), first^, scratch(rows.scores_buf), key_dim)
+    var scoring = TileScores[tile](q, first.copy(), first^, rows.scores_buf, key_dim)
     var j0 = k_lo
     while j0 < k_hi:
         var j1 = min(j0 + tile, k_hi)
@@ -253,14 +251,11 @@ def attend_tiles_bf16[
         tile_scores_bf16(scoring, rows.padded)
         softmax_update[dtype, tile](rows, j0, j1 - j0, scale, shard)
         accumulate_values_bf16[tile](
-            scratch(rows.scores_buf), probs, scoring.keys, scratch(rows.out_buf), rows.correction(), rows.padded, rank
+            rows.scores_buf, probs, scoring.keys, rows.out_buf, rows.correction(), rows.padded, rank
         )
         scoring.keys = upcoming^
         j0 = j1
-    _ = q_buf^
-    unpermute_value_columns(scratch(rows.out_buf), rows.num_rows, rank)
-    _ = probs_buf^
-    _ = staging_buf^
+    unpermute_value_columns(rows.out_buf, rows.num_rows, rank)
 
 
 def key_block[
@@ -314,7 +309,8 @@ def key_block[
 def attend_tiles_amx[
     dtype: DType, tiles: TileUnit, tuning: AmxTuning = AMX_TUNING
 ](
-    mut rows: TaskRows, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32, shard: CacheShard,
+    mut rows: TaskRows, mut mem: Scratch, keys: CacheKeys[dtype], b: Int, k_lo: Int, k_hi: Int, scale: Float32,
+    shard: CacheShard,
     key_dim: Int, rank: Int,
 ):
     """The task's keys on AMX tiles (`cpu/amx_attention.mojo`), key tiles aligned to multiples of AMX_KEY_TILE slots.
@@ -326,13 +322,13 @@ def attend_tiles_amx[
     comptime tile = AMX_KEY_TILE
     if k_lo >= k_hi:
         return
-    var buffers = AmxScratch(rows.padded, key_dim, rank)
+    var buffers = AmxScratch(mem, rows.padded, key_dim, rank)
     var steps = buffers.steps
     var padded_dim = steps * TILE_DEPTH
     var in_place = rows.padded // TILE_ROWS <= tuning.values_in_place_max_row_blocks
-    var q_packed = untracked_bf16(buffers.q_packed)
-    var out = scratch(buffers.out)
-    pack_queries(scratch(rows.q_buf), q_packed, rows.padded, key_dim, steps)
+    var q_packed = buffers.q_packed
+    var out = buffers.out
+    pack_queries(rows.q_buf, q_packed, rows.padded, key_dim, steps)
     var unit = tiles()
     unit.start()
     var j0 = k_lo - k_lo % tile
@@ -347,18 +343,18 @@ def attend_tiles_amx[
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
         var next_keys = keys.stored_rows[tile](b, min(j0 + tile, k_hi - 1), k_hi)
         tile_scores_amx[tiles, tuning.prefetch_line_stride](
-            unit, blocks, next_keys, q_packed, scratch(rows.scores_buf), scratch(buffers.acc), rows.padded, steps
+            unit, blocks, next_keys, q_packed, rows.scores_buf, buffers.acc, rows.padded, steps
         )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
         accumulate_values_amx(
-            unit, scratch(rows.scores_buf), untracked_bf16(buffers.probs), blocks, valid,
-            untracked_bf16(buffers.v_packed), out, buffers.out_stride, rows.correction(), rows.padded, rank, in_place,
+            unit, rows.scores_buf, buffers.probs, blocks, valid,
+            buffers.v_packed, out, buffers.out_stride, rows.correction(), rows.padded, rank, in_place,
         )
         j0 += tile
     unit.stop()
     if in_place:
         interleave_value_columns(out, rows.num_rows, buffers.out_stride, rank)
-    var out_rows = scratch(rows.out_buf)
+    var out_rows = rows.out_buf
     for r in range(rows.num_rows):
         for c in range(rank):
             out_rows.unsafe_store(r * rank + c, out.unsafe_load(r * buffers.out_stride + c))
@@ -405,8 +401,9 @@ def attend_partitions[
         var rank = shape.kv_lora_rank
 
         # Gather the task's rows: their queries, key slots (within this partition) and slopes.
-        var rows = TaskRows((t1 - t0) * (h1 - h0), key_dim, rank, TILE_ROWS if path == PATH_AMX else ROW_BLOCK)
-        var q_rows = scratch(rows.q_buf)
+        var mem = Scratch()  # the task's buffers, kept by the pool across calls (cpu/scratch.mojo)
+        var rows = TaskRows(mem, (t1 - t0) * (h1 - h0), key_dim, rank, TILE_ROWS if path == PATH_AMX else ROW_BLOCK)
+        var q_rows = rows.q_buf
         var slopes = rows.slope()
         var k_lo = k1
         var k_hi = k0
@@ -421,11 +418,11 @@ def attend_partitions[
             k_hi = max(k_hi, hi)
             for h in range(h0, h1):
                 cast_copy(q_full.unsafe_offset((t * shape.num_heads + h) * key_dim), q_rows.unsafe_offset(r * key_dim), key_dim)
-                rows.meta[5 * r] = lo
-                rows.meta[5 * r + 1] = hi
-                rows.meta[5 * r + 2] = position
-                rows.meta[5 * r + 3] = t
-                rows.meta[5 * r + 4] = h
+                rows.meta.unsafe_store(5 * r, lo)
+                rows.meta.unsafe_store(5 * r + 1, hi)
+                rows.meta.unsafe_store(5 * r + 2, position)
+                rows.meta.unsafe_store(5 * r + 3, t)
+                rows.meta.unsafe_store(5 * r + 4, h)
                 if score_mod == SCORE_MOD_ALIBI_POS:
                     slopes.unsafe_store(r, alibi_slope(h, shape.num_heads))
                 r += 1
@@ -434,24 +431,25 @@ def attend_partitions[
         comptime if dtype == DType.bfloat16:
             if path == PATH_AMX:
                 attend_tiles_amx[dtype, tiles, tuning](
-                    rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank
+                    rows, mem, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank
                 )
                 done = True
         comptime if dtype == DType.bfloat16 and HAS_AVX512_BF16:
             if path == PATH_AVX512BF16:
-                attend_tiles_bf16[dtype](rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
+                attend_tiles_bf16[dtype](rows, mem, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
                 done = True
         if not done:
-            attend_tiles_f32[dtype](rows, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
+            attend_tiles_f32[dtype](rows, mem, keys, b, k_lo, k_hi, scale, batch.shard, key_dim, rank)
 
         # Hand the rows' state to the merge.
-        var out_rows = scratch(rows.out_buf)
+        var out_rows = rows.out_buf
         for r in range(rows.num_rows):
-            var row = shape.row(b, part, rows.meta[5 * r + 3], rows.meta[5 * r + 4])
+            var row = shape.row(b, part, rows.meta.unsafe_load(5 * r + 3), rows.meta.unsafe_load(5 * r + 4))
             partials.row_max.unsafe_store(row, rows.row_max().unsafe_load(r))
             partials.row_sum.unsafe_store(row, rows.row_sum().unsafe_load(r))
             cast_copy(out_rows.unsafe_offset(r * rank), partials.out.unsafe_offset(row * rank), rank)
         _ = rows^
+        _ = mem^
 
     var total_keys = 0
     for b in range(batch.num_requests):

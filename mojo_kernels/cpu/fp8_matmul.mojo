@@ -19,7 +19,8 @@ from ..common import DPtr, FPtr, U8Ptr, ceil_div
 from ..fp8 import activation_scale, round_to_e4m3, scaled_into_range, widen_e4m3, widen_e4m3_bf16
 from ..spec import BlockShape
 from .bf16 import HAS_AVX512_BF16, STEP, BF16Ptr
-from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, cast_copy, dot_lanes, run_tasks, scratch, scratch_of, sum_lanes
+from .scratch import Scratch
+from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, cast_copy, dot_lanes, run_tasks, sum_lanes
 
 comptime WEIGHT_BYTES_PER_TASK = 32768
 """fp8 weight bytes per task (whole rows, at least one): 64 rows of step 6 (K 512), 256 of step 3
@@ -178,8 +179,8 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
     def slice_outputs[elem: DType](self, g: Int, n0: Int, n1: Int):
         """Columns `n0 .. n1 - 1` of head `g` for every row: the slice's weights widened to `elem`
         once (a scratch slice that stays in L2), then multiplied with every token."""
-        var w_buf = List[Scalar[elem]](unsafe_uninit_length=(n1 - n0) * self.depth)
-        var w_rows = scratch_of(w_buf)
+        var mem = Scratch()
+        var w_rows = mem.take[elem]((n1 - n0) * self.depth, zero=False)
         widen_weight_rows(self.w.unsafe_offset((g * self.n_out + n0) * self.depth), w_rows, (n1 - n0) * self.depth)
         var m = 0
         while m + DOT_ROWS <= self.num_rows:
@@ -188,7 +189,7 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
         while m < self.num_rows:
             self.output_rows[1](w_rows, g, m, n0, n1)
             m += 1
-        _ = w_buf^
+        _ = mem^
 
 
 def fp8_batched_matmul[
@@ -217,11 +218,10 @@ def fp8_batched_matmul[
     var k_blocks = ceil_div(depth, blocks.k)
     var on_bf16 = bf16_dots and HAS_AVX512_BF16
     var values = max(num_groups * num_rows * depth, 1)
-    var a_q_buf = List[Float32](length=values, fill=0)
-    var a_bf16_buf = List[BFloat16](unsafe_uninit_length=values if on_bf16 else 0)
-    var a_scale_buf = List[Float32](length=max(num_groups * m_blocks * k_blocks, 1), fill=0)
+    var mem = Scratch()
     var mm = QuantizedMatmul[out_dtype](
-        scratch(a_q_buf), scratch_of(a_bf16_buf), scratch(a_scale_buf), w, w_scale, c, num_rows, n_out, depth, blocks
+        mem.take[DType.float32](values), mem.take[DType.bfloat16](values if on_bf16 else 0, zero=False),
+        mem.take[DType.float32](num_groups * m_blocks * k_blocks), w, w_scale, c, num_rows, n_out, depth, blocks,
     )
     quantize_activations[in_dtype](a, num_groups, num_rows, depth, blocks, mm.a_q, mm.a_scale)
     if on_bf16:  # exact: the quantized values are e4m3's
@@ -249,6 +249,4 @@ def fp8_batched_matmul[
         mm.slice_outputs[DType.float32](g, n0, n1)
 
     run_tasks(slice_task, num_groups * slices, num_groups * n_out * depth * max(num_rows, 1))
-    _ = a_q_buf^
-    _ = a_bf16_buf^
-    _ = a_scale_buf^
+    _ = mem^

@@ -15,6 +15,7 @@ from std.utils.numerics import neg_inf
 
 from ..common import DPtr, FPtr, IPtr, ceil_div
 from ..paged_cache import RaggedBatch
+from .scratch import Scratch
 from .simd import F32_WIDTH, run_tasks
 
 comptime MERGE_ROWS_PER_TASK = 16
@@ -86,43 +87,47 @@ struct AttentionShape(TrivialRegisterPassable):
 
 
 struct TaskPlan(Movable):
-    """The tables behind an `AttentionShape` (`shape()`, valid while this plan lives)."""
+    """The tables behind an `AttentionShape` (`shape()`, valid while this plan lives), in the plan's `Scratch`."""
 
-    var requests: List[Int]
-    var request_of_token: List[Int]
+    var mem: Scratch
+    var requests: IPtr
+    var request_of_token: IPtr
     var dims: AttentionShape
 
     def __init__(
-        out self, partitions: List[Int], batch: RaggedBatch, num_tokens: Int, num_heads: Int, kv_lora_rank: Int,
-        key_dim: Int, heads_per_group: Int,
+        out self, var mem: Scratch, partitions: IPtr, batch: RaggedBatch, num_tokens: Int, num_heads: Int,
+        kv_lora_rank: Int, key_dim: Int, heads_per_group: Int,
     ):
-        """`partitions[b]` key partitions for request `b` of `batch`; a request without new tokens must have none."""
+        """`partitions[b]` key partitions for request `b` of `batch`; a request without new tokens must have
+        none. The tables are carved from `mem`, which the plan keeps."""
         var head_groups = ceil_div(num_heads, heads_per_group)
-        self.requests = List[Int](length=batch.num_requests * REQUEST_FIELDS, fill=0)
-        self.request_of_token = List[Int](length=max(num_tokens, 1), fill=0)
+        self.requests = mem.take_ints(batch.num_requests * REQUEST_FIELDS)
+        self.request_of_token = mem.take_ints(num_tokens)
+        self.mem = mem^
         var slot = 0
         var task = 0
         var widest = 1
         for b in range(batch.num_requests):
             var at = b * REQUEST_FIELDS
-            self.requests[at + PARTITIONS] = partitions[b]
-            self.requests[at + TOKENS] = batch.num_tokens(b)
-            self.requests[at + FIRST_TOKEN] = batch.start(b)
-            self.requests[at + FIRST_SLOT] = slot
-            self.requests[at + FIRST_TASK] = task
+            var parts = partitions.unsafe_load(b)
+            self.requests.unsafe_store(at + PARTITIONS, parts)
+            self.requests.unsafe_store(at + TOKENS, batch.num_tokens(b))
+            self.requests.unsafe_store(at + FIRST_TOKEN, batch.start(b))
+            self.requests.unsafe_store(at + FIRST_SLOT, slot)
+            self.requests.unsafe_store(at + FIRST_TASK, task)
             for t in range(batch.start(b), batch.stop(b)):
-                self.request_of_token[t] = b
-            slot += partitions[b] * batch.num_tokens(b)
-            task += partitions[b] * head_groups
-            widest = max(widest, partitions[b])
+                self.request_of_token.unsafe_store(t, b)
+            slot += parts * batch.num_tokens(b)
+            task += parts * head_groups
+            widest = max(widest, parts)
         self.dims = AttentionShape(
             num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group, batch.num_requests, task, slot, widest,
-            self.requests.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
-            self.request_of_token.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+            self.requests,
+            self.request_of_token,
         )
 
     def shape(self) -> AttentionShape:
-        """The view (the lists' buffers stay where they are when the plan moves)."""
+        """The view (the tables stay where they are when the plan moves)."""
         return self.dims
 
 
@@ -150,26 +155,27 @@ def merge_partitions[
     def rows_task(task: Int) {var partials, var shape, var raw, var rows, var lse, var has_lse}:
         comptime W = F32_WIDTH
         var rank = shape.kv_lora_rank
-        var slots = List[Int](length=shape.max_partitions, fill=0)
-        var weights = List[Float32](length=shape.max_partitions, fill=0)
+        var mem = Scratch()
+        var slots = mem.take_ints(shape.max_partitions)
+        var weights = mem.take[DType.float32](shape.max_partitions)
         for row in range(task * MERGE_ROWS_PER_TASK, min((task + 1) * MERGE_ROWS_PER_TASK, rows)):
             var t = row // shape.num_heads
             var b = shape.request_of_token.unsafe_load(t)
             var parts = shape.partitions(b)
             for p in range(parts):
-                slots[p] = shape.row(b, p, t, row % shape.num_heads)
+                slots.unsafe_store(p, shape.row(b, p, t, row % shape.num_heads))
             var top = neg_inf[DType.float32]()
             for p in range(parts):
-                top = max(top, partials.row_max.unsafe_load(slots[p]))
+                top = max(top, partials.row_max.unsafe_load(slots.unsafe_load(p)))
             var total = Float32(0)
             for p in range(parts):
-                var m = partials.row_max.unsafe_load(slots[p])
+                var m = partials.row_max.unsafe_load(slots.unsafe_load(p))
                 if m > neg_inf[DType.float32]():
-                    total += exp(m - top) * partials.row_sum.unsafe_load(slots[p])
+                    total += exp(m - top) * partials.row_sum.unsafe_load(slots.unsafe_load(p))
             for p in range(parts):
-                var m = partials.row_max.unsafe_load(slots[p])
+                var m = partials.row_max.unsafe_load(slots.unsafe_load(p))
                 # Zero where this partition held none of the row's keys.
-                weights[p] = exp(m - top) / total if m > neg_inf[DType.float32]() else Float32(0)
+                weights.unsafe_store(p, exp(m - top) / total if m > neg_inf[DType.float32]() else Float32(0))
             if has_lse:
                 lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
             var dst = raw.unsafe_offset(row * rank)
@@ -179,15 +185,16 @@ def merge_partitions[
                 if width == W:
                     var acc = SIMD[DType.float32, W](0)
                     for p in range(parts):
-                        if weights[p] != 0:
-                            acc += weights[p] * partials.out.unsafe_load[width=W](slots[p] * rank + c)
+                        if weights.unsafe_load(p) != 0:
+                            acc += weights.unsafe_load(p) * partials.out.unsafe_load[width=W](slots.unsafe_load(p) * rank + c)
                     dst.unsafe_store(c, acc.cast[dtype]())
                 else:
                     var acc = Float32(0)
                     for p in range(parts):
-                        if weights[p] != 0:
-                            acc += weights[p] * partials.out.unsafe_load(slots[p] * rank + c)
+                        if weights.unsafe_load(p) != 0:
+                            acc += weights.unsafe_load(p) * partials.out.unsafe_load(slots.unsafe_load(p) * rank + c)
                     dst.unsafe_store(c, acc.cast[dtype]())
                 c += width
+        _ = mem^  # the slot stays this task's until here (a value ends at its last use)
 
     run_tasks(rows_task, ceil_div(rows, MERGE_ROWS_PER_TASK), shape.num_slots * shape.num_heads * shape.kv_lora_rank)

@@ -11,10 +11,11 @@ paths live here too, since the score buffer holds the widest tile.
 from std.math import exp, min
 from std.utils.numerics import neg_inf
 
-from ..common import FPtr, ceil_div
+from ..common import FPtr, IPtr, ceil_div
 from ..paged_cache import CacheShard
 from .amx_attention import AMX_KEY_TILE
-from .simd import DOT_ROWS, F32_WIDTH, scratch
+from .scratch import Scratch
+from .simd import DOT_ROWS, F32_WIDTH
 
 comptime KEY_TILE = 4 * F32_WIDTH
 """Keys per tile of the float32 path (keys widened once per tile): four score vectors per row.
@@ -31,40 +32,40 @@ comptime COL_BLOCK = 4  # value vectors per register block of P V
 
 
 struct TaskRows(Movable):
-    """The (token, head) rows of one attention task and their running state."""
+    """The (token, head) rows of one attention task and their running state, in the task's `Scratch`."""
 
-    var q_buf: List[Float32]  # [padded rows, key_dim]
-    var out_buf: List[Float32]  # [padded rows, kv_lora_rank]
-    var scores_buf: List[Float32]  # [padded rows, MAX_KEY_TILE]
-    var state_buf: List[Float32]  # max, sum, correction, slope per padded row
-    var meta: List[Int]  # lo, hi, position, token, head per row
+    var q_buf: FPtr  # [padded rows, key_dim]
+    var out_buf: FPtr  # [padded rows, kv_lora_rank]
+    var scores_buf: FPtr  # [padded rows, MAX_KEY_TILE]
+    var state_buf: FPtr  # max, sum, correction, slope per padded row
+    var meta: IPtr  # lo, hi, position, token, head per row
     var num_rows: Int
     var padded: Int
 
-    def __init__(out self, num_rows: Int, key_dim: Int, rank: Int, row_multiple: Int):
+    def __init__(out self, mut mem: Scratch, num_rows: Int, key_dim: Int, rank: Int, row_multiple: Int):
         """Rows padded to a multiple of `row_multiple` (the path's row block); padding rows stay zero."""
         self.num_rows = num_rows
         self.padded = ceil_div(max(num_rows, 1), row_multiple) * row_multiple
-        self.q_buf = List[Float32](length=self.padded * key_dim, fill=0)
-        self.out_buf = List[Float32](length=self.padded * rank, fill=0)
-        self.scores_buf = List[Float32](length=self.padded * MAX_KEY_TILE, fill=0)
-        self.state_buf = List[Float32](length=self.padded * 4, fill=0)
-        self.meta = List[Int](length=self.padded * 5, fill=0)
+        self.q_buf = mem.take[DType.float32](self.padded * key_dim)
+        self.out_buf = mem.take[DType.float32](self.padded * rank)
+        self.scores_buf = mem.take[DType.float32](self.padded * MAX_KEY_TILE)
+        self.state_buf = mem.take[DType.float32](self.padded * 4)
+        self.meta = mem.take_ints(self.padded * 5)
         for r in range(self.padded):
-            self.state_buf[r] = neg_inf[DType.float32]()  # running max
-            self.state_buf[2 * self.padded + r] = 1  # correction
+            self.state_buf.unsafe_store(r, neg_inf[DType.float32]())  # running max
+            self.state_buf.unsafe_store(2 * self.padded + r, 1)  # correction
 
-    def row_max(mut self) -> FPtr:
-        return scratch(self.state_buf)
+    def row_max(self) -> FPtr:
+        return self.state_buf
 
-    def row_sum(mut self) -> FPtr:
-        return scratch(self.state_buf).unsafe_offset(self.padded)
+    def row_sum(self) -> FPtr:
+        return self.state_buf.unsafe_offset(self.padded)
 
-    def correction(mut self) -> FPtr:
-        return scratch(self.state_buf).unsafe_offset(2 * self.padded)
+    def correction(self) -> FPtr:
+        return self.state_buf.unsafe_offset(2 * self.padded)
 
-    def slope(mut self) -> FPtr:
-        return scratch(self.state_buf).unsafe_offset(3 * self.padded)
+    def slope(self) -> FPtr:
+        return self.state_buf.unsafe_offset(3 * self.padded)
 
 
 def softmax_update[
@@ -81,7 +82,7 @@ def softmax_update[
     comptime for i in range(tile):
         lanes[i] = Int32(i)
         key_pos[i] = Float32(shard.position(j0 + i))
-    var scores = scratch(rows.scores_buf)
+    var scores = rows.scores_buf
     var row_max = rows.row_max()
     var row_sum = rows.row_sum()
     var correction = rows.correction()
@@ -92,12 +93,12 @@ def softmax_update[
         if r >= rows.num_rows:
             p_row.unsafe_store(0, ScoreVec(0))
             continue
-        var lo = rows.meta[5 * r] - j0
-        var hi = min(rows.meta[5 * r + 1], j0 + num_keys) - j0
+        var lo = rows.meta.unsafe_load(5 * r) - j0
+        var hi = min(rows.meta.unsafe_load(5 * r + 1), j0 + num_keys) - j0
         if lo >= hi:
             p_row.unsafe_store(0, ScoreVec(0))
             continue
-        var position = Float32(rows.meta[5 * r + 2])
+        var position = Float32(rows.meta.unsafe_load(5 * r + 2))
         var s = p_row.unsafe_load[width=tile](0) * scale - slope.unsafe_load(r) * (position - key_pos)
         var valid = lanes.ge(Int32(lo)) & lanes.lt(Int32(hi))
         s = valid.select(s, ScoreVec(neg_inf[DType.float32]()))

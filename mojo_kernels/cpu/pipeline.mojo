@@ -23,7 +23,7 @@ from .amx_matmul import fp8_projection, projection_on_amx
 from .fp8_matmul import StridedMatrices
 from .merge import PartialResults, TaskPlan, merge_partitions
 from .rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows, rotate_normalize_and_quantize_new_rows
-from .simd import scratch, scratch_of
+from .scratch import Scratch
 
 comptime TASKS_PER_WORKER = 4
 comptime MAX_HEADS_PER_TASK = 128
@@ -97,16 +97,19 @@ def plan_attention(
     for b in range(batch.num_requests):
         total_work += batch.local_keys(b) * batch.num_tokens(b)
     var target = workers * TASKS_PER_WORKER
-    var parts = List[Int](length=batch.num_requests, fill=0)
+    var mem = Scratch()
+    var parts = mem.take_ints(batch.num_requests)
     for b in range(batch.num_requests):
         if batch.num_tokens(b) == 0:
             continue
         if partitions > 0:
-            parts[b] = partitions
+            parts.unsafe_store(b, partitions)
             continue
         var keys = batch.local_keys(b)
-        parts[b] = partitions_by_work(keys, keys * batch.num_tokens(b), total_work, target, head_groups, round_up=True)
-    return TaskPlan(parts, batch, num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group)
+        parts.unsafe_store(
+            b, partitions_by_work(keys, keys * batch.num_tokens(b), total_work, target, head_groups, round_up=True)
+        )
+    return TaskPlan(mem^, parts, batch, num_tokens, num_heads, kv_lora_rank, key_dim, heads_per_group)
 
 
 def attention_path[dtype: DType]() raises -> Int:
@@ -183,11 +186,12 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
         )
 
     # Steps 1, 3 and 4 on q: q_full = concat(q_nope @ w_uk, rope(q_rope)), in dtype.
-    # The per-call buffers below are written whole before they are read (q_full by steps 1 and 3, the
-    # partials by every task, raw by the merge): no zero fill, whose page faults would all land in this
-    # thread (at 128 heads the partials are 16 MiB).
-    var q_full_buf = List[Scalar[dtype]](unsafe_uninit_length=p.num_tokens * p.num_heads * key_dim)
-    var q_full = scratch_of(q_full_buf)
+    # The per-call buffers below come from the scratch pool (cpu/scratch.mojo: kept across calls, so no
+    # allocation and no page faults once it has grown; at 128 heads the partials are 16 MiB) and are
+    # written whole before they are read (q_full by steps 1 and 3, the partials by every task, raw by
+    # the merge): no zero fill.
+    var mem = Scratch()
+    var q_full = mem.take[dtype](p.num_tokens * p.num_heads * key_dim, zero=False)
     rope_queries_into_q_full[dtype](
         p.q, p.batch, p.freqs_cis, q_full, p.num_heads, p.nope_dim, p.rope_dim, p.kv_lora_rank
     )
@@ -200,18 +204,17 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     var plan = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
     var shape = plan.shape()
     var rows = shape.num_slots * p.num_heads
-    var part_out_buf = List[Float32](unsafe_uninit_length=rows * p.kv_lora_rank)
-    var part_max_buf = List[Float32](unsafe_uninit_length=rows)
-    var part_sum_buf = List[Float32](unsafe_uninit_length=rows)
-    var partials = PartialResults(scratch(part_out_buf), scratch(part_max_buf), scratch(part_sum_buf))
+    var partials = PartialResults(
+        mem.take[DType.float32](rows * p.kv_lora_rank, zero=False), mem.take[DType.float32](rows, zero=False),
+        mem.take[DType.float32](rows, zero=False),
+    )
     attend_partitions[dtype](
         q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, path, p.fp8_cache
     )
     # The attention output, in dtype: into `attention_output` when the caller wants it.
-    var raw_buf = List[Scalar[dtype]](
-        unsafe_uninit_length=0 if p.has_attention_output else p.num_tokens * p.num_heads * p.kv_lora_rank
+    var raw = p.attention_output if p.has_attention_output else mem.take[dtype](
+        p.num_tokens * p.num_heads * p.kv_lora_rank, zero=False
     )
-    var raw = p.attention_output if p.has_attention_output else scratch_of(raw_buf)
     merge_partitions[dtype](partials, shape, raw, p.lse, p.has_lse)
 
     # Step 6: output projection (not wanted by a context-parallel rank: it merges first).
@@ -220,9 +223,5 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
             raw, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank, p.v_head_dim,
             p.granularity, path,
         )
-    _ = q_full_buf^
-    _ = part_out_buf^
-    _ = part_max_buf^
-    _ = part_sum_buf^
-    _ = raw_buf^
+    _ = mem^
     _ = plan^

@@ -10,6 +10,7 @@ from std.math import sqrt
 from ..common import DPtr
 from ..paged_cache import Fp8LatentRows, PagedLatentRows, RaggedBatch
 from ..spec import rope_pair
+from .scratch import Scratch
 from .simd import F32_WIDTH, run_tasks
 
 
@@ -115,8 +116,8 @@ def rotate_normalize_and_quantize_new_rows[
     var width = rank + rope_dim
 
     def request_task(b: Int) {var cache, var batch, var freqs_cis, var gamma, var epsilon, var new_rows, var has_new_rows, var rank, var rope_dim, var width}:
-        var staging_buf = List[Scalar[dtype]](length=width, fill=0)
-        var row = staging_buf.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+        var mem = Scratch()
+        var row = mem.take[dtype](width)
         for t in range(batch.start(b), batch.stop(b)):
             var pos = batch.position(b, t)
             if not batch.shard.owns(pos):
@@ -132,7 +133,7 @@ def rotate_normalize_and_quantize_new_rows[
                 row.unsafe_offset(rank), freqs_cis.unsafe_offset(pos * rope_dim), row.unsafe_offset(rank), rope_dim
             )
             cache.store_row[dtype](b, slot, row)
-        _ = staging_buf^
+        _ = mem^
 
     var rows = batch.stop(num_requests - 1) - batch.start(0) if num_requests > 0 else 0
     run_tasks(request_task, num_requests, rows * width)
