@@ -176,8 +176,3 @@ def transpose_into_scores(acc: FPtr, scores: FPtr, row0: Int, key0: Int, tile: I
     swap_blocks[1](v)
     comptime for n in range(16):
         scores.unsafe_store((row0 + n) * tile + key0, v[n])
-
-
-@always_inline
-def untracked_bf16(mut buffer: List[BFloat16]) -> BF16Ptr:
-    return buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()

@@ -1,4 +1,4 @@
-"""Host SIMD helpers of the CPU stages: scratch pointers, the task runner, register-blocked dot products."""
+"""Host SIMD helpers of the CPU stages: the task runner, register-blocked dot products."""
 
 from std.sys import llvm_intrinsic
 from std.sys.info import simd_width_of
@@ -9,16 +9,6 @@ from ..common import DPtr, FPtr
 
 comptime F32_WIDTH = simd_width_of[DType.float32]()
 """Float32 lanes of one SIMD register on the host."""
-
-
-def scratch(mut buffer: List[Float32]) -> FPtr:
-    """An untracked pointer into a float32 scratch list (the list keeps ownership)."""
-    return buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
-
-
-def scratch_of[dtype: DType](mut buffer: List[Scalar[dtype]]) -> DPtr[dtype]:
-    """An untracked pointer into a scratch list of `dtype` (the list keeps ownership)."""
-    return buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
 
 comptime PARALLEL_MIN_WORK = 1 << 18
