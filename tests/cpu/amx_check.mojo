@@ -39,6 +39,7 @@ from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, atte
 from mojo_kernels.cpu.merge import PartialResults, TaskPlan, merge_partitions
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention
+from mojo_kernels.cpu.scratch import SCRATCH_SLOTS, Scratch
 from mojo_kernels.cpu.simd import run_tasks
 from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
 from mojo_kernels.problem import DecodeProblem
@@ -296,6 +297,75 @@ def check_fp8_widening(mut failures: Int):
     print("PASS" if wrong == 0 else "FAIL", "fp8 widening to bf16:", wrong, "mismatches")
 
 
+def check_scratch(mut failures: Int) raises:
+    """The CPU scratch pool (mojo_kernels/cpu/scratch.mojo): a task taking the same buffers as the one
+    before it gets the same memory (no allocation once warm), zero-filled again; tasks at once get
+    distinct slots and disjoint buffers, also from many threads; a bigger buffer regrows its segment;
+    with every slot busy a task still gets usable (private) memory."""
+    var wrong = 0
+    var first = Scratch()
+    var a = first.take[DType.float32](1000)
+    var b = first.take_ints(10)
+    a.unsafe_store(999, 1.5)
+    b.unsafe_store(9, 7)
+    var a_at = Int(a)
+    var b_at = Int(b)
+    _ = first^
+    var again = Scratch()
+    var a2 = again.take[DType.float32](1000)
+    var b2 = again.take_ints(10)
+    if Int(a2) != a_at or Int(b2) != b_at:
+        wrong += 1  # the pool should hand back the same memory
+    if a2.unsafe_load(999) != 0 or b2.unsafe_load(9) != 0 or Int(a2) % 64 != 0:
+        wrong += 1  # zero-filled and 64-byte aligned
+    var big = again.take[DType.bfloat16](1 << 20)  # past the first segment: another one
+    big.unsafe_store((1 << 20) - 1, 1)
+    _ = again^
+    var regrown = Scratch()
+    var huge = regrown.take[DType.float32](1 << 21)  # bigger than the slot's first segment: regrown
+    if huge.unsafe_load((1 << 21) - 1) != 0:
+        wrong += 1
+    _ = regrown^
+    # Every slot busy: the next scratch is private and its memory usable.
+    var held = List[Scratch]()
+    for _ in range(SCRATCH_SLOTS):
+        held.append(Scratch())
+    var extra = Scratch()
+    var p = extra.take[DType.float32](64)
+    p.unsafe_store(63, 2)
+    if extra.slot != -1 or p.unsafe_load(63) != 2:
+        wrong += 1
+    var slots = List[Int](length=SCRATCH_SLOTS, fill=0)
+    for i in range(SCRATCH_SLOTS):
+        if held[i].slot < 0 or slots[held[i].slot] != 0:
+            wrong += 1
+        else:
+            slots[held[i].slot] = 1
+    _ = extra^
+    _ = held^
+    # Many tasks at once: each fills its buffer with its own index, then checks it.
+    var tasks = 64
+    var bad = List[Int](length=tasks, fill=0)
+    var bad_at = bad.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+
+    def task(i: Int) {var bad_at}:
+        var mem = Scratch()
+        var buf = mem.take[DType.int32](4096)
+        for k in range(4096):
+            buf.unsafe_store(k, Int32(i))
+        for k in range(4096):
+            if buf.unsafe_load(k) != Int32(i):
+                bad_at.unsafe_store(i, 1)
+        _ = mem^
+
+    run_tasks(task, tasks, 1 << 30)
+    for i in range(tasks):
+        wrong += bad[i]
+    if wrong:
+        failures += 1
+    print("PASS" if wrong == 0 else "FAIL", "scratch pool:", wrong, "problems")
+
+
 def mask(kind: Int, window: Int = 0) -> MaskSpec:
     return MaskSpec(kind, window)
 
@@ -453,6 +523,7 @@ def main() raises:
     check_case(tails, 0, failures)
     check_case(tails, 2, failures)
     check_fp8_widening(failures)
+    check_scratch(failures)
     check_projections(failures)
     print("amx_check:", failures, "failed")
     if not quick:
