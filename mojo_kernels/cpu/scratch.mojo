@@ -1,4 +1,5 @@
-"""Scratch memory of the CPU stages, kept across op calls: once the pool has grown, a call allocates nothing.
+"""Scratch memory of the CPU stages, kept across op calls: once the pool has grown, the op's own buffers
+need no allocation (the task runner, `sync_parallelize`, still allocates its task frames).
 
 A process-wide pool (`_get_global`) of `SCRATCH_SLOTS` slots. A task (or a
 stage's call) takes the first free slot (`Scratch()`, by compare-and-swap: the
@@ -102,7 +103,8 @@ struct Scratch(Movable):
         self.private = List[Int]()
         for s in range(SCRATCH_SLOTS):
             var expected = Int64(0)
-            if pool.busy.unsafe_offset(s)[].compare_exchange(expected, 1):
+            # A plain read first: a busy slot costs no locked operation (the flags share cache lines).
+            if pool.busy.unsafe_offset(s)[].load() == 0 and pool.busy.unsafe_offset(s)[].compare_exchange(expected, 1):
                 self.slot = s
                 return
 
