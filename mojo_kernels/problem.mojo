@@ -55,7 +55,3 @@ struct DecodeProblem[dtype: DType](TrivialRegisterPassable):
     def key_dim(self) -> Int:
         """Width of a cache row: the keys; values are its first `kv_lora_rank`."""
         return self.kv_lora_rank + self.rope_dim
-
-    def max_visible_keys(self) -> Int:
-        """A host-side bound of any request's visible keys: the pages a request can own."""
-        return self.cache.pages_per_request * self.cache.page_size

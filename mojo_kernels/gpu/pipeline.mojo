@@ -488,9 +488,8 @@ def mla_decode_branch_fp8_gpu[dtype: DType](p: DecodeProblem[dtype], ctx: Device
     """All six steps on the GPU of `ctx`; every pointer of `p` is device memory.
 
     Enqueues the kernels on `ctx`'s stream and returns without waiting;
-    reads nothing back to the host. `p.max_visible_keys()` (pages per
-    request times page size) bounds every request's visible keys; it only
-    shapes the key partitioning (`GpuPlan`).
+    reads nothing back to the host: the key partitioning is the device
+    schedule's (`GpuPlan`, schedule.mojo), from the sizes alone on the host.
     """
     if p.num_tokens == 0 or p.num_heads == 0:
         return
