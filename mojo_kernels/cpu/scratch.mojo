@@ -90,6 +90,7 @@ struct Scratch(Movable):
     `Scratch` explicitly after its last use of the buffers (`_ = mem^`), or a struct that holds it
     (`TaskPlan`) keeps it."""
 
+    var pool: _Pool  # looked up once (`_get_global`), not per buffer
     var slot: Int
     var segment: Int  # the segment being carved
     var used: Int  # bytes carved from it
@@ -97,6 +98,7 @@ struct Scratch(Movable):
 
     def __init__(out self):
         var pool = _pool()
+        self.pool = pool
         self.slot = -1
         self.segment = 0
         self.used = 0
@@ -112,7 +114,7 @@ struct Scratch(Movable):
         for address in self.private:
             _release(_Bytes(unsafe_from_address=address))
         if self.slot >= 0:
-            _pool().busy.unsafe_offset(self.slot)[].store(0)
+            self.pool.busy.unsafe_offset(self.slot)[].store(0)
 
     def take[dtype: DType](mut self, count: Int, zero: Bool = True) -> DPtr[dtype]:
         """`count` values of `dtype` (at least one), 64-byte aligned, zero-filled unless `zero` is False."""
@@ -129,7 +131,7 @@ struct Scratch(Movable):
 
     def _carve(mut self, bytes: Int) -> _Bytes:
         if self.slot >= 0:
-            var pool = _pool()
+            var pool = self.pool
             while self.segment < SCRATCH_SEGMENTS:
                 var i = self.slot * SCRATCH_SEGMENTS + self.segment
                 var base = pool.base.unsafe_load(i)
