@@ -84,6 +84,10 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     var entry = p.split.row_partials(row)
     var first = entry[0]
     var parts = entry[1]
+    # A row of one partition, normalized in `raw` already: nothing to do without an LSE to give or a row
+    # to quantize (the whole block agrees: one row).
+    if parts == 1 and p.has_lse == 0 and (not quantize or p.one_partition_quantized != 0):
+        return
     if tid < WARP_SIZE:
         var m0 = p.part_max.unsafe_load(p.split.partial_row(first, tid)) if tid < parts else neg_inf[DType.float32]()
         var m1 = p.part_max.unsafe_load(p.split.partial_row(first, tid + WARP_SIZE)) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
