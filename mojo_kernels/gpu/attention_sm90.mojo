@@ -94,6 +94,9 @@ from ..common import U32Ptr
 from ..paged_cache import Fp8LatentRows, PagedLatentRows
 from .attention_block import AttentionBlock, AttentionParams, RowMasks, SPtr, dequantize8, fence_async_proxy, rescale_row
 from .attention_wgmma import quad_max, quad_sum
+from .params import GPtr, to_global
+from .projection_mma import QuantizedRows
+from ..fp8 import activation_scale, scaled_into_range
 from .pdl import allow_dependents, wait_for_producers
 
 comptime S9_ROWS = 64  # rows per block: the M of one wgmma
@@ -113,6 +116,7 @@ comptime S9_THREADS = 3 * S9_WG  # two math warpgroups, one producer
 comptime S9_LAUNCH_REGS = (65536 // S9_THREADS) // 8 * 8
 comptime S9_PRODUCER_REGS = 40
 comptime S9_MATH_REGS = 232
+comptime S9_QUANT_BLOCK = 128  # step 6's K block the epilogue quantizes rows in (`TmaAttentionParams.quant`)
 comptime S9_BOX_BYTES = S9_KEYS * S9_BOX_COLS * 2
 comptime S9_BLOCK_BYTES = S9_BOXES * S9_BOX_BYTES
 comptime S9_STAGES = 2
@@ -183,6 +187,11 @@ struct TmaAttentionParams[dtype: DType](DevicePassable, ImplicitlyCopyable):
     var keys: TMADescriptor
     var scales: TMADescriptor  # fp8_ds_mla rows: the scales' boxes (a dtype cache: `keys` again, unused)
     var att: AttentionParams[Self.dtype]
+    # Active: rows the block holds all keys of (`AttentionBlock.normalized`) go out quantized for step 6
+    # (`store_quantized_rows`; K blocks of S9_QUANT_BLOCK) instead of into `raw`, the merge skips them.
+    var quant: QuantizedRows
+    var attention_output: GPtr[Self.dtype]  # [rows, R]: with `quant` active and has_attention_output
+    var has_attention_output: Int32
 
     comptime device_type: AnyType = Self
 
@@ -190,6 +199,20 @@ struct TmaAttentionParams[dtype: DType](DevicePassable, ImplicitlyCopyable):
         self.keys = keys
         self.scales = scales
         self.att = att
+        self.quant = QuantizedRows.none(to_global(att.raw))
+        self.attention_output = to_global(att.raw).unsafe_bitcast[Scalar[Self.dtype]]()
+        self.has_attention_output = 0
+
+    def quantizing(
+        self, quant: QuantizedRows, attention_output: GPtr[Self.dtype], has_attention_output: Bool
+    ) -> Self:
+        """These parameters with the epilogue quantizing one-partition rows into `quant` (active, K blocks
+        of S9_QUANT_BLOCK) and, with `has_attention_output`, storing them as dtype."""
+        var out = self
+        out.quant = quant
+        out.attention_output = attention_output
+        out.has_attention_output = Int32(1 if has_attention_output else 0)
+        return out
 
     @staticmethod
     def create(ctx: DeviceContext, cache: PagedLatentRows[Self.dtype], att: AttentionParams[Self.dtype]) raises -> Self:
@@ -818,8 +841,12 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     named_barrier[S9_MATH_THREADS](BAR_SUM)
     l_a = xsum_s.unsafe_load(ra) + xsum_s.unsafe_load(S9_ROWS + ra)
     l_b = xsum_s.unsafe_load(rb) + xsum_s.unsafe_load(S9_ROWS + rb)
-    store_rows[ACC_W, NJ_O](p.att, blk, acc, wg * S9_VALUE_COLS + 2 * t4, ra, m_a, l_a)
-    store_rows[ACC_W, NJ_O](p.att, blk, acc, wg * S9_VALUE_COLS + 2 * t4, rb, m_b, l_b, second=True)
+    if blk.normalized and p.quant.active != 0:
+        store_quantized_rows[ACC_W, NJ_O](p, blk, acc, wg, t4, ra, l_a)
+        store_quantized_rows[ACC_W, NJ_O](p, blk, acc, wg, t4, rb, l_b, second=True)
+    else:
+        store_rows[ACC_W, NJ_O](p.att, blk, acc, wg * S9_VALUE_COLS + 2 * t4, ra, m_a, l_a)
+        store_rows[ACC_W, NJ_O](p.att, blk, acc, wg * S9_VALUE_COLS + 2 * t4, rb, m_b, l_b, second=True)
     if wg == 0 and t4 == 0:
         blk.store_stats(p.att, blk.row0 + ra, m_a, l_a)
         blk.store_stats(p.att, blk.row0 + rb, m_b, l_b)
@@ -843,3 +870,45 @@ def store_rows[
     comptime for j in range(nj):
         var v = SIMD[DType.float32, 2](acc[4 * j + e0], acc[4 * j + e0 + 1])
         out.unsafe_offset(col0 + 8 * j).unsafe_store[alignment=8](0, blk.result[dtype, 2](v, inv))
+
+
+@always_inline
+def store_quantized_rows[
+    dtype: DType, //, acc_w: Int, nj: Int
+](
+    p: TmaAttentionParams[dtype], blk: AttentionBlock, acc: SIMD[DType.float32, acc_w], wg: Int, t4: Int, r: Int,
+    l: Float32, second: Bool = False,
+):
+    """Block row `r`'s 256 columns of warpgroup `wg`, normalized (`blk.result`), quantized for step 6 as
+    `merge.quantize_row` quantizes a merged row, bit for bit: per K block of S9_QUANT_BLOCK columns
+    `s = activation_scale(amax)`, the values `e4m3(x / s)` as float16 into `p.quant`; with
+    `has_attention_output` the row as dtype too. A quad holds 256 contiguous columns of the row
+    (elements `4 j + 2 second + {0, 1}`, columns `8 j + 2 t4`), so a block's amax is a quad max."""
+    comptime J_PER_BLOCK = S9_QUANT_BLOCK // 8
+    var row = blk.row0 + r
+    var live = row < blk.row_end  # every lane of the quad agrees (one row): the quad max runs on all
+    var rank = Int(p.att.kv_lora_rank)
+    var inv = AttentionBlock.inverse_sum(l)
+    var e0 = 2 if second else 0
+    comptime for kb in range(nj // J_PER_BLOCK):
+        var vals = SIMD[DType.float32, 2 * J_PER_BLOCK](0)
+        comptime for jj in range(J_PER_BLOCK):
+            comptime j = kb * J_PER_BLOCK + jj
+            var v = blk.result[dtype, 2](SIMD[DType.float32, 2](acc[4 * j + e0], acc[4 * j + e0 + 1]), inv)
+            vals[2 * jj] = v[0]
+            vals[2 * jj + 1] = v[1]
+        var scale = activation_scale(quad_max(abs(vals).reduce_max()))
+        if live:
+            var block = (wg * S9_VALUE_COLS) // S9_QUANT_BLOCK + kb
+            if t4 == 0:
+                p.quant.scales.unsafe_store(row * (rank // S9_QUANT_BLOCK) + block, scale)
+            comptime for jj in range(J_PER_BLOCK):
+                var col = wg * S9_VALUE_COLS + 8 * (kb * J_PER_BLOCK + jj) + 2 * t4
+                var v = SIMD[DType.float32, 2](vals[2 * jj], vals[2 * jj + 1])
+                p.quant.values.unsafe_offset(row * rank + col).unsafe_store[alignment=4](
+                    0, scaled_into_range[2](v, scale).cast[DType.float8_e4m3fn]().cast[DType.float16]()
+                )
+                if p.has_attention_output != 0:
+                    p.attention_output.unsafe_offset(row * rank + col).unsafe_store[alignment=2 * size_of[dtype]()](
+                        0, v.cast[dtype]()
+                    )

@@ -48,6 +48,7 @@ struct MergeParams[dtype: DType](KernelParams):
     var quant: QuantizedRows  # active: quantized rows for step 6 instead of raw
     var attention_output: GPtr[Self.dtype]  # [rows, R]: raw as dtype, with quant active and has_attention_output
     var has_attention_output: Int32
+    var one_partition_quantized: Int32  # the attention kernel quantized the rows of one partition (sm90 epilogue)
 
 
 @fieldwise_init
@@ -69,7 +70,8 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     keys); then each thread adds four columns
     of the partitions' outputs, `MERGE_UNROLL` partitions at a time; `kv_lora_rank % 4 == 0`.
     A row of one partition is already in `raw`, normalized by the attention kernel
-    (`AttentionBlock.normalized`): only its LSE and, with `quantize`, its quantization remain.
+    (`AttentionBlock.normalized`): only its LSE and, with `quantize`, its quantization remain
+    (none with `one_partition_quantized`: the TMA kernel's epilogue quantized it).
     """
     var weights = stack_allocation[MAX_PARTITIONS, Float32, address_space=AddressSpace.SHARED]()
     # The merged row for `quantize_row` (a parameter: the plain merge keeps its registers and shared memory).
@@ -82,6 +84,10 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     var entry = p.split.row_partials(row)
     var first = entry[0]
     var parts = entry[1]
+    # A row of one partition, normalized in `raw` already: nothing to do without an LSE to give or a row
+    # to quantize (the whole block agrees: one row).
+    if parts == 1 and p.has_lse == 0 and (not quantize or p.one_partition_quantized != 0):
+        return
     if tid < WARP_SIZE:
         var m0 = p.part_max.unsafe_load(p.split.partial_row(first, tid)) if tid < parts else neg_inf[DType.float32]()
         var m1 = p.part_max.unsafe_load(p.split.partial_row(first, tid + WARP_SIZE)) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
@@ -99,6 +105,8 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     barrier()
     if parts == 1:
         comptime if quantize:
+            if p.one_partition_quantized != 0:
+                return
             for c in range(4 * tid, rank, 4 * MERGE_THREADS):
                 row_s.unsafe_offset(c).unsafe_store[alignment=16](
                     0, p.raw.unsafe_offset(row * rank + c).unsafe_load[width=4, alignment=16](0)

@@ -70,7 +70,14 @@ from .addressing import ELEMENTWISE_THREADS, attention_slots
 from .attention_block import AttentionParams, enqueue_attention, enqueue_attention_with
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
-from .attention_sm90 import S9_ROWS, S9_THREADS, TmaAttentionParams, attention_sm90_kernel, attention_sm90_smem_bytes
+from .attention_sm90 import (
+    S9_QUANT_BLOCK,
+    S9_ROWS,
+    S9_THREADS,
+    TmaAttentionParams,
+    attention_sm90_kernel,
+    attention_sm90_smem_bytes,
+)
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
 from .merge import (
     MERGE_QUANT_RANK,
@@ -371,17 +378,21 @@ def gpu_attention_with[
             Int32(rank), ws.schedule(), p.scale, Int32(p.mask.kind), Int32(p.mask.window), Int32(p.score_mod),
             raw, part_out, part_max, part_sum,
         )
+        # The TMA kernel's epilogue quantizes the rows of one partition itself (K blocks of S9_QUANT_BLOCK).
+        var epilogue_quantizes = gw < 0 and quant.active != 0 and Int(quant.block_k) == S9_QUANT_BLOCK
+        var epilogue = quant if epilogue_quantizes else QuantizedRows.none(to_global(raw))
         comptime if groups > 0 and dtype == DType.bfloat16:
             if p.fp8_cache.active:
-                enqueue_attention_variant[variant, fp8=True](ctx, p, params, num_tokens, key_dim, fp8_row_bytes(p), pdl)
+                enqueue_attention_variant[variant, fp8=True](ctx, p, params, num_tokens, key_dim, fp8_row_bytes(p), pdl, epilogue)
             else:
-                enqueue_attention_variant[variant, fp8=False](ctx, p, params, num_tokens, key_dim, 0, pdl)
+                enqueue_attention_variant[variant, fp8=False](ctx, p, params, num_tokens, key_dim, 0, pdl, epilogue)
         else:
-            enqueue_attention_variant[variant, fp8=False](ctx, p, params, num_tokens, key_dim, 0, pdl)
+            enqueue_attention_variant[variant, fp8=False](ctx, p, params, num_tokens, key_dim, 0, pdl, epilogue)
         if ws.split():
             var merge = MergeParams[dtype](
                 to_global(part_out), to_global(part_max), to_global(part_sum), to_global(raw), ws.schedule(), Int32(rank), to_global(p.lse), Int32(1 if p.has_lse else 0),
                 quant, to_global(p.attention_output), Int32(1 if p.has_attention_output else 0),
+                Int32(1 if epilogue_quantizes else 0),
             )
             if quant.active != 0:
                 ctx.enqueue_function[merge_kernel[dtype, True]](
@@ -397,24 +408,29 @@ def enqueue_attention_variant[
     dtype: DType, //, variant: Tuple[Int, Int, Int], fp8: Bool
 ](
     ctx: DeviceContext, p: DecodeProblem[dtype], params: AttentionParams[dtype], num_tokens: Int, key_dim: Int,
-    fp8_rows: Int, pdl: Bool,
+    fp8_rows: Int, pdl: Bool, epilogue: QuantizedRows,
 ) raises:
     """Launches attention kernel `variant` of problem `p` on `params` (`fp8`: its instance reading `fp8_ds_mla`
-    rows of `fp8_rows` bytes); with `pdl`, programmatic dependent launch (pdl.mojo)."""
+    rows of `fp8_rows` bytes); with `pdl`, programmatic dependent launch (pdl.mojo). `epilogue` active
+    (the TMA kernel): the rows of one partition go out quantized for step 6 (`store_quantized_rows`)."""
     comptime groups, kt, gw = variant[0], variant[1], variant[2]
     comptime if gw < 0:
         comptime if fp8:
             comptime if dtype == DType.bfloat16:
+                var tma = TmaAttentionParams[dtype].create_fp8(ctx, p.fp8_cache, params).quantizing(
+                    epilogue, to_global(p.attention_output), p.has_attention_output
+                )
                 enqueue_attention_with[attention_sm90_kernel[dtype, True], S9_ROWS](
-                    ctx, TmaAttentionParams[dtype].create_fp8(ctx, p.fp8_cache, params), params, num_tokens, S9_THREADS,
-                    attention_sm90_smem_bytes[True](), pdl,
+                    ctx, tma, params, num_tokens, S9_THREADS, attention_sm90_smem_bytes[True](), pdl
                 )
             else:
                 raise Error("pymla gpu: fp8_ds_mla rows serve bfloat16 ops, got ", dtype)
         else:
+            var tma = TmaAttentionParams[dtype].create(ctx, p.cache, params).quantizing(
+                epilogue, to_global(p.attention_output), p.has_attention_output
+            )
             enqueue_attention_with[attention_sm90_kernel[dtype], S9_ROWS](
-                ctx, TmaAttentionParams[dtype].create(ctx, p.cache, params), params, num_tokens, S9_THREADS,
-                attention_sm90_smem_bytes(), pdl,
+                ctx, tma, params, num_tokens, S9_THREADS, attention_sm90_smem_bytes(), pdl
             )
     elif groups == 0:
         var smem = attention_smem_bytes[dtype](key_dim)
