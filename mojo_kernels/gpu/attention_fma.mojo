@@ -11,7 +11,7 @@ from max.gpu.primitives import warp
 from .attention_block import AttentionBlock, AttentionParams, SoftmaxRows
 from ..common import ceil_div
 from .params import to_global
-from .pdl import allow_dependents, wait_for_producers
+from .pdl import wait_for_producers
 
 
 # ATT_ROWS (token, head) rows of one request per block, ATT_KT keys
@@ -86,7 +86,6 @@ def attention_fma_kernel[
         st.start(blk, p, tid)
     # Above: the op's inputs only; q_full and the new cache rows come from the q step (pdl.mojo).
     wait_for_producers()
-    allow_dependents()
 
     # q rows, transposed: qT_s[k * ATT_ROWS + r] (rows of one k contiguous).
     for e in range(tid, ATT_ROWS * dim, ATT_THREADS):

@@ -40,7 +40,7 @@ from max.gpu.primitives import warp
 from ..common import ceil_div
 from .attention_block import AttentionBlock, AttentionParams, KeyTiles, SoftmaxRows, key_tile_bytes
 from .params import to_global
-from .pdl import allow_dependents, wait_for_producers
+from .pdl import wait_for_producers
 
 comptime MMA_ROWS = 16  # rows per group (the M of one mma)
 comptime MMA_KEY_DIM_MAX = 576  # k-steps of 16 per warp: key_dim <= gw * ks_max(gw) * 16
@@ -249,7 +249,6 @@ def attention_mma_kernel[
     if copied:
         copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, vecs, tid)
     wait_for_producers()
-    allow_dependents()
     if tiles.more() and not copied:
         copy_tile[THREADS](tiles, p, blocks_global, rowoff_s, k_s0, vecs, tid)
 

@@ -657,7 +657,6 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     # With PDL (pdl.mojo) every thread waits for the q step (q_full, the new cache rows) at once,
     # before the role split: the producer's TMA copies and load_q read what it wrote.
     wait_for_producers()
-    allow_dependents()
     var tid = thread_idx.x
     var blk = AttentionBlock.locate[S9_ROWS](p.att)
     if not blk.has_rows():
@@ -831,6 +830,9 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         if lane == 0:
             _ = mbarrier_arrive(sm.empty(st))
 
+    # The key loop is done: the merge may be scheduled (pdl.mojo), as late as this so that its blocks
+    # never wait on SMs this kernel's blocks still need (the producer warpgroup has exited).
+    allow_dependents()
     # Row sums: this thread's quad, then both warpgroups.
     var xsum_s = sm.xsum()
     l_a = quad_sum(l_a)

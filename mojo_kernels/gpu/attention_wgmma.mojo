@@ -51,7 +51,7 @@ from .attention_block import (
     rescale_row,
 )
 from .params import to_global
-from .pdl import allow_dependents, wait_for_producers
+from .pdl import wait_for_producers
 
 comptime WG_ROWS = 64  # rows per block: the M of one wgmma
 comptime WG_THREADS = 128  # one warpgroup
@@ -183,7 +183,6 @@ def attention_wgmma_kernel[
     # With PDL (pdl.mojo) the block waits for the q step at once: any later wait makes ptxas
     # spill (160 bytes instead of 4), and this kernel's prologue is short next to its key loop.
     wait_for_producers()
-    allow_dependents()
     var blk = AttentionBlock.locate[WG_ROWS](p)
     if not blk.has_rows():
         return

@@ -21,7 +21,7 @@ from max.gpu.primitives import warp
 from ..fp8 import activation_scale, scaled_into_range
 from .addressing import ELEMENTWISE_THREADS
 from .params import GFPtr, GPtr, KernelParams
-from .pdl import allow_dependents, wait_for_producers
+from .pdl import wait_for_producers
 from .projection_mma import QuantizedRows
 from .schedule import MAX_PARTITIONS, SplitSchedule
 
@@ -80,7 +80,6 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     var row = block_idx.x
     var rank = Int(p.kv_lora_rank)
     wait_for_producers()  # the partitions come from the attention kernel, the schedule from the q step (pdl.mojo)
-    allow_dependents()
     var entry = p.split.row_partials(row)
     var first = entry[0]
     var parts = entry[1]

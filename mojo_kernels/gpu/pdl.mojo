@@ -14,6 +14,13 @@ only when the dependent's blocks are scheduled, never what they see. Without
 the attribute both instructions are no-ops, so the kernels are the same with
 PDL on and off (`GpuPlan.pdl`).
 
+Where the op's kernels let their dependents in: late, so that a dependent's blocks never wait
+for SMs the kernel ahead still needs (the q step, the merge and the `mma`/`wgmma`/FMA
+attention kernels when their blocks exit; the TMA attention kernel once its key loop is done;
+the output step early, as nothing of the op follows it). With every kernel triggering at entry,
+PDL cost 6-10 us per call (H100, 2026-12-05, `gpu_bench bench`, 16 h b8 8k 69.6 -> 77.6 us):
+the attention kernel's blocks, a whole SM each, sat waiting on SMs the q step's last blocks needed.
+
 Why every launched kernel with the attribute waits (its early-exiting blocks
 too): a kernel completes only once its own wait returned, so the kernels
 ahead of it are complete too; the chain stays ordered end to end.

@@ -81,7 +81,9 @@ comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile
 # each after the kernel ahead of it. Off: on the H200 (2026-12-05, bf16, `gpu_bench bench`, best of
 # 2 alternated rounds; benchmarks/results/h200-2026-12-05b/bench_pdl.log) it cost 1.8-2.3 us per
 # call (16 h b8 8k: 73.4 -> 75.2 us; 128 h b64 8k: 737.6 -> 739.9 us): today's kernels have
-# little prologue to overlap. To be measured again with the TMA attention kernel (issue 23).
+# little prologue to overlap. With every kernel letting its dependents in at entry it cost 6-10 us
+# (H100, 2026-12-05h, 16 h b8 8k 69.6 -> 77.6, 128 h b8 8k 98.1 -> 106.3); the kernels now trigger
+# late (pdl.mojo), to be measured (the `bench` mode's PDL line).
 comptime PDL_DEFAULT = False
 # Step 6's activation quantization in the partition merge (merge.mojo, `QuantizedRows`) where the
 # sizes allow it (`pipeline.merge_quantizes`). On: same H200 run, 16 h b8 8k 73.4 -> 65.8 us per

@@ -120,7 +120,6 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
     comptime MT = warps_m * tm * 16
     comptime NT = warps_n * tn * 8
     var blk = block_idx.x
-    allow_dependents()  # the attention kernel may start its prologue (pdl.mojo)
     # The cache rows are the last blocks but one: latency-bound (one scattered cache row each),
     # they fill the projection's last, partial wave instead of holding SMs at the start. The
     # very last builds step 5's split schedule when there is one.
