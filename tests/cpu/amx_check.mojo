@@ -9,6 +9,7 @@
 #     /tmp/amx_check projections  # steps 3 and 6 alone: checks, then timings per path
 #     /tmp/amx_check overhead   # the AMX path with no tile instruction, 16 heads, on any CPU:
 #                               # `perf record /tmp/amx_check overhead` shows where the rest goes
+#     /tmp/amx_check loop 16 200  # the AMX path alone, 200 times, 16 heads (perf on an AMX host)
 #
 # Each case (random bf16 caches, NaN in every slot past a request's tokens; page sizes 1/16/64/128 and one of 24, heads 1/16/128, ragged requests incl. ones with
 # no new token and ones with an empty cache, causal / sliding-window / no mask, 1 or several key
@@ -490,6 +491,16 @@ def main() raises:
         # target for a profiler (`perf record`), batch 8, 16k, page 64, 16 heads.
         var c = Case(99, 16, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
         print("overhead on", cpu_model(), ": AMX path without tile instructions, 16 heads:", time_path[NoTiles](c, PATH_AMX, 20), "ms")
+        return
+    if len(argv()) > 2 and argv()[1] == "loop":
+        # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
+        # `loop HEADS [ITERS]` heads; prints the best time.
+        if not amx_permitted():
+            raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        var heads = atol(argv()[2])
+        var iters = atol(argv()[3]) if len(argv()) > 3 else 100
+        var c = Case(99, heads, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+        print("loop on", cpu_model(), ": AMX path, heads", heads, ", threads", num_physical_cores(), ":", time_path[AmxTiles](c, PATH_AMX, iters), "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
