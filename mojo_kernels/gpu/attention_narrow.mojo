@@ -35,7 +35,7 @@ from std.math import exp
 from std.utils import StaticTuple
 from std.utils.numerics import neg_inf
 
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, barrier, thread_idx
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, thread_idx
 from max.gpu.compute.mma import wgmma_async, wgmma_commit_group_sync, wgmma_fence_aligned, wgmma_wait_group_sync
 from max.gpu.memory import AddressSpace, external_memory
 from max.gpu.primitives.warp import shuffle_xor
@@ -53,12 +53,11 @@ from .attention_sm90 import (
     KeyBlocks,
     SmemPlan,
     TmaAttentionParams,
-    load_q,
     mbar_wait,
     opaque,
-    produce_fp8_keys,
-    produce_keys,
+    produce,
     smem_u32,
+    start_block,
     sw128_desc,
     widen_raw_rows,
     zero_outside_values,
@@ -204,26 +203,11 @@ def attention_narrow_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionPara
     var ns = NarrowSmem[fp8](
         SmemPlan[fp8, N9_ROWS](external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]())
     )
-    var sm = ns.plan
-    var masks = sm.masks()
-    if tid < N9_ROWS:
-        masks.store(blk, p.att, tid)
-    if tid == S9_MATH_THREADS:
-        sm.init_barriers()
-    load_q(p.att, blk, sm, tid)
-    fence_async_proxy()
-    barrier()
-    var keys = KeyBlocks.of(masks.key_span(blk, N9_ROWS))
+    var keys = start_block(p, blk, ns.plan, tid)
     var wg = tid // S9_WG
     if wg == 2:
         if tid == S9_MATH_THREADS:
-            comptime if fp8:
-                produce_fp8_keys(
-                    p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk,
-                    rebind[SmemPlan[True, N9_ROWS]](sm), keys,
-                )
-            else:
-                produce_keys(p.att, Int(Pointer(to=p.keys)), blk, rebind[SmemPlan[False, N9_ROWS]](sm), keys)
+            produce(p, blk, ns.plan, keys)
         return
     attend_narrow[dtype, fp8](p, blk, ns, keys, wg, tid % S9_WG)
 

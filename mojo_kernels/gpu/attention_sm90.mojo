@@ -650,6 +650,37 @@ def zero_outside_values[
         v += S9_WG
 
 
+@always_inline
+def start_block[
+    dtype: DType, fp8: Bool, rows: Int, //
+](p: TmaAttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], tid: Int) -> KeyBlocks:
+    """Every thread of a TMA kernel's block: the rows' masks, the barriers, Q; then (after a block barrier)
+    the partition's keys any of the block's rows needs."""
+    var masks = sm.masks()
+    if tid < rows:
+        masks.store(blk, p.att, tid)
+    if tid == S9_MATH_THREADS:
+        sm.init_barriers()
+    load_q(p.att, blk, sm, tid)
+    fence_async_proxy()
+    barrier()
+    return KeyBlocks.of(masks.key_span(blk, rows))
+
+
+@always_inline
+def produce[
+    dtype: DType, fp8: Bool, rows: Int, //
+](p: TmaAttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], keys: KeyBlocks):
+    """The producer thread of a TMA kernel: `produce_fp8_keys` or `produce_keys` (the descriptors' addresses
+    in parameter space, `p` being the kernel's grid-constant parameter)."""
+    comptime if fp8:
+        produce_fp8_keys(
+            p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk, rebind[SmemPlan[True, rows]](sm), keys
+        )
+    else:
+        produce_keys(p.att, Int(Pointer(to=p.keys)), blk, rebind[SmemPlan[False, rows]](sm), keys)
+
+
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(S9_THREADS)))
 @__llvm_arg_metadata(p, `nvvm.grid_constant`)
 def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams[dtype]):
@@ -680,25 +711,13 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         return
     var sm = SmemPlan[fp8](external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]())
     var masks = sm.masks()
-    if tid < S9_ROWS:
-        masks.store(blk, p.att, tid)
-    if tid == S9_MATH_THREADS:
-        sm.init_barriers()
-    load_q(p.att, blk, sm, tid)
-    fence_async_proxy()
-    barrier()
-    var keys = KeyBlocks.of(masks.key_span(blk, S9_ROWS))
+    var keys = start_block(p, blk, sm, tid)
 
     var wg = tid // S9_WG
     if wg == 2:
         warpgroup_reg_dealloc[S9_PRODUCER_REGS]()
         if tid == S9_MATH_THREADS:
-            comptime if fp8:
-                produce_fp8_keys(
-                    p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk, rebind[SmemPlan[True]](sm), keys
-                )
-            else:
-                produce_keys(p.att, Int(Pointer(to=p.keys)), blk, rebind[SmemPlan[False]](sm), keys)
+            produce(p, blk, sm, keys)
         return
     warpgroup_reg_alloc[S9_MATH_REGS]()
 
