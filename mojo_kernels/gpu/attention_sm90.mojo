@@ -134,6 +134,7 @@ comptime S9_RAW_BOX_BYTES = S9_KEYS * 128
 comptime S9_SCALE_BYTES = S9_KEYS * 16  # 4 float32 scales per key
 comptime S9_RAW_BYTES = S9_RAW_BOXES * S9_RAW_BOX_BYTES + S9_SCALE_BYTES  # 33 KiB: 1024-byte aligned
 comptime S9_RAW_SLOTS = 2
+comptime N9_RAW_SLOTS = 3  # the narrow kernel's (attention_narrow.mojo): its Q is a quarter of this one's
 comptime S9_ROPE_COL = S9_RAW_BOXES * 128 + 16  # byte column of the rope part in a 656-byte row
 # Named barriers of the two math warpgroups (0 is `barrier()`).
 comptime BAR_MAX = 1
@@ -345,24 +346,29 @@ def sw128_desc[dtype: DType](addr: UInt32, lbo: Int, sbo: Int) -> WGMMADescripto
 
 
 @fieldwise_init
-struct SmemPlan[fp8: Bool](TrivialRegisterPassable):
+struct SmemPlan[fp8: Bool, rows: Int = S9_ROWS](TrivialRegisterPassable):
     """Where things live in the dynamic shared memory (see the module docstring; `fp8`: one key stage,
-    then the two raw slots)."""
+    then the raw slots). `rows`: the block's rows, Q's rows per box (64 here; 16 in the narrow
+    kernel, `attention_narrow.mojo`, whose exchange buffers follow `END`)."""
 
     var base: SPtr[UInt8]
 
     comptime STAGES = S9_FP8_STAGES if Self.fp8 else S9_STAGES
+    comptime RAW_SLOTS = S9_RAW_SLOTS if Self.rows == S9_ROWS else N9_RAW_SLOTS
+    comptime Q_BOX_BYTES = Self.rows * 128  # one Q box: the block's rows x 64 columns
     comptime Q = 0
-    comptime K = S9_BLOCK_BYTES
-    comptime RAW = (1 + Self.STAGES) * S9_BLOCK_BYTES
-    comptime BARS = Self.RAW + (S9_RAW_SLOTS * S9_RAW_BYTES if Self.fp8 else 0)
+    comptime K = S9_BOXES * Self.Q_BOX_BYTES
+    comptime RAW = Self.K + Self.STAGES * S9_BLOCK_BYTES
+    comptime BARS = Self.RAW + (Self.RAW_SLOTS * S9_RAW_BYTES if Self.fp8 else 0)
     comptime N_FULL = Self.STAGES * S9_BOXES
     comptime RAW_FULL = Self.BARS + 8 * (Self.N_FULL + Self.STAGES)
-    comptime RAW_EMPTY = Self.RAW_FULL + 8 * S9_RAW_SLOTS
-    comptime XMAX = Self.RAW_EMPTY + 8 * S9_RAW_SLOTS
-    comptime XSUM = Self.XMAX + 2 * S9_ROWS * 4
-    comptime MASKS = Self.XSUM + 2 * S9_ROWS * 4
-    comptime END = Self.MASKS + 4 * S9_ROWS * 4
+    comptime RAW_EMPTY = Self.RAW_FULL + 8 * Self.RAW_SLOTS
+    comptime XMAX = Self.RAW_EMPTY + 8 * Self.RAW_SLOTS
+    # Per math warpgroup a value per row; narrow: per warpgroup, block parity and warp a value per row.
+    comptime ROW_VALUES = S9_ROWS if Self.rows == S9_ROWS else 2 * 4 * Self.rows
+    comptime XSUM = Self.XMAX + 2 * Self.ROW_VALUES * 4
+    comptime MASKS = Self.XSUM + 2 * Self.ROW_VALUES * 4
+    comptime END = Self.MASKS + 4 * Self.rows * 4
 
     @always_inline
     def q_u32(self) -> UInt32:
@@ -412,9 +418,9 @@ struct SmemPlan[fp8: Bool](TrivialRegisterPassable):
         var at = self.base.unsafe_offset(Self.MASKS)
         return RowMasks(
             at.unsafe_bitcast[Int32](),
-            at.unsafe_offset(S9_ROWS * 4).unsafe_bitcast[Int32](),
-            at.unsafe_offset(2 * S9_ROWS * 4).unsafe_bitcast[Int32](),
-            at.unsafe_offset(3 * S9_ROWS * 4).unsafe_bitcast[Float32](),
+            at.unsafe_offset(Self.rows * 4).unsafe_bitcast[Int32](),
+            at.unsafe_offset(2 * Self.rows * 4).unsafe_bitcast[Int32](),
+            at.unsafe_offset(3 * Self.rows * 4).unsafe_bitcast[Float32](),
         )
 
     def init_barriers(self):
@@ -424,7 +430,7 @@ struct SmemPlan[fp8: Bool](TrivialRegisterPassable):
                 mbarrier_init(self.full(st, box), 1)
             mbarrier_init(self.empty(st), Int32(S9_MATH_THREADS // WARP_SIZE))
         comptime if Self.fp8:
-            for slot in range(S9_RAW_SLOTS):
+            for slot in range(Self.RAW_SLOTS):
                 mbarrier_init(self.raw_full(slot), 1)
                 mbarrier_init(self.raw_empty(slot), Int32(S9_MATH_THREADS // WARP_SIZE))
         fence_mbarrier_init()
@@ -469,8 +475,8 @@ struct KeyBlocks(TrivialRegisterPassable):
 
 @always_inline
 def produce_keys[
-    dtype: DType
-](p: AttentionParams[dtype], desc: Int, blk: AttentionBlock, sm: SmemPlan[False], keys: KeyBlocks):
+    dtype: DType, rows_: Int
+](p: AttentionParams[dtype], desc: Int, blk: AttentionBlock, sm: SmemPlan[False, rows_], keys: KeyBlocks):
     """The producer thread: block `b`'s 9 column boxes into stage `b % 2` once the stage is released.
 
     A column box is `box_rows(page_size)` rows of one page; a 64-key block takes
@@ -512,12 +518,12 @@ def produce_keys[
 
 @always_inline
 def produce_fp8_keys[
-    dtype: DType
-](p: AttentionParams[dtype], descs: Tuple[Int, Int], blk: AttentionBlock, sm: SmemPlan[True], keys: KeyBlocks):
+    dtype: DType, rows_: Int
+](p: AttentionParams[dtype], descs: Tuple[Int, Int], blk: AttentionBlock, sm: SmemPlan[True, rows_], keys: KeyBlocks):
     """The producer thread on an `fp8_ds_mla` cache (module docstring, `fp8`).
 
-    It keeps the raw slots two blocks ahead (`copy_raw_block`): block `b + 2` goes into
-    block `b`'s slot once both math warpgroups have widened it (`raw_empty`). Per block, once
+    It keeps the raw slots `RAW_SLOTS` blocks ahead (`copy_raw_block`): block `b + RAW_SLOTS` goes
+    into block `b`'s slot once both math warpgroups have widened it (`raw_empty`). Per block, once
     the math warpgroups release the one stage (`empty`: P V of the block before, which also
     read P from box 8), it copies the rope part into box 8 by TMA (`descs[0]`: the 128-byte
     boxes; the rows' bytes land in the layout of a bf16 box).
@@ -527,12 +533,13 @@ def produce_fp8_keys[
     var rows = UInt32(box_rows(Int(cache.page_size)))
     var lookup = cache.lookup.unsafe_offset(blk.request * Int(cache.pages_per_request))
     var count = keys.count()
-    for b in range(min(count, S9_RAW_SLOTS)):
+    comptime SLOTS = SmemPlan[True, rows_].RAW_SLOTS
+    for b in range(min(count, SLOTS)):
         copy_raw_block(descs, sm, b, lookup, page_size, rows, keys)
     var rope_box = smem_u32(sm.stage(0)) + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
     var rope_full = smem_u32(sm.full(0, S9_BOXES - 1))
     for b in range(count):
-        var slot = b % S9_RAW_SLOTS
+        var slot = b % SLOTS
         mbar_wait(sm.empty(0), ((b // S9_FP8_STAGES) & 1) ^ 1)
         var k = UInt32(keys.start(b))
         var parts = keys.copies(b, rows)
@@ -541,19 +548,21 @@ def produce_fp8_keys[
             var key = k + q * rows
             var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
             tma_load_box(rope_box + q * rows * 128, descs[0], rope_full, UInt32(S9_ROPE_COL), key % page_size, page)
-        if b + S9_RAW_SLOTS < count:
-            mbar_wait(sm.raw_empty(slot), (b // S9_RAW_SLOTS) & 1)
-            copy_raw_block(descs, sm, b + S9_RAW_SLOTS, lookup, page_size, rows, keys)
+        if b + SLOTS < count:
+            mbar_wait(sm.raw_empty(slot), (b // SLOTS) & 1)
+            copy_raw_block(descs, sm, b + SLOTS, lookup, page_size, rows, keys)
 
 
 @always_inline
-def copy_raw_block(
-    descs: Tuple[Int, Int], sm: SmemPlan[True], b: Int, lookup: U32Ptr, page_size: UInt32, rows: UInt32,
+def copy_raw_block[
+    rows_: Int
+](
+    descs: Tuple[Int, Int], sm: SmemPlan[True, rows_], b: Int, lookup: U32Ptr, page_size: UInt32, rows: UInt32,
     keys: KeyBlocks,
 ):
-    """One thread: block `b`'s `fp8_ds_mla` bytes into raw slot `b % 2` by TMA (its latent boxes with
-    `descs[0]`, its scales with `descs[1]`), all on the slot's one transaction barrier."""
-    var slot = b % S9_RAW_SLOTS
+    """One thread: block `b`'s `fp8_ds_mla` bytes into raw slot `b % RAW_SLOTS` by TMA (its latent boxes
+    with `descs[0]`, its scales with `descs[1]`), all on the slot's one transaction barrier."""
+    var slot = b % SmemPlan[True, rows_].RAW_SLOTS
     var bar = smem_u32(sm.raw_full(slot))
     var dst = smem_u32(sm.raw(slot))
     var k = UInt32(keys.start(b))
@@ -571,23 +580,27 @@ def copy_raw_block(
 
 
 @always_inline
-def widen_raw_rows[dtype: DType](sm: SmemPlan[True], slot: Int, wg: Int, wt: Int):
-    """Math warpgroup `wg`, thread `wt`: its 32 keys' latent bytes in raw slot `slot` times their scales
-    (`dequantize8`) into boxes 0-7 of the stage, in the 128-byte swizzle of both. The thread takes
-    16-byte output chunk `wt % 8` of rows `32 wg + wt / 8 + 16 i` of every box."""
-    comptime ROWS_PER_THREAD = (S9_KEYS // 2) * 8 // S9_WG  # 16-byte chunks of a box per thread: 2
+def widen_raw_rows[
+    rows_: Int, //, dtype: DType, key_rows: Int, raw_boxes: Int
+](sm: SmemPlan[True, rows_], slot: Int, row0: Int, jb0: Int, wt: Int):
+    """One math warpgroup's thread `wt`: the latent bytes of keys `row0 ..< row0 + key_rows` in raw boxes
+    `jb0 ..< jb0 + raw_boxes` of raw slot `slot` times their scales (`dequantize8`) into bf16 boxes
+    `2 jb0 ..` of the stage, in the 128-byte swizzle of both. The thread takes 16-byte output chunk
+    `wt % 8` of rows `row0 + wt / 8 + 16 i` of each box."""
+    comptime ROWS_PER_THREAD = key_rows * 8 // S9_WG  # 16-byte chunks of a box per thread
     var raw = sm.raw(slot)
     var scales = raw.unsafe_offset(S9_RAW_BOXES * S9_RAW_BOX_BYTES).unsafe_bitcast[Float32]()
     var stage = sm.stage(0)
     var c = wt % 8
-    var r0 = wg * (S9_KEYS // 2) + wt // 8
+    var r0 = row0 + wt // 8
     var swz = r0 % 8  # the rows r0 + 16 i share it
-    comptime for jb in range(S9_RAW_BOXES):
+    comptime for jbi in range(raw_boxes):
+        var jb = jb0 + jbi
         var sc = SIMD[DType.float32, ROWS_PER_THREAD](0)
         comptime for i in range(ROWS_PER_THREAD):
             sc[i] = scales.unsafe_load((r0 + 16 * i) * 4 + jb)
         comptime for half in range(2):
-            comptime box = 2 * jb + half
+            var box = 2 * jb + half
             comptime for i in range(ROWS_PER_THREAD):
                 var r = r0 + 16 * i
                 var src = raw.unsafe_offset(jb * S9_RAW_BOX_BYTES + r * 128 + (((half * 4 + c // 2) ^ swz) * 16) + (c % 2) * 8)
@@ -598,39 +611,74 @@ def widen_raw_rows[dtype: DType](sm: SmemPlan[True], slot: Int, wg: Int, wt: Int
 
 
 @always_inline
-def load_q[dtype: DType, fp8: Bool, //](p: AttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8], tid: Int):
-    """Q rows of the block into `q_s` in dtype (exact: q_full holds dtype values), zeros past the request's rows."""
+def load_q[
+    dtype: DType, fp8: Bool, rows: Int, //
+](p: AttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], tid: Int):
+    """Q rows of the block into `q_s` in dtype (exact: q_full holds dtype values), zeros past the request's rows:
+    box `c / 8` of `rows` rows x 128 bytes, swizzled."""
     comptime CHUNKS = S9_KEY_DIM // 8  # 16-byte chunks per row
     var v = tid
-    while v < S9_ROWS * CHUNKS:
+    while v < rows * CHUNKS:
         var r = v // CHUNKS
         var c = v % CHUNKS
         var x = SIMD[DType.float32, 8](0)
         if blk.row0 + r < blk.row_end:
             x = p.q_full.unsafe_offset((blk.row0 + r) * S9_KEY_DIM + c * 8).unsafe_load[width=8, alignment=16](0)
-        var at = (c // 8) * S9_BOX_BYTES + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+        var at = (c // 8) * SmemPlan[fp8, rows].Q_BOX_BYTES + r * 128 + (((c % 8) ^ (r % 8)) * 16)
         sm.base.unsafe_offset(at).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=16](0, x.cast[dtype]())
         v += S9_THREADS
 
 
 @always_inline
-def zero_outside_values[fp8: Bool, //](sm: SmemPlan[fp8], keys: KeyBlocks, b: Int, s: Int, wg: Int, wt: Int):
-    """Zeros the value rows (boxes 0-7) of block `b`'s keys outside `[lo, hi)` in stage `s`: warpgroup `wg`
-    the rows of its 32 keys."""
+def zero_outside_values[
+    fp8: Bool, rows: Int, //, key_rows: Int, boxes: Int
+](sm: SmemPlan[fp8, rows], keys: KeyBlocks, b: Int, s: Int, row0: Int, box0: Int, wt: Int):
+    """Zeros the value rows of block `b`'s keys outside `[lo, hi)` in stage `s`: one warpgroup's thread
+    `wt`, rows `row0 ..< row0 + key_rows` of boxes `box0 ..< box0 + boxes`."""
     var k0 = keys.start(b)
-    comptime HALF = S9_KEYS // 2
-    comptime CHUNKS = (S9_BOXES - 1) * 8  # 16-byte chunks of a row's value columns
+    comptime CHUNKS = boxes * 8  # 16-byte chunks of a row's columns in those boxes
     var v = wt
-    while v < HALF * CHUNKS:
-        var r = wg * HALF + v // CHUNKS
+    while v < key_rows * CHUNKS:
+        var r = row0 + v // CHUNKS
         var c = v % CHUNKS
         var key = k0 + r
         if key < keys.lo or key >= keys.hi:
-            var at = (c // 8) * S9_BOX_BYTES + r * 128 + (c % 8) * 16
+            var at = (box0 + c // 8) * S9_BOX_BYTES + r * 128 + (c % 8) * 16
             sm.stage(s).unsafe_offset(at).unsafe_bitcast[UInt32]().unsafe_store[alignment=16](
                 0, SIMD[DType.uint32, 4](0)
             )
         v += S9_WG
+
+
+@always_inline
+def start_block[
+    dtype: DType, fp8: Bool, rows: Int, //
+](p: TmaAttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], tid: Int) -> KeyBlocks:
+    """Every thread of a TMA kernel's block: the rows' masks, the barriers, Q; then (after a block barrier)
+    the partition's keys any of the block's rows needs."""
+    var masks = sm.masks()
+    if tid < rows:
+        masks.store(blk, p.att, tid)
+    if tid == S9_MATH_THREADS:
+        sm.init_barriers()
+    load_q(p.att, blk, sm, tid)
+    fence_async_proxy()
+    barrier()
+    return KeyBlocks.of(masks.key_span(blk, rows))
+
+
+@always_inline
+def produce[
+    dtype: DType, fp8: Bool, rows: Int, //
+](p: TmaAttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], keys: KeyBlocks):
+    """The producer thread of a TMA kernel: `produce_fp8_keys` or `produce_keys` (the descriptors' addresses
+    in parameter space, `p` being the kernel's grid-constant parameter)."""
+    comptime if fp8:
+        produce_fp8_keys(
+            p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk, rebind[SmemPlan[True, rows]](sm), keys
+        )
+    else:
+        produce_keys(p.att, Int(Pointer(to=p.keys)), blk, rebind[SmemPlan[False, rows]](sm), keys)
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(S9_THREADS)))
@@ -663,25 +711,13 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         return
     var sm = SmemPlan[fp8](external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]())
     var masks = sm.masks()
-    if tid < S9_ROWS:
-        masks.store(blk, p.att, tid)
-    if tid == S9_MATH_THREADS:
-        sm.init_barriers()
-    load_q(p.att, blk, sm, tid)
-    fence_async_proxy()
-    barrier()
-    var keys = KeyBlocks.of(masks.key_span(blk, S9_ROWS))
+    var keys = start_block(p, blk, sm, tid)
 
     var wg = tid // S9_WG
     if wg == 2:
         warpgroup_reg_dealloc[S9_PRODUCER_REGS]()
         if tid == S9_MATH_THREADS:
-            comptime if fp8:
-                produce_fp8_keys(
-                    p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk, rebind[SmemPlan[True]](sm), keys
-                )
-            else:
-                produce_keys(p.att, Int(Pointer(to=p.keys)), blk, rebind[SmemPlan[False]](sm), keys)
+            produce(p, blk, sm, keys)
         return
     warpgroup_reg_alloc[S9_MATH_REGS]()
 
@@ -721,7 +757,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
             var slot = b % S9_RAW_SLOTS
             mbar_wait(sm.empty(0), (b & 1) ^ 1)
             mbar_wait(sm.raw_full(slot), (b // S9_RAW_SLOTS) & 1)
-            widen_raw_rows[dtype](rebind[SmemPlan[True]](sm), slot, wg, wt)
+            widen_raw_rows[dtype, S9_KEYS // 2, S9_RAW_BOXES](rebind[SmemPlan[True]](sm), slot, wg * (S9_KEYS // 2), 0, wt)
             fence_async_proxy()
             if wg == 0:  # a barrier id known at compile time (a computed one reserves all 16)
                 named_barrier[S9_WG](BAR_WIDEN)
@@ -806,7 +842,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         l_a = l_a * corr_a + ps_a
         l_b = l_b * corr_b + ps_b
         if keys.partial(b):
-            zero_outside_values(sm, keys, b, st, wg, wt)
+            zero_outside_values[S9_KEYS // 2, S9_BOXES - 1](sm, keys, b, st, wg * (S9_KEYS // 2), 0, wt)
         fence_async_proxy()
         named_barrier[S9_MATH_THREADS](BAR_P)  # both halves of P (and zeroed rows) written
 

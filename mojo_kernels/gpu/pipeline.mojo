@@ -18,7 +18,10 @@ launches them; the kernels live in one file per concern:
      float32 (and tiles too large for shared memory): `schedule_kernel`, `rope_norm_cache_kernel`,
                                 `rope_q_kernel` (rope_norm.mojo), `quantize_kernel` +
                                 `fp8_matmul_kernel` (projection.mojo, float32 FMA)
-5.   `attention_sm90_kernel`    (attention_sm90.mojo) Hopper: TMA key boxes from a producer
+5.   `attention_narrow_kernel`  (attention_narrow.mojo) Hopper, fp8_ds_mla rows at up to 16 heads:
+                                the TMA kernel's pipeline with keys as the M of its wgmmas, 16
+                                rows per block, or
+     `attention_sm90_kernel`    (attention_sm90.mojo) Hopper: TMA key boxes from a producer
                                 warpgroup, two math warpgroups (from SM90_MIN_HEADS heads), or
      `attention_wgmma_kernel`   (attention_wgmma.mojo) Hopper warpgroup tensor cores,
                                 64 packed rows per block (many heads), or
@@ -70,6 +73,7 @@ from .addressing import ELEMENTWISE_THREADS, attention_slots
 from .attention_block import AttentionParams, enqueue_attention, enqueue_attention_with
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
+from .attention_narrow import N9_ROWS, attention_narrow_kernel, attention_narrow_smem_bytes
 from .attention_sm90 import (
     S9_QUANT_BLOCK,
     S9_ROWS,
@@ -91,7 +95,16 @@ from .merge import (
 )
 from .params import DeviceBatch, DeviceCache, DeviceFp8Rows, to_global
 from .pdl import launch_attributes
-from .plan import ATTENTION_VARIANTS, PROJ_TILES, DeviceLimits, GpuPlan, check_gpu_shapes, fp8_row_bytes
+from .plan import (
+    ATTENTION_VARIANTS,
+    NARROW_SHAPE,
+    PROJ_TILES,
+    SM90_SHAPE,
+    DeviceLimits,
+    GpuPlan,
+    check_gpu_shapes,
+    fp8_row_bytes,
+)
 from .projection import (
     MATMUL_M_TILE,
     MATMUL_SMEM_FLOATS,
@@ -379,7 +392,7 @@ def gpu_attention_with[
             raw, part_out, part_max, part_sum,
         )
         # The TMA kernel's epilogue quantizes the rows of one partition itself (K blocks of S9_QUANT_BLOCK).
-        var epilogue_quantizes = gw < 0 and quant.active != 0 and Int(quant.block_k) == S9_QUANT_BLOCK
+        var epilogue_quantizes = gw == SM90_SHAPE[2] and quant.active != 0 and Int(quant.block_k) == S9_QUANT_BLOCK
         var epilogue = quant if epilogue_quantizes else QuantizedRows.none(to_global(raw))
         comptime if groups > 0 and dtype == DType.bfloat16:
             if p.fp8_cache.active:
@@ -420,18 +433,14 @@ def enqueue_attention_variant[
                 var tma = TmaAttentionParams[dtype].create_fp8(ctx, p.fp8_cache, params).quantizing(
                     epilogue, to_global(p.attention_output), p.has_attention_output
                 )
-                enqueue_attention_with[attention_sm90_kernel[dtype, True], S9_ROWS](
-                    ctx, tma, params, num_tokens, S9_THREADS, attention_sm90_smem_bytes[True](), pdl
-                )
+                enqueue_tma_attention[gw, True](ctx, tma, params, num_tokens, pdl)
             else:
                 raise Error("pymla gpu: fp8_ds_mla rows serve bfloat16 ops, got ", dtype)
         else:
             var tma = TmaAttentionParams[dtype].create(ctx, p.cache, params).quantizing(
                 epilogue, to_global(p.attention_output), p.has_attention_output
             )
-            enqueue_attention_with[attention_sm90_kernel[dtype], S9_ROWS](
-                ctx, tma, params, num_tokens, S9_THREADS, attention_sm90_smem_bytes(), pdl
-            )
+            enqueue_tma_attention[gw, False](ctx, tma, params, num_tokens, pdl)
     elif groups == 0:
         var smem = attention_smem_bytes[dtype](key_dim)
         if Int(params.kv_lora_rank) <= 2 * ATT_THREADS:
@@ -446,6 +455,21 @@ def enqueue_attention_variant[
         enqueue_attention[attention_mma_kernel[dtype, groups, kt, gw, fp8], MMA_ROWS * groups](
             ctx, params, num_tokens, WARP_SIZE * gw * groups, attention_mma_smem_bytes[dtype](groups, kt, gw, key_dim, fp8_rows),
             pdl,
+        )
+
+
+def enqueue_tma_attention[
+    dtype: DType, //, gw: Int, fp8: Bool
+](ctx: DeviceContext, tma: TmaAttentionParams[dtype], params: AttentionParams[dtype], num_tokens: Int, pdl: Bool) raises:
+    """Launches the TMA kernel that `gw` marks (`NARROW_SHAPE`: the narrow kernel, else the 64-row one) on
+    `tma` (`fp8`: its instance reading `fp8_ds_mla` rows)."""
+    comptime if gw == NARROW_SHAPE[2]:
+        enqueue_attention_with[attention_narrow_kernel[dtype, fp8], N9_ROWS](
+            ctx, tma, params, num_tokens, S9_THREADS, attention_narrow_smem_bytes[fp8](), pdl
+        )
+    else:
+        enqueue_attention_with[attention_sm90_kernel[dtype, fp8], S9_ROWS](
+            ctx, tma, params, num_tokens, S9_THREADS, attention_sm90_smem_bytes[fp8](), pdl
         )
 
 

@@ -21,6 +21,7 @@ from ..common import ceil_div
 from ..problem import DecodeProblem
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_smem_bytes, mma_supported
+from .attention_narrow import N9_ROWS
 from .attention_sm90 import S9_ROWS, sm90_supported
 from .attention_wgmma import WG_ROWS, wgmma_supported
 from .projection import MATMUL_SMEM_FLOATS
@@ -45,6 +46,12 @@ comptime SM90_SHAPE = (S9_ROWS // MMA_ROWS, 64, -1)
 # 2026-12-05, seventh session, benchmarks/results/h200-2026-12-05g/variants_fp8.log, step 5
 # alone): b64 8k 188 us against the mma kernel's 250, b8 8k 44 against 49.
 comptime SM90_MIN_HEADS = 16
+# The narrow TMA kernel (attention_narrow.mojo): keys as the M of its wgmmas, 16 rows per block, -2
+# warps per group marks it. The op's choice for an fp8_ds_mla cache at up to N9_ROWS heads (one
+# block's rows per token), where the 64-row kernel is bound by its padded math, not by the bytes.
+# NOT YET MEASURED (written 2026-12-05, ninth session; `gpu_bench variants ...:fp8` times both).
+comptime NARROW_SHAPE = (N9_ROWS // MMA_ROWS, 64, -2)
+comptime NARROW_MAX_HEADS = N9_ROWS
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
 comptime MMA_FEW_HEADS = (1, 64, 8)  # fewer heads; needs kv_lora_rank % 128 == 0
 # (H200, 16 heads, B128 L32k, step 5: 1798.5 us; (1, 32, 4) 1895 us; (1, 32, 8) 2262 us, and
@@ -54,9 +61,9 @@ comptime MMA_FEW_HEADS_SMALL_RANK = (1, 32, 4)  # fewer heads, kv_lora_rank % 64
 comptime FMA_SHAPE = (0, 0, 0)  # attention_fma.mojo: float32 FMA, any dtype and size
 # The op takes the first variant its head count reaches whose kernel handles the sizes.
 comptime ATTENTION_VARIANTS = (
-    SM90_SHAPE, WGMMA_SHAPE, MMA_MANY_HEADS, MMA_FEW_HEADS, MMA_FEW_HEADS_SMALL_RANK, FMA_SHAPE
+    NARROW_SHAPE, SM90_SHAPE, WGMMA_SHAPE, MMA_MANY_HEADS, MMA_FEW_HEADS, MMA_FEW_HEADS_SMALL_RANK, FMA_SHAPE
 )
-comptime ATTENTION_MIN_HEADS = (SM90_MIN_HEADS, WGMMA_MIN_HEADS, 2 * MMA_ROWS, 0, 0, 0)
+comptime ATTENTION_MIN_HEADS = (0, SM90_MIN_HEADS, WGMMA_MIN_HEADS, 2 * MMA_ROWS, 0, 0, 0)
 comptime FMA_ATTENTION = len(ATTENTION_VARIANTS) - 1
 
 comptime MMA_REGISTERS = 256  # registers per thread the tensor-core kernels use (ptxas: 208-255)
@@ -131,15 +138,16 @@ def attention_supported[
 
 def choose_attention[
     dtype: DType
-](num_heads: Int, key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Int:
-    """Index in ATTENTION_VARIANTS of the op's attention kernel (the same for an `fp8_ds_mla` cache: every
-    tensor-core kernel reads its rows)."""
+](num_heads: Int, key_dim: Int, kv_lora_rank: Int, page_size: Int, fp8: Bool = False) -> Int:
+    """Index in ATTENTION_VARIANTS of the op's attention kernel: the first whose head counts take
+    `num_heads` and whose kernel handles the sizes (every tensor-core kernel reads `fp8_ds_mla` rows; the
+    narrow kernel is taken for them alone, `fp8`, at up to NARROW_MAX_HEADS heads)."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
         comptime v = ATTENTION_VARIANTS[i]
-        if (
-            num_heads >= ATTENTION_MIN_HEADS[i]
-            and attention_supported[dtype, v](key_dim, kv_lora_rank, page_size)
-        ):
+        var heads_ok = num_heads >= ATTENTION_MIN_HEADS[i]
+        comptime if v[2] == NARROW_SHAPE[2]:
+            heads_ok = fp8 and num_heads <= NARROW_MAX_HEADS
+        if heads_ok and attention_supported[dtype, v](key_dim, kv_lora_rank, page_size):
             return i
     return FMA_ATTENTION
 
@@ -148,6 +156,8 @@ def attention_rows_per_block(v: Tuple[Int, Int, Int]) -> Int:
     """(token, head) rows one block of variant `v` takes."""
     if v[0] == 0:
         return ATT_ROWS
+    if v[2] == NARROW_SHAPE[2]:
+        return N9_ROWS
     if v[2] < 0:
         return S9_ROWS
     if v[2] == 0:
@@ -233,7 +243,7 @@ struct GpuPlan(TrivialRegisterPassable):
     def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
         """The op's plan for `p` on a device of `limits`."""
         var attention = choose_attention[dtype](
-            p.num_heads, p.key_dim(), p.kv_lora_rank, p.cache.page_size
+            p.num_heads, p.key_dim(), p.kv_lora_rank, p.cache.page_size, p.fp8_cache.active
         )
         return Self.with_attention(p, limits, attention)
 

@@ -37,6 +37,7 @@ from mojo_kernels.gpu.plan import (
     FMA_PATH,
     MMA_FEW_HEADS_SMALL_RANK,
     PROJ_TILES,
+    NARROW_SHAPE,
     SM90_SHAPE,
     SPLIT_BY_WORK,
     WGMMA_SHAPE,
@@ -375,10 +376,10 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
             print("  raw: tensor cores 1 x 32 x 4 do not handle these sizes, skipped")
         # The Hopper kernels (wgmma; TMA with a producer warpgroup) on every case they support,
         # whatever the head count (the op takes the sm90 kernel from SM90_MIN_HEADS heads).
-        comptime HOPPER = (WGMMA_SHAPE, SM90_SHAPE)
+        comptime HOPPER = (WGMMA_SHAPE, SM90_SHAPE, NARROW_SHAPE)
         comptime for h in range(len(HOPPER)):
             comptime shape = HOPPER[h]
-            var name = String("wgmma") if shape[2] == 0 else String("sm90 TMA")
+            var name = String("wgmma") if shape[2] == 0 else (String("sm90 TMA") if shape[2] == SM90_SHAPE[2] else String("sm90 narrow"))
             if sm90_only and shape[2] == 0:
                 pass
             elif attention_supported[dtype, shape](c.key_dim, c.rank, c.page_size):
