@@ -72,9 +72,13 @@ struct AmxTuning(TrivialRegisterPassable):
     """The score passes prefetch every this-many-th 64-byte line of the next tile's rows (1: every
     line, 2: every other, the L2's adjacent-line prefetcher fetching the pair; 0: none, the
     hardware prefetchers alone)."""
+    var score_pairs: Bool
+    """A last (or only) row block scores two key blocks at a time on two sets of tile registers, one
+    per depth step parity (`score_group`'s `sets`), instead of four key blocks on one set: the tile
+    loads of a step need not wait for the dots of the step before, at twice the query loads."""
 
 
-comptime AMX_TUNING = AmxTuning(values_in_place_max_row_blocks=2, prefetch_line_stride=1)
+comptime AMX_TUNING = AmxTuning(values_in_place_max_row_blocks=2, prefetch_line_stride=1, score_pairs=False)
 """The op's AMX tuning."""
 
 
@@ -165,7 +169,7 @@ def pack_values(keys: Array[KeyRows, KEY_BLOCKS], valid: Array[Bool, AMX_KEY_TIL
 
 @always_inline
 def score_group[
-    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int
+    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int, sets: Int = 1
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -178,32 +182,37 @@ def score_group[
     acc: FPtr,
     steps: Int,
 ):
-    """Scores of row blocks `rb0 ..< rb0 + RB` against key blocks `kb0 ..< kb0 + KB` (`RB * KB = 4` accumulators).
+    """Scores of row blocks `rb0 ..< rb0 + RB` against key blocks `kb0 ..< kb0 + KB` (`RB * KB = 4` accumulators,
+    or with `sets = 2` one row block against two key blocks).
 
     Registers: accumulator `i KB + k` (tiles 0-3); with one row block the
     query tile is 4 and the key blocks take 5, 6, 7, 5; with two, keys 4, 5
-    and queries 6, 7. With `prefetch_next`, depth step `s` also prefetches
+    and queries 6, 7; with two sets (accumulators 0, 1), depth step parity
+    `e` loads the query into 2 + e and the keys into 4 + 2 e, 5 + 2 e. With `prefetch_next`, depth step `s` also prefetches
     64-byte line `s` of the next tile's rows of these key blocks (every
     `prefetch_line_stride`-th line, `AmxTuning`): pages are scattered, so the
     hardware prefetcher cannot run ahead across them.
     """
-    comptime assert RB * KB == 4
-    comptime for a in range(4):
+    comptime assert (sets == 1 and RB * KB == 4) or (sets == 2 and RB == 1 and KB == 2)
+    comptime for a in range(RB * KB):
         unit.zero[ACC + a]()
-    for s in range(steps):
-        comptime if prefetch_line_stride > 0:
-            if prefetch_next and s % prefetch_line_stride == 0:
-                comptime for j in range(KB * TILE_ROWS):
-                    prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
-        comptime for i in range(RB):
-            comptime q_reg = 4 if RB == 1 else 6 + i
-            unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
-        comptime for k in range(KB):
-            comptime k_reg = 5 + k % 3 if RB == 1 else 4 + k
-            unit.load[k_reg](keys[kb0 + k].tile(s * TILE_DEPTH), keys[kb0 + k].stride_bytes())
-            comptime for i in range(RB):
-                comptime q_reg = 4 if RB == 1 else 6 + i
-                unit.dot[ACC + i * KB + k, k_reg, q_reg]()
+    for s0 in range(0, steps, sets):
+        comptime for e in range(sets):
+            var s = s0 + e
+            if s < steps:
+                comptime if prefetch_line_stride > 0:
+                    if prefetch_next and s % prefetch_line_stride == 0:
+                        comptime for j in range(KB * TILE_ROWS):
+                            prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
+                comptime for i in range(RB):
+                    comptime q_reg = 2 + e if sets == 2 else (4 if RB == 1 else 6 + i)
+                    unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
+                comptime for k in range(KB):
+                    comptime k_reg = 4 + 2 * e + k if sets == 2 else (5 + k % 3 if RB == 1 else 4 + k)
+                    unit.load[k_reg](keys[kb0 + k].tile(s * TILE_DEPTH), keys[kb0 + k].stride_bytes())
+                    comptime for i in range(RB):
+                        comptime q_reg = 2 + e if sets == 2 else (4 if RB == 1 else 6 + i)
+                        unit.dot[ACC + i * KB + k, k_reg, q_reg]()
     comptime for i in range(RB):
         comptime for k in range(KB):
             unit.store[ACC + i * KB + k](f32_bytes(acc, (i * KB + k) * 256), TILE_BYTES)
@@ -214,7 +223,7 @@ def score_group[
 
 
 def tile_scores_amx[
-    T: TileUnit, prefetch_line_stride: Int
+    T: TileUnit, prefetch_line_stride: Int, score_pairs: Bool = False
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -228,7 +237,8 @@ def tile_scores_amx[
     """`scores [rows, AMX_KEY_TILE]` of the tile's key blocks against the packed queries; `acc [4 x 256]` is scratch.
 
     Row blocks in pairs against pairs of key blocks; a last (or only) row
-    block against four key blocks at a time. The passes of the first row
+    block against four key blocks at a time (`score_pairs`: two, on two sets of
+    tile registers, `AmxTuning`). The passes of the first row
     blocks prefetch the next tile (`next_keys`).
     """
     comptime assert KEY_BLOCKS % 4 == 0
@@ -239,8 +249,14 @@ def tile_scores_amx[
             score_group[T, 2, 2, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
         rb += 2
     if rb < row_blocks:
-        comptime for kb0 in range(0, KEY_BLOCKS, 4):
-            score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+        comptime if score_pairs:
+            comptime for kb0 in range(0, KEY_BLOCKS, 2):
+                score_group[T, 1, 2, prefetch_line_stride, 2](
+                    unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps
+                )
+        else:
+            comptime for kb0 in range(0, KEY_BLOCKS, 4):
+                score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
 
 
 @fieldwise_init
