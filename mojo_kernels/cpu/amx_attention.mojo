@@ -76,9 +76,14 @@ struct AmxTuning(TrivialRegisterPassable):
     """A last (or only) row block scores two key blocks at a time on two sets of tile registers, one
     per depth step parity (`score_group`'s `sets`), instead of four key blocks on one set: the tile
     loads of a step need not wait for the dots of the step before, at twice the query loads."""
+    var value_pairs: Bool
+    """P V takes one right tile at a time on two sets of tile registers, one per depth piece parity
+    (`values_2x2`'s `sets`), instead of two right tiles on one set: the same trade for P V."""
 
 
-comptime AMX_TUNING = AmxTuning(values_in_place_max_row_blocks=2, prefetch_line_stride=1, score_pairs=False)
+comptime AMX_TUNING = AmxTuning(
+    values_in_place_max_row_blocks=2, prefetch_line_stride=1, score_pairs=False, value_pairs=False
+)
 """The op's AMX tuning."""
 
 
@@ -283,12 +288,16 @@ struct ValueLayout(TrivialRegisterPassable):
 
 @always_inline
 def values_2x2[
-    T: TileUnit
+    T: TileUnit, sets: Int = 1
 ](mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], c: Int, rights: Int):
     """Accumulators `(i, j)`, `i < layout.lefts`, `j < rights`, += left `i` x right `j` over the depth pieces.
 
     Registers: accumulator `ACC + 2 i + j`, left tiles `LEFT + i`, right tiles `RIGHT + j` (`cpu/amx.mojo`).
+    With `sets = 2` (`rights` must be 1) the depth pieces alternate between two sets of left and right
+    tiles: even pieces `LEFT + i` and `RIGHT`, odd pieces tiles 1 and 3 (lefts) and 7 (right), so a
+    piece's loads need not wait for the dots of the piece before.
     """
+    comptime assert sets == 1 or sets == 2
     var two_left = layout.lefts == 2
     var two_right = rights == 2
     var o = layout.out.unsafe_offset(c * layout.out_block)
@@ -301,20 +310,28 @@ def values_2x2[
     live[2] = two_left
     live[3] = two_left and two_right
     move_accumulators[T, False](unit, places, live, layout.out_stride)
-    for d in range(layout.pieces):
-        var left = layout.left.unsafe_offset(d * layout.left_piece)
-        var v = values[d]
-        unit.load[LEFT](left, layout.left_stride)
-        unit.load[RIGHT](v.tile(TILE_DEPTH * c), v.stride_bytes())
-        unit.dot[ACC, LEFT, RIGHT]()
-        if two_right:
-            unit.load[RIGHT + 1](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
-            unit.dot[ACC + 1, LEFT, RIGHT + 1]()
-        if two_left:
-            unit.load[LEFT + 1](left.unsafe_offset(layout.left_step), layout.left_stride)
-            unit.dot[ACC + 2, LEFT + 1, RIGHT]()
-            if two_right:
-                unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
+    for d0 in range(0, layout.pieces, sets):
+        comptime for e in range(sets):
+            comptime l0 = LEFT if e == 0 else 1
+            comptime l1 = LEFT + 1 if e == 0 else 3
+            comptime r0 = RIGHT if e == 0 else 7
+            var d = d0 + e
+            if d < layout.pieces:
+                var left = layout.left.unsafe_offset(d * layout.left_piece)
+                var v = values[d]
+                unit.load[l0](left, layout.left_stride)
+                unit.load[r0](v.tile(TILE_DEPTH * c), v.stride_bytes())
+                unit.dot[ACC, l0, r0]()
+                comptime if sets == 1:
+                    if two_right:
+                        unit.load[RIGHT + 1](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
+                        unit.dot[ACC + 1, LEFT, RIGHT + 1]()
+                if two_left:
+                    unit.load[l1](left.unsafe_offset(layout.left_step), layout.left_stride)
+                    unit.dot[ACC + 2, l1, r0]()
+                    comptime if sets == 1:
+                        if two_right:
+                            unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
     move_accumulators[T, True](unit, places, live, layout.out_stride)
 
 
@@ -329,6 +346,20 @@ def move_accumulators[
                 unit.store[ACC + a](places[a], stride)
             else:
                 unit.load[ACC + a](places[a], stride)
+
+
+@always_inline
+def value_blocks[
+    T: TileUnit, //, value_pairs: Bool
+](mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], blocks: Int):
+    """`values_2x2` over the `blocks` right tiles: two at a time on one register set, or (`value_pairs`) one at
+    a time on two."""
+    comptime if value_pairs:
+        for c in range(blocks):
+            values_2x2[T, 2](unit, layout, values, c, 1)
+    else:
+        for c in range(0, blocks, 2):
+            values_2x2(unit, layout, values, c, min(2, blocks - c))
 
 
 comptime SPLIT_ROW_WORDS = KEY_BLOCKS * 2 * TILE_PAIRS
@@ -362,7 +393,7 @@ def interleave_value_columns(rows: FPtr, num_rows: Int, row_stride: Int, rank: I
 
 
 def accumulate_values_amx[
-    T: TileUnit
+    T: TileUnit, value_pairs: Bool = False
 ](
     mut unit: T,
     probs: FPtr,
@@ -413,8 +444,7 @@ def accumulate_values_amx[
                 4 * SPLIT_ROW_WORDS, f32_bytes(acc_out, rb * TILE_ROWS * out_stride), TILE_BYTES,
                 TILE_DEPTH * 4, out_bytes, 2, KEY_BLOCKS,
             )
-            for c in range(0, blocks, 2):
-                values_2x2(unit, layout, values, c, min(2, blocks - c))
+            value_blocks[value_pairs](unit, layout, values, blocks)
     else:
         for r in range(padded_rows):
             scratch.unsafe_store(
@@ -430,8 +460,7 @@ def accumulate_values_amx[
                 AMX_KEY_TILE * 2, f32_bytes(acc_out, rb * TILE_ROWS * out_stride), TILE_ROWS * out_bytes,
                 TILE_PAIRS * 4, out_bytes, min(2, row_blocks - rb), PACKED_PIECES,
             )
-            for c in range(0, blocks, 2):
-                values_2x2(unit, layout, values, c, min(2, blocks - c))
+            value_blocks[value_pairs](unit, layout, values, blocks)
     # Columns past the last whole right tile (a kv_lora_rank that is not a multiple of 16 or 32).
     for r in range(padded_rows):
         for c in range(rank_main, rank):

@@ -346,7 +346,7 @@ def attend_tiles_amx[
             unit, blocks, next_keys, q_packed, rows.scores_buf, buffers.acc, rows.padded, steps
         )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
-        accumulate_values_amx(
+        accumulate_values_amx[tiles, tuning.value_pairs](
             unit, rows.scores_buf, buffers.probs, blocks, valid,
             buffers.v_packed, out, buffers.out_stride, rows.correction(), rows.padded, rank, in_place,
         )

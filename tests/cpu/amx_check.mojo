@@ -53,18 +53,31 @@ comptime TOLERANCE: Float32 = 0.02
 """Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
 
 comptime BF16 = DType.bfloat16
-comptime PACKED = AmxTuning(0, AMX_TUNING.prefetch_line_stride, AMX_TUNING.score_pairs)
+def tuned(
+    in_place_max: Int = AMX_TUNING.values_in_place_max_row_blocks,
+    prefetch_stride: Int = AMX_TUNING.prefetch_line_stride,
+    score_pairs: Bool = AMX_TUNING.score_pairs,
+    value_pairs: Bool = AMX_TUNING.value_pairs,
+) -> AmxTuning:
+    """The op's tuning with the choices given here instead."""
+    return AmxTuning(in_place_max, prefetch_stride, score_pairs, value_pairs)
+
+
+comptime PACKED = tuned(in_place_max=0)
 """The op's tuning with values always packed."""
-comptime IN_PLACE = AmxTuning(1 << 20, AMX_TUNING.prefetch_line_stride, AMX_TUNING.score_pairs)
+comptime IN_PLACE = tuned(in_place_max=1 << 20)
 """The op's tuning with values always read in place."""
-comptime PAIRS = AmxTuning(AMX_TUNING.values_in_place_max_row_blocks, AMX_TUNING.prefetch_line_stride, not AMX_TUNING.score_pairs)
-"""The op's tuning with the other choice of `score_pairs` (a last row block's key blocks two at a time on two
-register sets, or four on one)."""
+comptime PAIRS = tuned(score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs)
+"""The op's tuning with the other choices of `score_pairs` and `value_pairs` (tiles on two register sets, or
+on one)."""
+comptime SCORE_PAIRS = tuned(score_pairs=not AMX_TUNING.score_pairs)
+comptime VALUE_PAIRS = tuned(value_pairs=not AMX_TUNING.value_pairs)
+comptime PACKED_PAIRS = tuned(in_place_max=0, score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs)
 
 
 def prefetching(stride: Int) -> AmxTuning:
     """The op's tuning with the next tile's rows prefetched every `stride`-th line (0: none)."""
-    return AmxTuning(AMX_TUNING.values_in_place_max_row_blocks, stride, AMX_TUNING.score_pairs)
+    return tuned(prefetch_stride=stride)
 
 
 struct Case(Movable):
@@ -251,11 +264,13 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
         check(name, "avx512bf16", expected, c.attend[AmxTiles](PATH_AVX512BF16, partitions), failures)
     check(name, "amx-emulated packed", expected, c.attend[EmulatedTiles, PACKED](PATH_AMX, partitions), failures)
     check(name, "amx-emulated in-place", expected, c.attend[EmulatedTiles, IN_PLACE](PATH_AMX, partitions), failures)
-    check(name, "amx-emulated other score_pairs", expected, c.attend[EmulatedTiles, PAIRS](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated other pairs", expected, c.attend[EmulatedTiles, PAIRS](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated packed, other pairs", expected, c.attend[EmulatedTiles, PACKED_PAIRS](PATH_AMX, partitions), failures)
     if amx_runs():
         check(name, "amx packed", expected, c.attend[AmxTiles, PACKED](PATH_AMX, partitions), failures)
         check(name, "amx in-place", expected, c.attend[AmxTiles, IN_PLACE](PATH_AMX, partitions), failures)
-        check(name, "amx other score_pairs", expected, c.attend[AmxTiles, PAIRS](PATH_AMX, partitions), failures)
+        check(name, "amx other pairs", expected, c.attend[AmxTiles, PAIRS](PATH_AMX, partitions), failures)
+        check(name, "amx packed, other pairs", expected, c.attend[AmxTiles, PACKED_PAIRS](PATH_AMX, partitions), failures)
     if c.rank % 128 != 0:
         return  # no fp8_ds_mla rows: 128-value scale blocks
     # The same keys as fp8_ds_mla rows: every path dequantizes them to the same bf16 values.
@@ -499,15 +514,24 @@ def main() raises:
         return
     if len(argv()) > 2 and argv()[1] == "loop":
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
-        # `loop HEADS [ITERS [pairs]]` heads (`pairs`: the other `score_pairs`, PAIRS); prints the best time.
+        # `loop HEADS [ITERS [score|value|pairs]]` heads (the other `score_pairs`, `value_pairs`, both); prints
+        # the best time.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
         var iters = atol(argv()[3]) if len(argv()) > 3 else 100
         var c = Case(99, heads, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
-        var pairs = len(argv()) > 4 and argv()[4] == "pairs"
-        var ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters) if pairs else time_path[AmxTiles](c, PATH_AMX, iters)
-        print("loop on", cpu_model(), ": AMX path", "(other score_pairs)" if pairs else "", ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
+        var which = String(argv()[4]) if len(argv()) > 4 else String("op")
+        var ms: Float64
+        if which == "score":
+            ms = time_path[AmxTiles, SCORE_PAIRS](c, PATH_AMX, iters)
+        elif which == "value":
+            ms = time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, iters)
+        elif which == "pairs":
+            ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
+        else:
+            ms = time_path[AmxTiles](c, PATH_AMX, iters)
+        print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
@@ -558,6 +582,8 @@ def main() raises:
                 line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms (values packed ")
                 line += String(time_path[AmxTiles, PACKED](c, PATH_AMX, 5), " ms, in place ")
                 line += String(time_path[AmxTiles, IN_PLACE](c, PATH_AMX, 5), " ms; score_pairs ", not AMX_TUNING.score_pairs, " ")
+                line += String(time_path[AmxTiles, SCORE_PAIRS](c, PATH_AMX, 5), " ms, value_pairs ", not AMX_TUNING.value_pairs, " ")
+                line += String(time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, 5), " ms, both ")
                 line += String(time_path[AmxTiles, PAIRS](c, PATH_AMX, 5), " ms; hot cache ")
                 line += String(time_hot_cache(c, 5), " ms; reading the cache once ", read_cache_ms(c, 5), " ms)")
                 var err = max_error(c.attend[AmxTiles](PATH_F32, 0), c.attend[AmxTiles](PATH_AMX, 0))
