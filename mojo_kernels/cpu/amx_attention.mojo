@@ -34,7 +34,7 @@ may hold any bits, and `0 * NaN` is NaN).
 
 from std.math import min
 from std.memory import bitcast
-from std.sys import prefetch
+from std.sys import PrefetchOptions, prefetch
 
 from ..common import FPtr, ceil_div
 from .amx import (
@@ -79,10 +79,13 @@ struct AmxTuning(TrivialRegisterPassable):
     var value_pairs: Bool
     """P V takes one right tile at a time on two sets of tile registers, one per depth piece parity
     (`values_2x2`'s `sets`), instead of two right tiles on one set: the same trade for P V."""
+    var l1_ahead: Int
+    """The score passes also prefetch into L1 (`prefetcht0`) the current tile's key rows this many depth
+    steps ahead of the tile loads (0: no), so the loads find them in L1 rather than L2."""
 
 
 comptime AMX_TUNING = AmxTuning(
-    values_in_place_max_row_blocks=2, prefetch_line_stride=1, score_pairs=False, value_pairs=False
+    values_in_place_max_row_blocks=2, prefetch_line_stride=1, score_pairs=False, value_pairs=False, l1_ahead=0
 )
 """The op's AMX tuning."""
 
@@ -174,7 +177,7 @@ def pack_values(keys: Array[KeyRows, KEY_BLOCKS], valid: Array[Bool, AMX_KEY_TIL
 
 @always_inline
 def score_group[
-    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int, sets: Int = 1
+    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int, sets: Int = 1, l1_ahead: Int = 0
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -209,6 +212,14 @@ def score_group[
                     if prefetch_next and s % prefetch_line_stride == 0:
                         comptime for j in range(KB * TILE_ROWS):
                             prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
+                comptime if l1_ahead > 0:
+                    if s + l1_ahead < steps:
+                        comptime for k in range(KB):
+                            var rows_k = keys[kb0 + k]
+                            comptime for j in range(TILE_ROWS):
+                                prefetch[CURRENT_TILE_PREFETCH](
+                                    rows_k.base.unsafe_offset(j * rows_k.stride + (s + l1_ahead) * TILE_DEPTH)
+                                )
                 comptime for i in range(RB):
                     comptime q_reg = 2 + e if sets == 2 else (4 if RB == 1 else 6 + i)
                     unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
@@ -228,7 +239,7 @@ def score_group[
 
 
 def tile_scores_amx[
-    T: TileUnit, prefetch_line_stride: Int, score_pairs: Bool = False
+    T: TileUnit, prefetch_line_stride: Int, score_pairs: Bool = False, l1_ahead: Int = 0
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -251,17 +262,21 @@ def tile_scores_amx[
     var rb = 0
     while rb + 1 < row_blocks:
         comptime for kb0 in range(0, KEY_BLOCKS, 2):
-            score_group[T, 2, 2, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+            score_group[T, 2, 2, prefetch_line_stride, 1, l1_ahead](
+                unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps
+            )
         rb += 2
     if rb < row_blocks:
         comptime if score_pairs:
             comptime for kb0 in range(0, KEY_BLOCKS, 2):
-                score_group[T, 1, 2, prefetch_line_stride, 2](
+                score_group[T, 1, 2, prefetch_line_stride, 2, l1_ahead](
                     unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps
                 )
         else:
             comptime for kb0 in range(0, KEY_BLOCKS, 4):
-                score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+                score_group[T, 1, 4, prefetch_line_stride, 1, l1_ahead](
+                    unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps
+                )
 
 
 @fieldwise_init
@@ -360,6 +375,11 @@ def value_blocks[
     else:
         for c in range(0, blocks, 2):
             values_2x2(unit, layout, values, c, min(2, blocks - c))
+
+
+comptime CURRENT_TILE_PREFETCH = PrefetchOptions().for_read().high_locality().to_data_cache()
+"""How the score passes prefetch the current tile's rows a few depth steps ahead (`AmxTuning.l1_ahead`):
+into L1 (`prefetcht0`)."""
 
 
 comptime SPLIT_ROW_WORDS = KEY_BLOCKS * 2 * TILE_PAIRS

@@ -58,9 +58,10 @@ def tuned(
     prefetch_stride: Int = AMX_TUNING.prefetch_line_stride,
     score_pairs: Bool = AMX_TUNING.score_pairs,
     value_pairs: Bool = AMX_TUNING.value_pairs,
+    l1_ahead: Int = AMX_TUNING.l1_ahead,
 ) -> AmxTuning:
     """The op's tuning with the choices given here instead."""
-    return AmxTuning(in_place_max, prefetch_stride, score_pairs, value_pairs)
+    return AmxTuning(in_place_max, prefetch_stride, score_pairs, value_pairs, l1_ahead)
 
 
 comptime PACKED = tuned(in_place_max=0)
@@ -73,6 +74,8 @@ on one)."""
 comptime SCORE_PAIRS = tuned(score_pairs=not AMX_TUNING.score_pairs)
 comptime VALUE_PAIRS = tuned(value_pairs=not AMX_TUNING.value_pairs)
 comptime PACKED_PAIRS = tuned(in_place_max=0, score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs)
+comptime L1_AHEAD = tuned(l1_ahead=2 if AMX_TUNING.l1_ahead == 0 else 0)
+"""The op's tuning with the current tile's rows prefetched into L1 two depth steps ahead (or not, if the op does)."""
 
 
 def prefetching(stride: Int) -> AmxTuning:
@@ -266,6 +269,7 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
     check(name, "amx-emulated in-place", expected, c.attend[EmulatedTiles, IN_PLACE](PATH_AMX, partitions), failures)
     check(name, "amx-emulated other pairs", expected, c.attend[EmulatedTiles, PAIRS](PATH_AMX, partitions), failures)
     check(name, "amx-emulated packed, other pairs", expected, c.attend[EmulatedTiles, PACKED_PAIRS](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated other l1_ahead", expected, c.attend[EmulatedTiles, L1_AHEAD](PATH_AMX, partitions), failures)
     if amx_runs():
         check(name, "amx packed", expected, c.attend[AmxTiles, PACKED](PATH_AMX, partitions), failures)
         check(name, "amx in-place", expected, c.attend[AmxTiles, IN_PLACE](PATH_AMX, partitions), failures)
@@ -514,8 +518,8 @@ def main() raises:
         return
     if len(argv()) > 2 and argv()[1] == "loop":
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
-        # `loop HEADS [ITERS [score|value|pairs]]` heads (the other `score_pairs`, `value_pairs`, both); prints
-        # the best time.
+        # `loop HEADS [ITERS [score|value|pairs|l1]]` heads (the other `score_pairs`, `value_pairs`, both; the
+        # other `l1_ahead`); prints the best time.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
@@ -529,6 +533,8 @@ def main() raises:
             ms = time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, iters)
         elif which == "pairs":
             ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
+        elif which == "l1":
+            ms = time_path[AmxTiles, L1_AHEAD](c, PATH_AMX, iters)
         else:
             ms = time_path[AmxTiles](c, PATH_AMX, iters)
         print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
@@ -584,7 +590,8 @@ def main() raises:
                 line += String(time_path[AmxTiles, IN_PLACE](c, PATH_AMX, 5), " ms; score_pairs ", not AMX_TUNING.score_pairs, " ")
                 line += String(time_path[AmxTiles, SCORE_PAIRS](c, PATH_AMX, 5), " ms, value_pairs ", not AMX_TUNING.value_pairs, " ")
                 line += String(time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, 5), " ms, both ")
-                line += String(time_path[AmxTiles, PAIRS](c, PATH_AMX, 5), " ms; hot cache ")
+                line += String(time_path[AmxTiles, PAIRS](c, PATH_AMX, 5), " ms; l1_ahead ", L1_AHEAD.l1_ahead, " ")
+                line += String(time_path[AmxTiles, L1_AHEAD](c, PATH_AMX, 5), " ms; hot cache ")
                 line += String(time_hot_cache(c, 5), " ms; reading the cache once ", read_cache_ms(c, 5), " ms)")
                 var err = max_error(c.attend[AmxTiles](PATH_F32, 0), c.attend[AmxTiles](PATH_AMX, 0))
                 line += String(" (amx vs f32 max|err| ", err, "; without tdpbf16ps ")
