@@ -518,8 +518,9 @@ def main() raises:
         return
     if len(argv()) > 2 and argv()[1] == "loop":
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
-        # `loop HEADS [ITERS [score|value|pairs|l1]]` heads (the other `score_pairs`, `value_pairs`, both; the
-        # other `l1_ahead`); prints the best time.
+        # `loop HEADS [ITERS [score|value|pairs|l1|pf0|pf2|pf4]]` heads (the other `score_pairs`, `value_pairs`,
+        # both; the other `l1_ahead`; the next tile prefetched not at all, every 2nd, every 4th line); prints the
+        # best time.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
@@ -535,6 +536,12 @@ def main() raises:
             ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
         elif which == "l1":
             ms = time_path[AmxTiles, L1_AHEAD](c, PATH_AMX, iters)
+        elif which == "pf0":
+            ms = time_path[AmxTiles, prefetching(0)](c, PATH_AMX, iters)
+        elif which == "pf2":
+            ms = time_path[AmxTiles, prefetching(2)](c, PATH_AMX, iters)
+        elif which == "pf4":
+            ms = time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
         else:
             ms = time_path[AmxTiles](c, PATH_AMX, iters)
         print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
