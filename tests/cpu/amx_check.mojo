@@ -518,32 +518,43 @@ def main() raises:
         return
     if len(argv()) > 2 and argv()[1] == "loop":
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
-        # `loop HEADS [ITERS [score|value|pairs|l1|pf0|pf2|pf4]]` heads (the other `score_pairs`, `value_pairs`,
-        # both; the other `l1_ahead`; the next tile prefetched not at all, every 2nd, every 4th line); prints the
-        # best time.
+        # `loop HEADS [ITERS [VARIANT]]` heads, VARIANT one of op (the op's tuning), packed, inplace (values
+        # always packed / read in place), score, value, pairs (the other `score_pairs`, `value_pairs`, both), l1
+        # (the other `l1_ahead`), pf0, pf2, pf4 (the next tile prefetched not at all, every 2nd, every 4th line);
+        # an `fp8-` prefix reads the cache as fp8_ds_mla rows. Prints the best time.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
         var iters = atol(argv()[3]) if len(argv()) > 3 else 100
         var c = Case(99, heads, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
         var which = String(argv()[4]) if len(argv()) > 4 else String("op")
+        var variant = which
+        if which.startswith("fp8-"):
+            c.quantize_to_fp8()
+            variant = String(which[byte=4:])
         var ms: Float64
-        if which == "score":
+        if variant == "op":
+            ms = time_path[AmxTiles](c, PATH_AMX, iters)
+        elif variant == "packed":
+            ms = time_path[AmxTiles, PACKED](c, PATH_AMX, iters)
+        elif variant == "inplace":
+            ms = time_path[AmxTiles, IN_PLACE](c, PATH_AMX, iters)
+        elif variant == "score":
             ms = time_path[AmxTiles, SCORE_PAIRS](c, PATH_AMX, iters)
-        elif which == "value":
+        elif variant == "value":
             ms = time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, iters)
-        elif which == "pairs":
+        elif variant == "pairs":
             ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
-        elif which == "l1":
+        elif variant == "l1":
             ms = time_path[AmxTiles, L1_AHEAD](c, PATH_AMX, iters)
-        elif which == "pf0":
+        elif variant == "pf0":
             ms = time_path[AmxTiles, prefetching(0)](c, PATH_AMX, iters)
-        elif which == "pf2":
+        elif variant == "pf2":
             ms = time_path[AmxTiles, prefetching(2)](c, PATH_AMX, iters)
-        elif which == "pf4":
+        elif variant == "pf4":
             ms = time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
         else:
-            ms = time_path[AmxTiles](c, PATH_AMX, iters)
+            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, l1, pf0, pf2, pf4, each also with an fp8- prefix)"))
         print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
