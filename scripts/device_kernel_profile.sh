@@ -7,7 +7,9 @@
 #                      `fp8`: again with an fp8_ds_mla cache, after the bf16 cache)
 #   bench CFG...       the whole op timed, after a device-to-device copy (the HBM yardstick; CFG as variants)
 #   proj CFG...        steps 1-4 on q and step 6 alone, the op's tile, every tile, the FMA path
-#   ncu CFG            Nsight Compute sections of one launch of KERNEL (a regex; default attention_mma)
+#   ncu CFG            Nsight Compute sections of one launch of KERNEL (a regex; default attention_mma), the
+#                      launch after the first LAUNCH_SKIP (default 1) that match (KERNEL=steps_fused matches the
+#                      q step and the output step, in that order per call: LAUNCH_SKIP=2 the q step, 1 the output step)
 #   breakdown CFG...   GPU time of every kernel of the whole op, one ncu summary per CFG
 #   smoke [sm90]       the correctness cases (sm90: the sm90 TMA kernel's raw checks alone)
 #   ab A B CFG...      the whole op (`bench`) of two builds carried as folders A and B (e.g. .devbin and a
@@ -27,11 +29,11 @@ case $step in
   bench) timeout 300 .devbin/bench bench "$@" ;;
   proj) timeout 300 .devbin/bench proj "$@" ;;
   ncu)
-    timeout 300 ncu --clock-control none -k regex:${KERNEL:-attention_mma} --launch-skip 1 --launch-count 1 \
+    timeout 300 ncu --clock-control none -k regex:${KERNEL:-attention_mma} --launch-skip ${LAUNCH_SKIP:-1} --launch-count 1 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-      .devbin/bench bench "$@" > "$out/ncu_${KERNEL:-attention_mma}.log" 2>&1
-    echo "ncu exit $?"; grep -v "^==PROF==" "$out/ncu_${KERNEL:-attention_mma}.log" | head -150 ;;
+      .devbin/bench bench "$@" > "$out/ncu_${KERNEL:-attention_mma}_${LAUNCH_SKIP:-1}.log" 2>&1
+    echo "ncu exit $?"; grep -v "^==PROF==" "$out/ncu_${KERNEL:-attention_mma}_${LAUNCH_SKIP:-1}.log" | head -150 ;;
   breakdown)
     for cfg in "$@"; do
       echo "== $cfg"

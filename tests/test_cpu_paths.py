@@ -143,6 +143,24 @@ def test_refused_path_leaves_everything_as_it_was(value, monkeypatch):
 
 
 @pytest.mark.parametrize("target", CPU_TARGETS)
+def test_projections_on_a_full_tile_of_tokens(target):
+    """17 new tokens: where the path is amx, steps 3 and 6 take the AMX tiles (from 16 tokens,
+    ``cpu/amx_matmul.mojo``'s AMX_PROJECTION_MIN_TOKENS; below, the AVX512-BF16 dots), so the op's
+    tile branch runs here too, not only in tests/cpu/projection_check.mojo."""
+    check_parity(
+        make_case(
+            4102,
+            dtype=torch.bfloat16,
+            num_heads=16,
+            page_size=16,
+            cache_lengths=(40, 25),
+            new_tokens=(9, 8),
+        ),
+        target,
+    )
+
+
+@pytest.mark.parametrize("target", CPU_TARGETS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sizes_with_tails(dtype, target):
     """rank 100 (3 x 32 + 4), key_dim 114 (3 x 32 + 18), 5 heads x uneven tokens, 40-odd keys."""

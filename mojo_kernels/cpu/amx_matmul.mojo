@@ -45,20 +45,24 @@ from .fp8_matmul import StridedMatrices, fp8_batched_matmul, quantize_activation
 from .scratch import Scratch
 from .simd import F32_WIDTH, run_tasks
 
-comptime AMX_PROJECTION_MIN_TOKENS = 8
-"""Tokens from which steps 3 and 6 take the tiles. A tile's 16 rows are the head's tokens: with fewer
-than 8, most of each `tdpbf16ps` multiplies padding, and the packing costs more than it saves."""
-comptime AMX_PROJECTION_MIN_HEADS = 128
-"""Heads from which steps 3 and 6 take the tiles at any token count: then the weights (128 heads:
-2 x 8 MiB of fp8) dominate, and widening them to bf16 tiles writes half the bytes of float32."""
+comptime AMX_PROJECTION_MIN_TOKENS = 16
+"""Tokens from which steps 3 and 6 take the tiles: a tile's 16 rows are one head's tokens, so below 16
+every `tdpbf16ps` multiplies padding. Measured on the H100 machine's 16-core Xeon host
+(`tests/cpu/projection_check.mojo`, 2026-12-05j, two runs), the AVX512-BF16 dots were as fast or
+faster where the tiles were taken before (8 tokens, or 128 heads at any count): 8 tokens 16 heads
+0.37 + 0.41 ms against 0.38 + 0.42 ms, 8 tokens 128 heads 0.91-0.98 + 1.58-1.65 against 1.01-1.16 +
+1.68-1.75 ms, 1 token 128 heads 0.51-0.55 + 0.49-0.52 against 0.90-0.93 + 0.95-0.98 ms (steps 3 + 6):
+the widened weights' tile loads and the packing cost more than the dots save. The head count no longer
+counts: each head's rows are its own matmul. Where the tiles start to win is measured by the same
+check's 16- and 64-token lines."""
 comptime AMX_WEIGHT_ROWS_PER_TASK = 64
 """Weight rows a task widens (four 16-row tiles): 64 KiB of bf16 at K = 512, in L2."""
 
 
-def projection_on_amx(path: Int, num_tokens: Int, num_heads: Int) -> Bool:
+def projection_on_amx(path: Int, num_tokens: Int) -> Bool:
     """Whether steps 3 and 6 take the AMX tiles: step 5's path is AMX (`pipeline.attention_path`,
-    the unit compiled in and granted by Linux) and the rows are many."""
-    return path == PATH_AMX and (num_tokens >= AMX_PROJECTION_MIN_TOKENS or num_heads >= AMX_PROJECTION_MIN_HEADS)
+    the unit compiled in and granted by Linux) and the tokens fill a tile (`AMX_PROJECTION_MIN_TOKENS`)."""
+    return path == PATH_AMX and num_tokens >= AMX_PROJECTION_MIN_TOKENS
 
 
 @fieldwise_init

@@ -53,7 +53,7 @@ def project_q_nope[
     var blocks = granularity.resolve(num_tokens, kv_lora_rank, nope_dim)
     fp8_projection[dtype, dtype](
         a, w_uk, w_uk_scale, c, num_heads, num_tokens, kv_lora_rank, nope_dim, blocks,
-        projection_on_amx(path, num_tokens, num_heads), path != PATH_F32,
+        projection_on_amx(path, num_tokens), path != PATH_F32,
     )
 
 
@@ -78,7 +78,7 @@ def project_output[
     var blocks = granularity.resolve(num_tokens, v_head_dim, kv_lora_rank)
     fp8_projection[dtype, dtype](
         a, w_uv, w_uv_scale, c, num_heads, num_tokens, v_head_dim, kv_lora_rank, blocks,
-        projection_on_amx(path, num_tokens, num_heads), path != PATH_F32,
+        projection_on_amx(path, num_tokens), path != PATH_F32,
     )
 
 
