@@ -71,6 +71,10 @@ comptime IN_PLACE = tuned(in_place_max=1 << 20)
 comptime PAIRS = tuned(score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs)
 """The op's tuning with the other choices of `score_pairs` and `value_pairs` (tiles on two register sets, or
 on one)."""
+comptime PAIRS_PF0 = tuned(
+    score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs, prefetch_stride=0
+)
+"""`PAIRS` without the next tile's software prefetch."""
 comptime SCORE_PAIRS = tuned(score_pairs=not AMX_TUNING.score_pairs)
 comptime VALUE_PAIRS = tuned(value_pairs=not AMX_TUNING.value_pairs)
 comptime PACKED_PAIRS = tuned(in_place_max=0, score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs)
@@ -545,6 +549,8 @@ def main() raises:
             ms = time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, iters)
         elif variant == "pairs":
             ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
+        elif variant == "pairs-pf0":
+            ms = time_path[AmxTiles, PAIRS_PF0](c, PATH_AMX, iters)
         elif variant == "l1":
             ms = time_path[AmxTiles, L1_AHEAD](c, PATH_AMX, iters)
         elif variant == "pf0":
@@ -554,13 +560,16 @@ def main() raises:
         elif variant == "pf4":
             ms = time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
         else:
-            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, l1, pf0, pf2, pf4, each also with an fp8- prefix)"))
+            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, pairs-pf0, l1, pf0, pf2, pf4, each also with an fp8- prefix)"))
         print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
     if len(argv()) > 1 and argv()[1] == "projections":
-        # Steps 3 and 6 alone: their checks, then their timings per path, side by side.
+        # Steps 3 and 6 alone: their checks, then their timings per path, side by side (the tile
+        # registers asked for first, as below: without them a tile instruction faults).
+        if amx_runs() and not amx_permitted():
+            raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var failed = 0
         check_projections(failed)
         time_projections(7, failed)
