@@ -34,7 +34,7 @@ may hold any bits, and `0 * NaN` is NaN).
 
 from std.math import min
 from std.memory import bitcast
-from std.sys import PrefetchOptions, prefetch
+from std.sys import prefetch
 
 from ..common import FPtr, ceil_div
 from .amx import (
@@ -77,17 +77,19 @@ struct AmxTuning(TrivialRegisterPassable):
     per depth step parity (`score_group`'s `sets`), instead of four key blocks on one set: the tile
     loads of a step need not wait for the dots of the step before, at twice the query loads."""
     var value_pairs: Bool
-    """P V takes one right tile at a time on two sets of tile registers, one per depth piece parity
-    (`values_2x2`'s `sets`), instead of two right tiles on one set: the same trade for P V."""
-    var l1_ahead: Int
-    """The score passes also prefetch into L1 (`prefetcht0`) the current tile's key rows this many depth
-    steps ahead of the tile loads (0: no), so the loads find them in L1 rather than L2."""
+    """P V with the values read in place takes one right tile at a time on two sets of tile registers,
+    one per depth piece parity (`values_2x2`'s `sets`), instead of two right tiles on one set: the
+    same trade for P V. (Packed values, many row blocks, keep one set: not measured better there.)"""
 
 
 comptime AMX_TUNING = AmxTuning(
-    values_in_place_max_row_blocks=2, prefetch_line_stride=1, score_pairs=False, value_pairs=False, l1_ahead=0
+    values_in_place_max_row_blocks=2, prefetch_line_stride=1, score_pairs=True, value_pairs=True
 )
-"""The op's AMX tuning."""
+"""The op's AMX tuning. Measured on the H100 machine's 16-core Xeon host (2026-12-05k, `amx_check loop
+16 20`, step 5 alone, batch 8, 16k, 16 heads, best of 20): one register set 3.50 ms, `score_pairs`
+2.22, `value_pairs` 1.71, both 1.65 ms; KEY_BLOCKS 8 slower (both 2.63 ms), 16 the same (1.70 ms).
+With one set a tile load waits for the dots that read its register before (the unit does not
+rename tile registers)."""
 
 
 @fieldwise_init
@@ -177,7 +179,7 @@ def pack_values(keys: Array[KeyRows, KEY_BLOCKS], valid: Array[Bool, AMX_KEY_TIL
 
 @always_inline
 def score_group[
-    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int, sets: Int = 1, l1_ahead: Int = 0
+    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int, sets: Int = 1
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -212,14 +214,6 @@ def score_group[
                     if prefetch_next and s % prefetch_line_stride == 0:
                         comptime for j in range(KB * TILE_ROWS):
                             prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
-                comptime if l1_ahead > 0:
-                    if s + l1_ahead < steps:
-                        comptime for k in range(KB):
-                            var rows_k = keys[kb0 + k]
-                            comptime for j in range(TILE_ROWS):
-                                prefetch[CURRENT_TILE_PREFETCH](
-                                    rows_k.base.unsafe_offset(j * rows_k.stride + (s + l1_ahead) * TILE_DEPTH)
-                                )
                 comptime for i in range(RB):
                     comptime q_reg = 2 + e if sets == 2 else (4 if RB == 1 else 6 + i)
                     unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
@@ -239,7 +233,7 @@ def score_group[
 
 
 def tile_scores_amx[
-    T: TileUnit, prefetch_line_stride: Int, score_pairs: Bool = False, l1_ahead: Int = 0
+    T: TileUnit, prefetch_line_stride: Int, score_pairs: Bool = False
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -262,21 +256,17 @@ def tile_scores_amx[
     var rb = 0
     while rb + 1 < row_blocks:
         comptime for kb0 in range(0, KEY_BLOCKS, 2):
-            score_group[T, 2, 2, prefetch_line_stride, 1, l1_ahead](
-                unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps
-            )
+            score_group[T, 2, 2, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
         rb += 2
     if rb < row_blocks:
         comptime if score_pairs:
             comptime for kb0 in range(0, KEY_BLOCKS, 2):
-                score_group[T, 1, 2, prefetch_line_stride, 2, l1_ahead](
+                score_group[T, 1, 2, prefetch_line_stride, 2](
                     unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps
                 )
         else:
             comptime for kb0 in range(0, KEY_BLOCKS, 4):
-                score_group[T, 1, 4, prefetch_line_stride, 1, l1_ahead](
-                    unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps
-                )
+                score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
 
 
 @fieldwise_init
@@ -377,11 +367,6 @@ def value_blocks[
             values_2x2(unit, layout, values, c, min(2, blocks - c))
 
 
-comptime CURRENT_TILE_PREFETCH = PrefetchOptions().for_read().high_locality().to_data_cache()
-"""How the score passes prefetch the current tile's rows a few depth steps ahead (`AmxTuning.l1_ahead`):
-into L1 (`prefetcht0`)."""
-
-
 comptime SPLIT_ROW_WORDS = KEY_BLOCKS * 2 * TILE_PAIRS
 """32-bit words per row of `split_probabilities`' output: per key block, an even and an odd tile row."""
 
@@ -432,7 +417,8 @@ def accumulate_values_amx[
 
     `acc_out` rows are `out_stride` floats apart (`AmxScratch.out_stride`);
     with `in_place` the columns of each 32-column block are kept as 16 even
-    then 16 odd (`interleave_value_columns` restores them once per task).
+    then 16 odd (`interleave_value_columns` restores them once per task), and
+    `value_pairs` puts the right tiles on two register sets (`AmxTuning`).
     `probs [rows, AMX_KEY_TILE]` hold bf16 values in float32 (the probabilities
     rounded for P V); `scratch` (`AmxScratch.probs`) and `v_packed` are scratch.
     With `in_place` the key blocks must hold zeros for keys not `valid`.
@@ -480,7 +466,7 @@ def accumulate_values_amx[
                 AMX_KEY_TILE * 2, f32_bytes(acc_out, rb * TILE_ROWS * out_stride), TILE_ROWS * out_bytes,
                 TILE_PAIRS * 4, out_bytes, min(2, row_blocks - rb), PACKED_PIECES,
             )
-            value_blocks[value_pairs](unit, layout, values, blocks)
+            value_blocks[False](unit, layout, values, blocks)
     # Columns past the last whole right tile (a kv_lora_rank that is not a multiple of 16 or 32).
     for r in range(padded_rows):
         for c in range(rank_main, rank):

@@ -342,7 +342,7 @@ def attend_tiles_amx[
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
         var next_keys = keys.stored_rows[tile](b, min(j0 + tile, k_hi - 1), k_hi)
-        tile_scores_amx[tiles, tuning.prefetch_line_stride, tuning.score_pairs, tuning.l1_ahead](
+        tile_scores_amx[tiles, tuning.prefetch_line_stride, tuning.score_pairs](
             unit, blocks, next_keys, q_packed, rows.scores_buf, buffers.acc, rows.padded, steps
         )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)

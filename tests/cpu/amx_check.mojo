@@ -58,10 +58,9 @@ def tuned(
     prefetch_stride: Int = AMX_TUNING.prefetch_line_stride,
     score_pairs: Bool = AMX_TUNING.score_pairs,
     value_pairs: Bool = AMX_TUNING.value_pairs,
-    l1_ahead: Int = AMX_TUNING.l1_ahead,
 ) -> AmxTuning:
     """The op's tuning with the choices given here instead."""
-    return AmxTuning(in_place_max, prefetch_stride, score_pairs, value_pairs, l1_ahead)
+    return AmxTuning(in_place_max, prefetch_stride, score_pairs, value_pairs)
 
 
 comptime PACKED = tuned(in_place_max=0)
@@ -78,8 +77,6 @@ comptime PAIRS_PF0 = tuned(
 comptime SCORE_PAIRS = tuned(score_pairs=not AMX_TUNING.score_pairs)
 comptime VALUE_PAIRS = tuned(value_pairs=not AMX_TUNING.value_pairs)
 comptime PACKED_PAIRS = tuned(in_place_max=0, score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs)
-comptime L1_AHEAD = tuned(l1_ahead=2 if AMX_TUNING.l1_ahead == 0 else 0)
-"""The op's tuning with the current tile's rows prefetched into L1 two depth steps ahead (or not, if the op does)."""
 
 
 def prefetching(stride: Int) -> AmxTuning:
@@ -273,7 +270,6 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
     check(name, "amx-emulated in-place", expected, c.attend[EmulatedTiles, IN_PLACE](PATH_AMX, partitions), failures)
     check(name, "amx-emulated other pairs", expected, c.attend[EmulatedTiles, PAIRS](PATH_AMX, partitions), failures)
     check(name, "amx-emulated packed, other pairs", expected, c.attend[EmulatedTiles, PACKED_PAIRS](PATH_AMX, partitions), failures)
-    check(name, "amx-emulated other l1_ahead", expected, c.attend[EmulatedTiles, L1_AHEAD](PATH_AMX, partitions), failures)
     if amx_runs():
         check(name, "amx packed", expected, c.attend[AmxTiles, PACKED](PATH_AMX, partitions), failures)
         check(name, "amx in-place", expected, c.attend[AmxTiles, IN_PLACE](PATH_AMX, partitions), failures)
@@ -523,9 +519,9 @@ def main() raises:
     if len(argv()) > 2 and argv()[1] == "loop":
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
         # `loop HEADS [ITERS [VARIANT]]` heads, VARIANT one of op (the op's tuning), packed, inplace (values
-        # always packed / read in place), score, value, pairs (the other `score_pairs`, `value_pairs`, both), l1
-        # (the other `l1_ahead`), pf0, pf2, pf4 (the next tile prefetched not at all, every 2nd, every 4th line);
-        # an `fp8-` prefix reads the cache as fp8_ds_mla rows. Prints the best time.
+        # always packed / read in place), score, value, pairs (the other `score_pairs`, `value_pairs`, both),
+        # pairs-pf0 (both, without the next tile's prefetch), pf0, pf2, pf4 (the next tile prefetched not at all,
+        # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows. Prints the best time.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
@@ -551,8 +547,6 @@ def main() raises:
             ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
         elif variant == "pairs-pf0":
             ms = time_path[AmxTiles, PAIRS_PF0](c, PATH_AMX, iters)
-        elif variant == "l1":
-            ms = time_path[AmxTiles, L1_AHEAD](c, PATH_AMX, iters)
         elif variant == "pf0":
             ms = time_path[AmxTiles, prefetching(0)](c, PATH_AMX, iters)
         elif variant == "pf2":
@@ -560,7 +554,7 @@ def main() raises:
         elif variant == "pf4":
             ms = time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
         else:
-            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, pairs-pf0, l1, pf0, pf2, pf4, each also with an fp8- prefix)"))
+            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, each also with an fp8- prefix)"))
         print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
@@ -617,8 +611,7 @@ def main() raises:
                 line += String(time_path[AmxTiles, IN_PLACE](c, PATH_AMX, 5), " ms; score_pairs ", not AMX_TUNING.score_pairs, " ")
                 line += String(time_path[AmxTiles, SCORE_PAIRS](c, PATH_AMX, 5), " ms, value_pairs ", not AMX_TUNING.value_pairs, " ")
                 line += String(time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, 5), " ms, both ")
-                line += String(time_path[AmxTiles, PAIRS](c, PATH_AMX, 5), " ms; l1_ahead ", L1_AHEAD.l1_ahead, " ")
-                line += String(time_path[AmxTiles, L1_AHEAD](c, PATH_AMX, 5), " ms; hot cache ")
+                line += String(time_path[AmxTiles, PAIRS](c, PATH_AMX, 5), " ms; hot cache ")
                 line += String(time_hot_cache(c, 5), " ms; reading the cache once ", read_cache_ms(c, 5), " ms)")
                 var err = max_error(c.attend[AmxTiles](PATH_F32, 0), c.attend[AmxTiles](PATH_AMX, 0))
                 line += String(" (amx vs f32 max|err| ", err, "; without tdpbf16ps ")
