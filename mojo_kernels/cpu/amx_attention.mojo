@@ -72,10 +72,24 @@ struct AmxTuning(TrivialRegisterPassable):
     """The score passes prefetch every this-many-th 64-byte line of the next tile's rows (1: every
     line, 2: every other, the L2's adjacent-line prefetcher fetching the pair; 0: none, the
     hardware prefetchers alone)."""
+    var score_pairs: Bool
+    """A last (or only) row block scores two key blocks at a time on two sets of tile registers, one
+    per depth step parity (`score_group`'s `sets`), instead of four key blocks on one set: the tile
+    loads of a step need not wait for the dots of the step before, at twice the query loads."""
+    var value_pairs: Bool
+    """P V with the values read in place takes one right tile at a time on two sets of tile registers,
+    one per depth piece parity (`values_2x2`'s `sets`), instead of two right tiles on one set: the
+    same trade for P V. (Packed values, many row blocks, keep one set: not measured better there.)"""
 
 
-comptime AMX_TUNING = AmxTuning(values_in_place_max_row_blocks=2, prefetch_line_stride=1)
-"""The op's AMX tuning."""
+comptime AMX_TUNING = AmxTuning(
+    values_in_place_max_row_blocks=2, prefetch_line_stride=1, score_pairs=True, value_pairs=True
+)
+"""The op's AMX tuning. Measured on the H100 machine's 16-core Xeon host (2026-12-05k, `amx_check loop
+16 20`, step 5 alone, batch 8, 16k, 16 heads, best of 20): one register set 3.50 ms, `score_pairs`
+2.22, `value_pairs` 1.71, both 1.65 ms; KEY_BLOCKS 8 slower (both 2.63 ms), 16 the same (1.70 ms).
+With one set a tile load waits for the dots that read its register before (the unit does not
+rename tile registers)."""
 
 
 @fieldwise_init
@@ -165,7 +179,7 @@ def pack_values(keys: Array[KeyRows, KEY_BLOCKS], valid: Array[Bool, AMX_KEY_TIL
 
 @always_inline
 def score_group[
-    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int
+    T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int, sets: Int = 1
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -178,32 +192,37 @@ def score_group[
     acc: FPtr,
     steps: Int,
 ):
-    """Scores of row blocks `rb0 ..< rb0 + RB` against key blocks `kb0 ..< kb0 + KB` (`RB * KB = 4` accumulators).
+    """Scores of row blocks `rb0 ..< rb0 + RB` against key blocks `kb0 ..< kb0 + KB` (`RB * KB = 4` accumulators,
+    or with `sets = 2` one row block against two key blocks).
 
     Registers: accumulator `i KB + k` (tiles 0-3); with one row block the
     query tile is 4 and the key blocks take 5, 6, 7, 5; with two, keys 4, 5
-    and queries 6, 7. With `prefetch_next`, depth step `s` also prefetches
+    and queries 6, 7; with two sets (accumulators 0, 1), depth step parity
+    `e` loads the query into 2 + e and the keys into 4 + 2 e, 5 + 2 e. With `prefetch_next`, depth step `s` also prefetches
     64-byte line `s` of the next tile's rows of these key blocks (every
     `prefetch_line_stride`-th line, `AmxTuning`): pages are scattered, so the
     hardware prefetcher cannot run ahead across them.
     """
-    comptime assert RB * KB == 4
-    comptime for a in range(4):
+    comptime assert (sets == 1 and RB * KB == 4) or (sets == 2 and RB == 1 and KB == 2)
+    comptime for a in range(RB * KB):
         unit.zero[ACC + a]()
-    for s in range(steps):
-        comptime if prefetch_line_stride > 0:
-            if prefetch_next and s % prefetch_line_stride == 0:
-                comptime for j in range(KB * TILE_ROWS):
-                    prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
-        comptime for i in range(RB):
-            comptime q_reg = 4 if RB == 1 else 6 + i
-            unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
-        comptime for k in range(KB):
-            comptime k_reg = 5 + k % 3 if RB == 1 else 4 + k
-            unit.load[k_reg](keys[kb0 + k].tile(s * TILE_DEPTH), keys[kb0 + k].stride_bytes())
-            comptime for i in range(RB):
-                comptime q_reg = 4 if RB == 1 else 6 + i
-                unit.dot[ACC + i * KB + k, k_reg, q_reg]()
+    for s0 in range(0, steps, sets):
+        comptime for e in range(sets):
+            var s = s0 + e
+            if s < steps:
+                comptime if prefetch_line_stride > 0:
+                    if prefetch_next and s % prefetch_line_stride == 0:
+                        comptime for j in range(KB * TILE_ROWS):
+                            prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
+                comptime for i in range(RB):
+                    comptime q_reg = 2 + e if sets == 2 else (4 if RB == 1 else 6 + i)
+                    unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
+                comptime for k in range(KB):
+                    comptime k_reg = 4 + 2 * e + k if sets == 2 else (5 + k % 3 if RB == 1 else 4 + k)
+                    unit.load[k_reg](keys[kb0 + k].tile(s * TILE_DEPTH), keys[kb0 + k].stride_bytes())
+                    comptime for i in range(RB):
+                        comptime q_reg = 2 + e if sets == 2 else (4 if RB == 1 else 6 + i)
+                        unit.dot[ACC + i * KB + k, k_reg, q_reg]()
     comptime for i in range(RB):
         comptime for k in range(KB):
             unit.store[ACC + i * KB + k](f32_bytes(acc, (i * KB + k) * 256), TILE_BYTES)
@@ -214,7 +233,7 @@ def score_group[
 
 
 def tile_scores_amx[
-    T: TileUnit, prefetch_line_stride: Int
+    T: TileUnit, prefetch_line_stride: Int, score_pairs: Bool = False
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
@@ -228,7 +247,8 @@ def tile_scores_amx[
     """`scores [rows, AMX_KEY_TILE]` of the tile's key blocks against the packed queries; `acc [4 x 256]` is scratch.
 
     Row blocks in pairs against pairs of key blocks; a last (or only) row
-    block against four key blocks at a time. The passes of the first row
+    block against four key blocks at a time (`score_pairs`: two, on two sets of
+    tile registers, `AmxTuning`). The passes of the first row
     blocks prefetch the next tile (`next_keys`).
     """
     comptime assert KEY_BLOCKS % 4 == 0
@@ -239,8 +259,14 @@ def tile_scores_amx[
             score_group[T, 2, 2, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
         rb += 2
     if rb < row_blocks:
-        comptime for kb0 in range(0, KEY_BLOCKS, 4):
-            score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+        comptime if score_pairs:
+            comptime for kb0 in range(0, KEY_BLOCKS, 2):
+                score_group[T, 1, 2, prefetch_line_stride, 2](
+                    unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps
+                )
+        else:
+            comptime for kb0 in range(0, KEY_BLOCKS, 4):
+                score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
 
 
 @fieldwise_init
@@ -267,12 +293,16 @@ struct ValueLayout(TrivialRegisterPassable):
 
 @always_inline
 def values_2x2[
-    T: TileUnit
+    T: TileUnit, sets: Int = 1
 ](mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], c: Int, rights: Int):
     """Accumulators `(i, j)`, `i < layout.lefts`, `j < rights`, += left `i` x right `j` over the depth pieces.
 
     Registers: accumulator `ACC + 2 i + j`, left tiles `LEFT + i`, right tiles `RIGHT + j` (`cpu/amx.mojo`).
+    With `sets = 2` (`rights` must be 1) the depth pieces alternate between two sets of left and right
+    tiles: even pieces `LEFT + i` and `RIGHT`, odd pieces tiles 1 and 3 (lefts) and 7 (right), so a
+    piece's loads need not wait for the dots of the piece before.
     """
+    comptime assert sets == 1 or sets == 2
     var two_left = layout.lefts == 2
     var two_right = rights == 2
     var o = layout.out.unsafe_offset(c * layout.out_block)
@@ -285,20 +315,28 @@ def values_2x2[
     live[2] = two_left
     live[3] = two_left and two_right
     move_accumulators[T, False](unit, places, live, layout.out_stride)
-    for d in range(layout.pieces):
-        var left = layout.left.unsafe_offset(d * layout.left_piece)
-        var v = values[d]
-        unit.load[LEFT](left, layout.left_stride)
-        unit.load[RIGHT](v.tile(TILE_DEPTH * c), v.stride_bytes())
-        unit.dot[ACC, LEFT, RIGHT]()
-        if two_right:
-            unit.load[RIGHT + 1](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
-            unit.dot[ACC + 1, LEFT, RIGHT + 1]()
-        if two_left:
-            unit.load[LEFT + 1](left.unsafe_offset(layout.left_step), layout.left_stride)
-            unit.dot[ACC + 2, LEFT + 1, RIGHT]()
-            if two_right:
-                unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
+    for d0 in range(0, layout.pieces, sets):
+        comptime for e in range(sets):
+            comptime l0 = LEFT if e == 0 else 1
+            comptime l1 = LEFT + 1 if e == 0 else 3
+            comptime r0 = RIGHT if e == 0 else 7
+            var d = d0 + e
+            if d < layout.pieces:
+                var left = layout.left.unsafe_offset(d * layout.left_piece)
+                var v = values[d]
+                unit.load[l0](left, layout.left_stride)
+                unit.load[r0](v.tile(TILE_DEPTH * c), v.stride_bytes())
+                unit.dot[ACC, l0, r0]()
+                comptime if sets == 1:
+                    if two_right:
+                        unit.load[RIGHT + 1](v.tile(TILE_DEPTH * (c + 1)), v.stride_bytes())
+                        unit.dot[ACC + 1, LEFT, RIGHT + 1]()
+                if two_left:
+                    unit.load[l1](left.unsafe_offset(layout.left_step), layout.left_stride)
+                    unit.dot[ACC + 2, l1, r0]()
+                    comptime if sets == 1:
+                        if two_right:
+                            unit.dot[ACC + 3, LEFT + 1, RIGHT + 1]()
     move_accumulators[T, True](unit, places, live, layout.out_stride)
 
 
@@ -313,6 +351,20 @@ def move_accumulators[
                 unit.store[ACC + a](places[a], stride)
             else:
                 unit.load[ACC + a](places[a], stride)
+
+
+@always_inline
+def value_blocks[
+    T: TileUnit, //, value_pairs: Bool
+](mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], blocks: Int):
+    """`values_2x2` over the `blocks` right tiles: two at a time on one register set, or (`value_pairs`) one at
+    a time on two."""
+    comptime if value_pairs:
+        for c in range(blocks):
+            values_2x2[T, 2](unit, layout, values, c, 1)
+    else:
+        for c in range(0, blocks, 2):
+            values_2x2(unit, layout, values, c, min(2, blocks - c))
 
 
 comptime SPLIT_ROW_WORDS = KEY_BLOCKS * 2 * TILE_PAIRS
@@ -346,7 +398,7 @@ def interleave_value_columns(rows: FPtr, num_rows: Int, row_stride: Int, rank: I
 
 
 def accumulate_values_amx[
-    T: TileUnit
+    T: TileUnit, value_pairs: Bool = False
 ](
     mut unit: T,
     probs: FPtr,
@@ -365,7 +417,8 @@ def accumulate_values_amx[
 
     `acc_out` rows are `out_stride` floats apart (`AmxScratch.out_stride`);
     with `in_place` the columns of each 32-column block are kept as 16 even
-    then 16 odd (`interleave_value_columns` restores them once per task).
+    then 16 odd (`interleave_value_columns` restores them once per task), and
+    `value_pairs` puts the right tiles on two register sets (`AmxTuning`).
     `probs [rows, AMX_KEY_TILE]` hold bf16 values in float32 (the probabilities
     rounded for P V); `scratch` (`AmxScratch.probs`) and `v_packed` are scratch.
     With `in_place` the key blocks must hold zeros for keys not `valid`.
@@ -397,8 +450,7 @@ def accumulate_values_amx[
                 4 * SPLIT_ROW_WORDS, f32_bytes(acc_out, rb * TILE_ROWS * out_stride), TILE_BYTES,
                 TILE_DEPTH * 4, out_bytes, 2, KEY_BLOCKS,
             )
-            for c in range(0, blocks, 2):
-                values_2x2(unit, layout, values, c, min(2, blocks - c))
+            value_blocks[value_pairs](unit, layout, values, blocks)
     else:
         for r in range(padded_rows):
             scratch.unsafe_store(
@@ -414,8 +466,7 @@ def accumulate_values_amx[
                 AMX_KEY_TILE * 2, f32_bytes(acc_out, rb * TILE_ROWS * out_stride), TILE_ROWS * out_bytes,
                 TILE_PAIRS * 4, out_bytes, min(2, row_blocks - rb), PACKED_PIECES,
             )
-            for c in range(0, blocks, 2):
-                values_2x2(unit, layout, values, c, min(2, blocks - c))
+            value_blocks[False](unit, layout, values, blocks)
     # Columns past the last whole right tile (a kv_lora_rank that is not a multiple of 16 or 32).
     for r in range(padded_rows):
         for c in range(rank_main, rank):

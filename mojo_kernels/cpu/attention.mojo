@@ -342,11 +342,11 @@ def attend_tiles_amx[
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
         var next_keys = keys.stored_rows[tile](b, min(j0 + tile, k_hi - 1), k_hi)
-        tile_scores_amx[tiles, tuning.prefetch_line_stride](
+        tile_scores_amx[tiles, tuning.prefetch_line_stride, tuning.score_pairs](
             unit, blocks, next_keys, q_packed, rows.scores_buf, buffers.acc, rows.padded, steps
         )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
-        accumulate_values_amx(
+        accumulate_values_amx[tiles, tuning.value_pairs](
             unit, rows.scores_buf, buffers.probs, blocks, valid,
             buffers.v_packed, out, buffers.out_stride, rows.correction(), rows.padded, rank, in_place,
         )

@@ -53,15 +53,35 @@ comptime TOLERANCE: Float32 = 0.02
 """Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
 
 comptime BF16 = DType.bfloat16
-comptime PACKED = AmxTuning(0, AMX_TUNING.prefetch_line_stride)
+def tuned(
+    in_place_max: Int = AMX_TUNING.values_in_place_max_row_blocks,
+    prefetch_stride: Int = AMX_TUNING.prefetch_line_stride,
+    score_pairs: Bool = AMX_TUNING.score_pairs,
+    value_pairs: Bool = AMX_TUNING.value_pairs,
+) -> AmxTuning:
+    """The op's tuning with the choices given here instead."""
+    return AmxTuning(in_place_max, prefetch_stride, score_pairs, value_pairs)
+
+
+comptime PACKED = tuned(in_place_max=0)
 """The op's tuning with values always packed."""
-comptime IN_PLACE = AmxTuning(1 << 20, AMX_TUNING.prefetch_line_stride)
+comptime IN_PLACE = tuned(in_place_max=1 << 20)
 """The op's tuning with values always read in place."""
+comptime PAIRS = tuned(score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs)
+"""The op's tuning with the other choices of `score_pairs` and `value_pairs` (tiles on two register sets, or
+on one)."""
+comptime PAIRS_PF0 = tuned(
+    score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs, prefetch_stride=0
+)
+"""`PAIRS` without the next tile's software prefetch."""
+comptime SCORE_PAIRS = tuned(score_pairs=not AMX_TUNING.score_pairs)
+comptime VALUE_PAIRS = tuned(value_pairs=not AMX_TUNING.value_pairs)
+comptime PACKED_PAIRS = tuned(in_place_max=0, score_pairs=not AMX_TUNING.score_pairs, value_pairs=not AMX_TUNING.value_pairs)
 
 
 def prefetching(stride: Int) -> AmxTuning:
     """The op's tuning with the next tile's rows prefetched every `stride`-th line (0: none)."""
-    return AmxTuning(AMX_TUNING.values_in_place_max_row_blocks, stride)
+    return tuned(prefetch_stride=stride)
 
 
 struct Case(Movable):
@@ -248,9 +268,13 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
         check(name, "avx512bf16", expected, c.attend[AmxTiles](PATH_AVX512BF16, partitions), failures)
     check(name, "amx-emulated packed", expected, c.attend[EmulatedTiles, PACKED](PATH_AMX, partitions), failures)
     check(name, "amx-emulated in-place", expected, c.attend[EmulatedTiles, IN_PLACE](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated other pairs", expected, c.attend[EmulatedTiles, PAIRS](PATH_AMX, partitions), failures)
+    check(name, "amx-emulated packed, other pairs", expected, c.attend[EmulatedTiles, PACKED_PAIRS](PATH_AMX, partitions), failures)
     if amx_runs():
         check(name, "amx packed", expected, c.attend[AmxTiles, PACKED](PATH_AMX, partitions), failures)
         check(name, "amx in-place", expected, c.attend[AmxTiles, IN_PLACE](PATH_AMX, partitions), failures)
+        check(name, "amx other pairs", expected, c.attend[AmxTiles, PAIRS](PATH_AMX, partitions), failures)
+        check(name, "amx packed, other pairs", expected, c.attend[AmxTiles, PACKED_PAIRS](PATH_AMX, partitions), failures)
     if c.rank % 128 != 0:
         return  # no fp8_ds_mla rows: 128-value scale blocks
     # The same keys as fp8_ds_mla rows: every path dequantizes them to the same bf16 values.
@@ -494,18 +518,52 @@ def main() raises:
         return
     if len(argv()) > 2 and argv()[1] == "loop":
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
-        # `loop HEADS [ITERS]` heads; prints the best time.
+        # `loop HEADS [ITERS [VARIANT]]` heads, VARIANT one of op (the op's tuning), packed, inplace (values
+        # always packed / read in place), score, value, pairs (the other `score_pairs`, `value_pairs`, both),
+        # pairs-pf0 (both, without the next tile's prefetch), pf0, pf2, pf4 (the next tile prefetched not at all,
+        # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows. Prints the best time.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
         var iters = atol(argv()[3]) if len(argv()) > 3 else 100
         var c = Case(99, heads, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
-        print("loop on", cpu_model(), ": AMX path, heads", heads, ", threads", num_physical_cores(), ":", time_path[AmxTiles](c, PATH_AMX, iters), "ms (best of", iters, ")")
+        var which = String(argv()[4]) if len(argv()) > 4 else String("op")
+        var variant = which
+        if which.startswith("fp8-"):
+            c.quantize_to_fp8()
+            variant = String(which[byte=4:])
+        var ms: Float64
+        if variant == "op":
+            ms = time_path[AmxTiles](c, PATH_AMX, iters)
+        elif variant == "packed":
+            ms = time_path[AmxTiles, PACKED](c, PATH_AMX, iters)
+        elif variant == "inplace":
+            ms = time_path[AmxTiles, IN_PLACE](c, PATH_AMX, iters)
+        elif variant == "score":
+            ms = time_path[AmxTiles, SCORE_PAIRS](c, PATH_AMX, iters)
+        elif variant == "value":
+            ms = time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, iters)
+        elif variant == "pairs":
+            ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
+        elif variant == "pairs-pf0":
+            ms = time_path[AmxTiles, PAIRS_PF0](c, PATH_AMX, iters)
+        elif variant == "pf0":
+            ms = time_path[AmxTiles, prefetching(0)](c, PATH_AMX, iters)
+        elif variant == "pf2":
+            ms = time_path[AmxTiles, prefetching(2)](c, PATH_AMX, iters)
+        elif variant == "pf4":
+            ms = time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
+        else:
+            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, each also with an fp8- prefix)"))
+        print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
     if len(argv()) > 1 and argv()[1] == "projections":
-        # Steps 3 and 6 alone: their checks, then their timings per path, side by side.
+        # Steps 3 and 6 alone: their checks, then their timings per path, side by side (the tile
+        # registers asked for first, as below: without them a tile instruction faults).
+        if amx_runs() and not amx_permitted():
+            raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var failed = 0
         check_projections(failed)
         time_projections(7, failed)
@@ -550,7 +608,10 @@ def main() raises:
             if amx_runs():
                 line += String(", amx ", time_path[AmxTiles](c, PATH_AMX, 5), " ms (values packed ")
                 line += String(time_path[AmxTiles, PACKED](c, PATH_AMX, 5), " ms, in place ")
-                line += String(time_path[AmxTiles, IN_PLACE](c, PATH_AMX, 5), " ms; hot cache ")
+                line += String(time_path[AmxTiles, IN_PLACE](c, PATH_AMX, 5), " ms; score_pairs ", not AMX_TUNING.score_pairs, " ")
+                line += String(time_path[AmxTiles, SCORE_PAIRS](c, PATH_AMX, 5), " ms, value_pairs ", not AMX_TUNING.value_pairs, " ")
+                line += String(time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, 5), " ms, both ")
+                line += String(time_path[AmxTiles, PAIRS](c, PATH_AMX, 5), " ms; hot cache ")
                 line += String(time_hot_cache(c, 5), " ms; reading the cache once ", read_cache_ms(c, 5), " ms)")
                 var err = max_error(c.attend[AmxTiles](PATH_F32, 0), c.attend[AmxTiles](PATH_AMX, 0))
                 line += String(" (amx vs f32 max|err| ", err, "; without tdpbf16ps ")
