@@ -42,7 +42,10 @@ from max.gpu.primitives.warp import shuffle_xor
 from max.gpu.sync import mbarrier_arrive, named_barrier
 
 from .attention_block import AttentionBlock, SPtr, fence_async_proxy, rescale_row
-from .attention_sm90 import (
+from .hopper import mbar_wait, opaque, smem_u32, sw128_desc
+from .pdl import allow_dependents, wait_for_producers
+from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
+from .tma_smem import (
     S9_BLOCK_BYTES,
     S9_BOXES,
     S9_BOX_BYTES,
@@ -53,16 +56,7 @@ from .attention_sm90 import (
     KeyBlocks,
     SmemPlan,
     TmaAttentionParams,
-    mbar_wait,
-    opaque,
-    produce,
-    smem_u32,
-    start_block,
-    sw128_desc,
-    widen_raw_rows,
-    zero_outside_values,
 )
-from .pdl import allow_dependents, wait_for_producers
 
 comptime N9_ROWS = 16  # rows per block: the N of every wgmma
 comptime N9_TILES = 4  # value tiles (one 64-column box each) per math warpgroup

@@ -57,9 +57,12 @@ This kernel takes the first three of those (the biggest expected wins):
   are masked in the scores and their value rows zeroed before P V (a stale
   row could hold NaN; each warpgroup zeros the rows of its 32 keys).
 
-Not yet (the next steps if the device shows the tensor cores idle through the
-softmax): the seesaw schedule (P kept in registers as the A operand of
-`wgmma`, the warpgroups half a block apart).
+FlashMLA's "seesaw" schedule (the warpgroups own alternate blocks and trade
+the softmax rescale, one's softmax under the other's wgmmas) was written for
+this kernel and measured 5-10% slower on an H100 (2026-12-05, branch
+`sm90-seesaw`, README): not taken. The shared memory plan, the parameters and
+the producer live in `tma_smem.mojo` and `tma_producer.mojo` (shared with
+`attention_narrow.mojo`), the Hopper primitives in `hopper.mojo`.
 
 Shared memory (1024-byte aligned: the swizzle atoms): `q_s` 9 boxes of
 [64 rows][64 columns] (128-byte swizzle: 16-byte chunk `c` of row `r` at
@@ -69,45 +72,49 @@ Accumulator fragments (m64nN, f32): warp `v` of a warpgroup, lane `4 g + t`,
 element `4 j + e` is row `16 v + g + 8 (e / 2)`, column `8 j + 2 t + e % 2`.
 """
 
-from std.builtin.device_passable import DevicePassable, DeviceTypeEncoder
 from std.math import exp
-from std.sys import get_defined_int, size_of
-from std.sys._assembly import inlined_assembly
-from std.utils import IndexList, StaticTuple
+from std.sys import size_of
+from std.utils import StaticTuple
 from std.utils.numerics import neg_inf
 
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, barrier, thread_idx
+from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, thread_idx
 from max.gpu.compute.mma import (
-    WGMMADescriptor,
     wgmma_async,
     wgmma_commit_group_sync,
     wgmma_fence_aligned,
     wgmma_wait_group_sync,
 )
-from max.gpu.host import DeviceBuffer, DeviceContext
-from max.gpu.host.nvidia.tma import TensorMapSwizzle, TMADescriptor, create_tma_descriptor
-from max.gpu.memory import AddressSpace, external_memory, fence_mbarrier_init
+from max.gpu.memory import AddressSpace, external_memory
 from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
-from max.gpu.sync import mbarrier_arrive, mbarrier_init, named_barrier
+from max.gpu.sync import mbarrier_arrive, named_barrier
 
-from ..common import U32Ptr
-from ..paged_cache import Fp8LatentRows, PagedLatentRows
-from .attention_block import AttentionBlock, AttentionParams, RowMasks, SPtr, dequantize8, fence_async_proxy, rescale_row
-from .attention_wgmma import quad_max, quad_sum
-from .params import GPtr, to_global
-from .projection_mma import QuantizedRows
 from ..fp8 import activation_scale, e4m3_as_f16
+from .attention_block import AttentionBlock, AttentionParams, SPtr, fence_async_proxy, rescale_row
+from .attention_wgmma import quad_max, quad_sum
+from .hopper import mbar_wait, opaque, smem_u32, sw128_desc
+from .params import GPtr
 from .pdl import allow_dependents, wait_for_producers
+from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
+from .tma_smem import (
+    S9_BLOCK_BYTES,
+    S9_BOXES,
+    S9_BOX_BYTES,
+    S9_BOX_COLS,
+    S9_FP8_STAGES,
+    S9_KEYS,
+    S9_KEY_DIM,
+    S9_MATH_THREADS,
+    S9_RAW_BOXES,
+    S9_RAW_SLOTS,
+    S9_ROWS,
+    S9_STAGES,
+    S9_THREADS,
+    S9_VALUE_COLS,
+    S9_WG,
+    SmemPlan,
+    TmaAttentionParams,
+)
 
-comptime S9_ROWS = 64  # rows per block: the M of one wgmma
-comptime S9_KEYS = 64  # keys per block: one TMA box's rows
-comptime S9_BOX_COLS = 64  # columns per TMA box (128 bytes of bf16 / f16: one swizzle atom row)
-comptime S9_KEY_DIM = 576  # DeepSeek: 512 + 64
-comptime S9_BOXES = S9_KEY_DIM // S9_BOX_COLS  # 9 boxes per key block; box 8 = the rope columns
-comptime S9_VALUE_COLS = 256  # value columns per math warpgroup
-comptime S9_WG = 128
-comptime S9_MATH_THREADS = 2 * S9_WG
-comptime S9_THREADS = 3 * S9_WG  # two math warpgroups, one producer
 # Registers per thread at launch: ptxas gives a kernel with `setmaxnreg` the most that `.maxntid`
 # allows (65536 / 384, rounded down to 8: 168), and the block's register pool is that many per
 # thread, not the 65536 of the SM. `setmaxnreg.inc` waits until the pool holds what it asks for,
@@ -117,41 +124,11 @@ comptime S9_LAUNCH_REGS = (65536 // S9_THREADS) // 8 * 8
 comptime S9_PRODUCER_REGS = 40
 comptime S9_MATH_REGS = 232
 comptime S9_QUANT_BLOCK = 128  # step 6's K block the epilogue quantizes rows in (`TmaAttentionParams.quant`)
-comptime S9_BOX_BYTES = S9_KEYS * S9_BOX_COLS * 2
-comptime S9_BLOCK_BYTES = S9_BOXES * S9_BOX_BYTES
-comptime S9_STAGES = 2
-# An `fp8_ds_mla` cache (the kernel's `fp8`): each 64-key block's rows arrive by TMA as bytes in one of
-# two raw slots (4 latent boxes of 64 keys x 128 e4m3 bytes, 128-byte swizzle, and each key's 4 float32
-# scales), and the producer thread copies the rope part, bf16 already, straight into box 8 of the one
-# bf16 stage (`S9_FP8_STAGES`: 72 KiB + 2 x 33 KiB of raw slots fit where two bf16 stages did). Each
-# math warpgroup widens its 32 keys' rows (`dequantize8`) into boxes 0-7 before it scores them
-# (`widen_raw_rows`): the producer warpgroup widening whole blocks alone (H100, 2026-12-05) held the
-# 16-head fp8 decode to 1.09 TB/s of fp8 rows, slower than the bf16 cache, since the one stage
-# serializes the widening with the math.
-comptime S9_FP8_STAGES = 1
-comptime S9_RAW_BOXES = 4  # 128 latent bytes of a key each: two bf16 boxes
-comptime S9_RAW_BOX_BYTES = S9_KEYS * 128
-comptime S9_SCALE_BYTES = S9_KEYS * 16  # 4 float32 scales per key
-comptime S9_RAW_BYTES = S9_RAW_BOXES * S9_RAW_BOX_BYTES + S9_SCALE_BYTES  # 33 KiB: 1024-byte aligned
-comptime S9_RAW_SLOTS = 2
-comptime N9_RAW_SLOTS = 3  # the narrow kernel's (attention_narrow.mojo): its Q is a quarter of this one's
-comptime S9_ROPE_COL = S9_RAW_BOXES * 128 + 16  # byte column of the rope part in a 656-byte row
 # Named barriers of the two math warpgroups (0 is `barrier()`).
 comptime BAR_MAX = 1
 comptime BAR_P = 2
 comptime BAR_SUM = 3
 comptime BAR_WIDEN = 4  # fp8, + the math warpgroup: its threads done widening its rows of a block
-# Debugging builds (`mojo build -D PYMLA_SM90_WATCHDOG_MS=2000`, scripts/build_devbin.sh's smoke
-# binary): an mbarrier wait longer than this many milliseconds traps (the launch fails instead of
-# hanging). No message: a `print` here is a call, for which ptxas drops `setmaxnreg` (C7507) and
-# spills 4 KB, so the debugging build would not run the product's register split. Named barriers
-# and `setmaxnreg.inc` wait in hardware: no watchdog can cover them. 0 (the product): none.
-comptime S9_WATCHDOG_MS = get_defined_int["PYMLA_SM90_WATCHDOG_MS", 0]()
-
-
-def box_rows(page_size: Int) -> Int:
-    """Rows of one TMA box: a page's rows, at most a key block's 64."""
-    return min(page_size, S9_KEYS)
 
 
 def sm90_supported[dtype: DType](key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Bool:
@@ -171,514 +148,6 @@ def attention_sm90_smem_bytes[fp8: Bool = False]() -> Int:
     """Dynamic shared memory of `attention_sm90_kernel`: Q, the key stages (`fp8`: one, and the raw slots),
     barriers, row tables."""
     return SmemPlan[fp8].END
-
-
-@align(64)
-struct TmaAttentionParams[dtype: DType](DevicePassable, ImplicitlyCopyable):
-    """`attention_sm90_kernel`'s one argument: the launch's `AttentionParams` and the TMA descriptors
-    of the cache layer: `[pages, page_size, key_dim]` in boxes of `[1, box_rows, 64]` (128-byte swizzle);
-    or (`create_fp8`) its `fp8_ds_mla` rows as bytes, `[pages, page_size, row_bytes]`, in boxes of
-    `[1, box_rows, 128]` (`keys`, 128-byte swizzle) and `[1, box_rows, 16]` (`scales`).
-
-    Not a `KernelParams` (the descriptor is not register-passable): the kernel
-    takes it as a grid constant and hands TMA the descriptor's address in
-    parameter space (`nvvm.grid_constant`), so CUDA-graph replay keeps it.
-    """
-
-    var keys: TMADescriptor
-    var scales: TMADescriptor  # fp8_ds_mla rows: the scales' boxes (a dtype cache: `keys` again, unused)
-    var att: AttentionParams[Self.dtype]
-    # Active: rows the block holds all keys of (`AttentionBlock.normalized`) go out quantized for step 6
-    # (`store_quantized_rows`; K blocks of S9_QUANT_BLOCK) instead of into `raw`, the merge skips them.
-    var quant: QuantizedRows
-    var attention_output: GPtr[Self.dtype]  # [rows, R]: with `quant` active and has_attention_output
-    var has_attention_output: Int32
-
-    comptime device_type: AnyType = Self
-
-    def __init__(out self, keys: TMADescriptor, scales: TMADescriptor, att: AttentionParams[Self.dtype]):
-        self.keys = keys
-        self.scales = scales
-        self.att = att
-        self.quant = QuantizedRows.none(to_global(att.raw))
-        self.attention_output = to_global(att.raw).unsafe_bitcast[Scalar[Self.dtype]]()
-        self.has_attention_output = 0
-
-    def quantizing(
-        self, quant: QuantizedRows, attention_output: GPtr[Self.dtype], has_attention_output: Bool
-    ) -> Self:
-        """These parameters with the epilogue quantizing one-partition rows into `quant` (active, K blocks
-        of S9_QUANT_BLOCK) and, with `has_attention_output`, storing them as dtype."""
-        var out = self
-        out.quant = quant
-        out.attention_output = attention_output
-        out.has_attention_output = Int32(1 if has_attention_output else 0)
-        return out
-
-    @staticmethod
-    def create(ctx: DeviceContext, cache: PagedLatentRows[Self.dtype], att: AttentionParams[Self.dtype]) raises -> Self:
-        """The descriptor of `cache`'s layer (its blocks from `layer_offset`) around `att`."""
-        comptime MAX_PAGES = 1 << 24  # a bound, not a size: boxes are addressed by the lookup table's pages
-        var view = DeviceBuffer[Self.dtype](
-            ctx, cache.blocks.unsafe_offset(cache.layer_offset), MAX_PAGES * cache.page_stride, owning=False
-        )
-        var desc = create_tma_descriptor[Self.dtype, 3, TensorMapSwizzle.SWIZZLE_128B](
-            view,
-            IndexList[3](MAX_PAGES, cache.page_size, cache.head_dim),
-            IndexList[3](cache.page_stride, cache.head_dim, 1),
-            IndexList[3](1, box_rows(cache.page_size), S9_BOX_COLS),
-        )
-        return Self(desc, desc, att)
-
-    @staticmethod
-    def create_fp8(ctx: DeviceContext, rows: Fp8LatentRows, att: AttentionParams[Self.dtype]) raises -> Self:
-        """The descriptors of `rows`' layer (`fp8_ds_mla`, as bytes from `layer_offset`) around `att`."""
-        comptime MAX_PAGES = 1 << 24  # as `create`'s
-        var view = DeviceBuffer[DType.uint8](
-            ctx, rows.bytes.unsafe_offset(rows.layer_offset), MAX_PAGES * rows.page_stride, owning=False
-        )
-        var dims = IndexList[3](MAX_PAGES, rows.page_size, rows.row_bytes)
-        var strides = IndexList[3](rows.page_stride, rows.row_bytes, 1)
-        var latent = create_tma_descriptor[DType.uint8, 3, TensorMapSwizzle.SWIZZLE_128B](
-            view, dims, strides, IndexList[3](1, box_rows(rows.page_size), 128)
-        )
-        var scales = create_tma_descriptor[DType.uint8, 3, TensorMapSwizzle.SWIZZLE_NONE](
-            view, dims, strides, IndexList[3](1, box_rows(rows.page_size), 16)
-        )
-        return Self(latent, scales, att)
-
-    def _to_device_type(self, mut encoder: Some[DeviceTypeEncoder], target: MutOpaquePointer[_]):
-        encoder.encode(self, target)
-
-    @staticmethod
-    def get_type_name() -> String:
-        return "pymla.TmaAttentionParams"
-
-
-@always_inline
-def smem_u32[T: AnyType](ptr: SPtr[T]) -> UInt32:
-    """A shared-memory pointer as the 32-bit address PTX takes."""
-    return UInt32(Int(ptr))
-
-
-@always_inline
-def tma_load_box(dst: UInt32, desc: Int, bar: UInt32, col: UInt32, row: UInt32, page: UInt32):
-    """Starts the TMA copy of the box at (page, row, col) into shared address `dst`; completes on mbarrier `bar`'s
-    transaction count."""
-    inlined_assembly[
-        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [$0], [$1, {$2, $3, $4}], [$5];",
-        NoneType,
-        constraints="r,l,r,r,r,r,~{memory}",
-        has_side_effect=True,
-    ](dst, UInt64(desc), col, row, page, bar)
-
-
-@always_inline
-def arrive_expect_tx(bar: UInt32, bytes: UInt32):
-    """The producer's arrival on mbarrier `bar`, expecting `bytes` more bytes of TMA copies in this phase."""
-    inlined_assembly[
-        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", NoneType, constraints="r,r,~{memory}", has_side_effect=True
-    ](bar, bytes)
-
-
-@always_inline
-def opaque(x: UInt32) -> UInt32:
-    """`x`, opaque to the optimizer: shared addresses re-derived inside the loop, so the wgmma
-    descriptors built from them are not all hoisted out of it and held in registers."""
-    return inlined_assembly["mov.b32 $0, $1;", UInt32, constraints="=r,r", has_side_effect=True](x)
-
-
-@always_inline
-def globaltimer_ns() -> UInt64:
-    """The GPU's global nanosecond timer."""
-    return inlined_assembly["mov.u64 $0, %globaltimer;", UInt64, constraints="=l", has_side_effect=True]()
-
-
-@always_inline
-def try_wait_parity(bar: UInt32, parity: UInt32) -> Bool:
-    """Whether the phase of parity `parity` of the mbarrier at shared address `bar` has completed."""
-    var done = inlined_assembly[
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; selp.u32 $0, 1, 0, p; }",
-        UInt32,
-        constraints="=r,r,r,~{memory}",
-        has_side_effect=True,
-    ](bar, parity)
-    return done != 0
-
-
-@always_inline
-def trap():
-    """Ends the kernel with an error (the launch fails: `illegal instruction` on the host's next sync)."""
-    inlined_assembly["trap;", NoneType, constraints="", has_side_effect=True]()
-
-
-@always_inline
-def mbar_wait_u32(bar: UInt32, parity: UInt32):
-    """Spins until the phase of parity `parity` of the mbarrier at shared address `bar` has completed."""
-    comptime if S9_WATCHDOG_MS > 0:
-        if try_wait_parity(bar, parity):
-            return
-        var t0 = globaltimer_ns()
-        while not try_wait_parity(bar, parity):
-            if globaltimer_ns() - t0 > UInt64(S9_WATCHDOG_MS) * 1_000_000:
-                trap()
-    else:
-        while not try_wait_parity(bar, parity):
-            pass
-
-
-@always_inline
-def mbar_wait(bar: SPtr[Int64], parity: Int):
-    """Spins until the phase of parity `parity` of mbarrier `bar` has completed."""
-    mbar_wait_u32(smem_u32(bar), UInt32(parity))
-
-
-@always_inline
-def sw128_desc[dtype: DType](addr: UInt32, lbo: Int, sbo: Int) -> WGMMADescriptor[dtype]:
-    """A wgmma descriptor of a 128-byte-swizzled operand at shared address `addr` (byte offsets `lbo`, `sbo`).
-
-    K-major (Q, K, P): `sbo` = 1024 (8 rows of 128 bytes), `lbo` unused; a k16
-    step inside a box adds 32 bytes to the start. MN-major (V): `lbo` = the
-    stride between 64-column boxes, `sbo` = 1024 (8 keys).
-    """
-    var v = Int64((Int(addr) & 0x3FFFF) >> 4) | (Int64(lbo >> 4) << 16) | (Int64(sbo >> 4) << 32) | (Int64(1) << 62)
-    return WGMMADescriptor[dtype](v)
-
-
-@fieldwise_init
-struct SmemPlan[fp8: Bool, rows: Int = S9_ROWS](TrivialRegisterPassable):
-    """Where things live in the dynamic shared memory (see the module docstring; `fp8`: one key stage,
-    then the raw slots). `rows`: the block's rows, Q's rows per box (64 here; 16 in the narrow
-    kernel, `attention_narrow.mojo`, whose exchange buffers follow `END`)."""
-
-    var base: SPtr[UInt8]
-
-    comptime STAGES = S9_FP8_STAGES if Self.fp8 else S9_STAGES
-    comptime RAW_SLOTS = S9_RAW_SLOTS if Self.rows == S9_ROWS else N9_RAW_SLOTS
-    comptime Q_BOX_BYTES = Self.rows * 128  # one Q box: the block's rows x 64 columns
-    comptime Q = 0
-    comptime K = S9_BOXES * Self.Q_BOX_BYTES
-    comptime RAW = Self.K + Self.STAGES * S9_BLOCK_BYTES
-    comptime BARS = Self.RAW + (Self.RAW_SLOTS * S9_RAW_BYTES if Self.fp8 else 0)
-    comptime N_FULL = Self.STAGES * S9_BOXES
-    comptime RAW_FULL = Self.BARS + 8 * (Self.N_FULL + Self.STAGES)
-    comptime RAW_EMPTY = Self.RAW_FULL + 8 * Self.RAW_SLOTS
-    comptime XMAX = Self.RAW_EMPTY + 8 * Self.RAW_SLOTS
-    # Per math warpgroup a value per row; narrow: per warpgroup, block parity and warp a value per row.
-    comptime ROW_VALUES = S9_ROWS if Self.rows == S9_ROWS else 2 * 4 * Self.rows
-    comptime XSUM = Self.XMAX + 2 * Self.ROW_VALUES * 4
-    comptime MASKS = Self.XSUM + 2 * Self.ROW_VALUES * 4
-    comptime END = Self.MASKS + 4 * Self.rows * 4
-
-    @always_inline
-    def q_u32(self) -> UInt32:
-        return smem_u32(self.base)
-
-    @always_inline
-    def stage(self, s: Int) -> SPtr[UInt8]:
-        """Key block of stage `s`: 9 boxes of 64 keys x 64 columns."""
-        return self.base.unsafe_offset(Self.K + s * S9_BLOCK_BYTES)
-
-    @always_inline
-    def raw(self, slot: Int) -> SPtr[UInt8]:
-        """`fp8`: raw slot `slot`, a block's latent boxes (64 keys x 128 bytes each), then its scales."""
-        return self.base.unsafe_offset(Self.RAW + slot * S9_RAW_BYTES)
-
-    @always_inline
-    def full(self, s: Int, box: Int) -> SPtr[Int64]:
-        """Barrier of box `box` of stage `s`: one arrival, the producer's expect_tx (`fp8`: box 8 alone, the
-        rope part; the math warpgroups widen boxes 0-7 themselves)."""
-        return self.base.unsafe_offset(Self.BARS + 8 * (s * S9_BOXES + box)).unsafe_bitcast[Int64]()
-
-    @always_inline
-    def empty(self, s: Int) -> SPtr[Int64]:
-        """Release barrier of stage `s`: one arrival per math warp once its P V on the stage is done."""
-        return self.base.unsafe_offset(Self.BARS + 8 * (Self.N_FULL + s)).unsafe_bitcast[Int64]()
-
-    @always_inline
-    def raw_full(self, slot: Int) -> SPtr[Int64]:
-        """`fp8`: transaction barrier of raw slot `slot` (one arrival: the producer's expect_tx)."""
-        return self.base.unsafe_offset(Self.RAW_FULL + 8 * slot).unsafe_bitcast[Int64]()
-
-    @always_inline
-    def raw_empty(self, slot: Int) -> SPtr[Int64]:
-        """`fp8`: release barrier of raw slot `slot`: one arrival per math warp once its warpgroup has widened it."""
-        return self.base.unsafe_offset(Self.RAW_EMPTY + 8 * slot).unsafe_bitcast[Int64]()
-
-    @always_inline
-    def xmax(self) -> SPtr[Float32]:
-        return self.base.unsafe_offset(Self.XMAX).unsafe_bitcast[Float32]()
-
-    @always_inline
-    def xsum(self) -> SPtr[Float32]:
-        return self.base.unsafe_offset(Self.XSUM).unsafe_bitcast[Float32]()
-
-    @always_inline
-    def masks(self) -> RowMasks:
-        var at = self.base.unsafe_offset(Self.MASKS)
-        return RowMasks(
-            at.unsafe_bitcast[Int32](),
-            at.unsafe_offset(Self.rows * 4).unsafe_bitcast[Int32](),
-            at.unsafe_offset(2 * Self.rows * 4).unsafe_bitcast[Int32](),
-            at.unsafe_offset(3 * Self.rows * 4).unsafe_bitcast[Float32](),
-        )
-
-    def init_barriers(self):
-        """One thread: the stage barriers, then the fence that shows them to the async proxy."""
-        for st in range(Self.STAGES):
-            for box in range(S9_BOXES):
-                mbarrier_init(self.full(st, box), 1)
-            mbarrier_init(self.empty(st), Int32(S9_MATH_THREADS // WARP_SIZE))
-        comptime if Self.fp8:
-            for slot in range(Self.RAW_SLOTS):
-                mbarrier_init(self.raw_full(slot), 1)
-                mbarrier_init(self.raw_empty(slot), Int32(S9_MATH_THREADS // WARP_SIZE))
-        fence_mbarrier_init()
-
-
-@fieldwise_init
-struct KeyBlocks(TrivialRegisterPassable):
-    """The partition's keys `[lo, hi)` in 64-key blocks aligned to 64 slots from `first`; block `b` in stage `b % 2`."""
-
-    var lo: Int
-    var hi: Int
-    var first: Int
-
-    @staticmethod
-    @always_inline
-    def of(span: Tuple[Int, Int]) -> Self:
-        return Self(span[0], span[1], (span[0] // S9_KEYS) * S9_KEYS)
-
-    @always_inline
-    def count(self) -> Int:
-        if self.hi <= self.lo:
-            return 0
-        return (self.hi - self.first + S9_KEYS - 1) // S9_KEYS
-
-    @always_inline
-    def start(self, b: Int) -> Int:
-        """First key of block `b`."""
-        return self.first + b * S9_KEYS
-
-    @always_inline
-    def copies(self, b: Int, rows: UInt32) -> UInt32:
-        """Copies of `rows` keys that block `b` takes: those that start before the partition's last key
-        (the rest of the stage keeps stale rows: masked and zeroed by the math warpgroups)."""
-        return min(UInt32(S9_KEYS), UInt32(self.hi) - UInt32(self.start(b)) + rows - 1) // rows
-
-    @always_inline
-    def partial(self, b: Int) -> Bool:
-        """Whether some key of block `b` is outside `[lo, hi)`."""
-        var k = self.start(b)
-        return k < self.lo or k + S9_KEYS > self.hi
-
-
-@always_inline
-def produce_keys[
-    dtype: DType, rows_: Int
-](p: AttentionParams[dtype], desc: Int, blk: AttentionBlock, sm: SmemPlan[False, rows_], keys: KeyBlocks):
-    """The producer thread: block `b`'s 9 column boxes into stage `b % 2` once the stage is released.
-
-    A column box is `box_rows(page_size)` rows of one page; a 64-key block takes
-    `64 / box_rows` of them per column box (one for pages of 64 keys or more),
-    `keys.copies(b)` of them. `desc`: the
-    generic address of the kernel parameter's TMA descriptor (taken in the
-    kernel: a copy of the parameter would not be in parameter space).
-
-    Every box's barrier is armed with the bytes of all its copies before the
-    first copy of the block starts. Runtime loops and 32-bit key arithmetic:
-    this thread runs on `S9_PRODUCER_REGS` registers.
-    """
-    var page_size = UInt32(p.cache.page_size)
-    var rows = UInt32(box_rows(Int(p.cache.page_size)))
-    var lookup = p.cache.lookup.unsafe_offset(blk.request * Int(p.cache.pages_per_request))
-    var stage0 = smem_u32(sm.stage(0))
-    var full0 = smem_u32(sm.full(0, 0))
-    var empty0 = smem_u32(sm.empty(0))
-    for b in range(keys.count()):
-        var s = b % S9_STAGES
-        # Phase parity: a fresh barrier passes parity 1 at once (the first use of a stage waits for nothing).
-        mbar_wait_u32(empty0 + UInt32(8 * s), UInt32(((b // S9_STAGES) & 1) ^ 1))
-        var k = UInt32(keys.start(b))
-        var parts = keys.copies(b, rows)
-        var dst = stage0 + UInt32(s * S9_BLOCK_BYTES)
-        var full = full0 + UInt32(8 * S9_BOXES * s)
-        for box in range(S9_BOXES):
-            arrive_expect_tx(full + UInt32(8 * box), parts * rows * 128)
-        for q in range(parts):
-            var key = k + q * rows
-            var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
-            var row = key % page_size
-            var at = dst + q * rows * 128
-            for box in range(S9_BOXES):
-                tma_load_box(
-                    at + UInt32(box * S9_BOX_BYTES), desc, full + UInt32(8 * box), UInt32(box * S9_BOX_COLS), row, page
-                )
-
-
-@always_inline
-def produce_fp8_keys[
-    dtype: DType, rows_: Int
-](p: AttentionParams[dtype], descs: Tuple[Int, Int], blk: AttentionBlock, sm: SmemPlan[True, rows_], keys: KeyBlocks):
-    """The producer thread on an `fp8_ds_mla` cache (module docstring, `fp8`).
-
-    It keeps the raw slots `RAW_SLOTS` blocks ahead (`copy_raw_block`): block `b + RAW_SLOTS` goes
-    into block `b`'s slot once both math warpgroups have widened it (`raw_empty`). Per block, once
-    the math warpgroups release the one stage (`empty`: P V of the block before, which also
-    read P from box 8), it copies the rope part into box 8 by TMA (`descs[0]`: the 128-byte
-    boxes; the rows' bytes land in the layout of a bf16 box).
-    """
-    var cache = p.fp8.rows
-    var page_size = UInt32(cache.page_size)
-    var rows = UInt32(box_rows(Int(cache.page_size)))
-    var lookup = cache.lookup.unsafe_offset(blk.request * Int(cache.pages_per_request))
-    var count = keys.count()
-    comptime SLOTS = SmemPlan[True, rows_].RAW_SLOTS
-    for b in range(min(count, SLOTS)):
-        copy_raw_block(descs, sm, b, lookup, page_size, rows, keys)
-    var rope_box = smem_u32(sm.stage(0)) + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
-    var rope_full = smem_u32(sm.full(0, S9_BOXES - 1))
-    for b in range(count):
-        var slot = b % SLOTS
-        mbar_wait(sm.empty(0), ((b // S9_FP8_STAGES) & 1) ^ 1)
-        var k = UInt32(keys.start(b))
-        var parts = keys.copies(b, rows)
-        arrive_expect_tx(rope_full, parts * rows * 128)
-        for q in range(parts):
-            var key = k + q * rows
-            var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
-            tma_load_box(rope_box + q * rows * 128, descs[0], rope_full, UInt32(S9_ROPE_COL), key % page_size, page)
-        if b + SLOTS < count:
-            mbar_wait(sm.raw_empty(slot), (b // SLOTS) & 1)
-            copy_raw_block(descs, sm, b + SLOTS, lookup, page_size, rows, keys)
-
-
-@always_inline
-def copy_raw_block[
-    rows_: Int
-](
-    descs: Tuple[Int, Int], sm: SmemPlan[True, rows_], b: Int, lookup: U32Ptr, page_size: UInt32, rows: UInt32,
-    keys: KeyBlocks,
-):
-    """One thread: block `b`'s `fp8_ds_mla` bytes into raw slot `b % RAW_SLOTS` by TMA (its latent boxes
-    with `descs[0]`, its scales with `descs[1]`), all on the slot's one transaction barrier."""
-    var slot = b % SmemPlan[True, rows_].RAW_SLOTS
-    var bar = smem_u32(sm.raw_full(slot))
-    var dst = smem_u32(sm.raw(slot))
-    var k = UInt32(keys.start(b))
-    var parts = keys.copies(b, rows)
-    arrive_expect_tx(bar, parts * rows * (S9_RAW_BOXES * 128 + 16))
-    for q in range(parts):
-        var key = k + q * rows
-        var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
-        var row = key % page_size
-        for j in range(S9_RAW_BOXES):
-            tma_load_box(dst + UInt32(j * S9_RAW_BOX_BYTES) + q * rows * 128, descs[0], bar, UInt32(j * 128), row, page)
-        tma_load_box(
-            dst + UInt32(S9_RAW_BOXES * S9_RAW_BOX_BYTES) + q * rows * 16, descs[1], bar, UInt32(S9_RAW_BOXES * 128), row, page
-        )
-
-
-@always_inline
-def widen_raw_rows[
-    rows_: Int, //, dtype: DType, key_rows: Int, raw_boxes: Int
-](sm: SmemPlan[True, rows_], slot: Int, row0: Int, jb0: Int, wt: Int):
-    """One math warpgroup's thread `wt`: the latent bytes of keys `row0 ..< row0 + key_rows` in raw boxes
-    `jb0 ..< jb0 + raw_boxes` of raw slot `slot` times their scales (`dequantize8`) into bf16 boxes
-    `2 jb0 ..` of the stage, in the 128-byte swizzle of both. The thread takes 16-byte output chunk
-    `wt % 8` of rows `row0 + wt / 8 + 16 i` of each box."""
-    comptime ROWS_PER_THREAD = key_rows * 8 // S9_WG  # 16-byte chunks of a box per thread
-    var raw = sm.raw(slot)
-    var scales = raw.unsafe_offset(S9_RAW_BOXES * S9_RAW_BOX_BYTES).unsafe_bitcast[Float32]()
-    var stage = sm.stage(0)
-    var c = wt % 8
-    var r0 = row0 + wt // 8
-    var swz = r0 % 8  # the rows r0 + 16 i share it
-    comptime for jbi in range(raw_boxes):
-        var jb = jb0 + jbi
-        var sc = SIMD[DType.float32, ROWS_PER_THREAD](0)
-        comptime for i in range(ROWS_PER_THREAD):
-            sc[i] = scales.unsafe_load((r0 + 16 * i) * 4 + jb)
-        comptime for half in range(2):
-            var box = 2 * jb + half
-            comptime for i in range(ROWS_PER_THREAD):
-                var r = r0 + 16 * i
-                var src = raw.unsafe_offset(jb * S9_RAW_BOX_BYTES + r * 128 + (((half * 4 + c // 2) ^ swz) * 16) + (c % 2) * 8)
-                var v = dequantize8[dtype](src.unsafe_load[width=8, alignment=8](0), sc[i])
-                stage.unsafe_offset(box * S9_BOX_BYTES + r * 128 + ((c ^ swz) * 16)).unsafe_bitcast[
-                    Scalar[dtype]
-                ]().unsafe_store[alignment=16](0, v)
-
-
-@always_inline
-def load_q[
-    dtype: DType, fp8: Bool, rows: Int, //
-](p: AttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], tid: Int):
-    """Q rows of the block into `q_s` in dtype (exact: q_full holds dtype values), zeros past the request's rows:
-    box `c / 8` of `rows` rows x 128 bytes, swizzled."""
-    comptime CHUNKS = S9_KEY_DIM // 8  # 16-byte chunks per row
-    var v = tid
-    while v < rows * CHUNKS:
-        var r = v // CHUNKS
-        var c = v % CHUNKS
-        var x = SIMD[DType.float32, 8](0)
-        if blk.row0 + r < blk.row_end:
-            x = p.q_full.unsafe_offset((blk.row0 + r) * S9_KEY_DIM + c * 8).unsafe_load[width=8, alignment=16](0)
-        var at = (c // 8) * SmemPlan[fp8, rows].Q_BOX_BYTES + r * 128 + (((c % 8) ^ (r % 8)) * 16)
-        sm.base.unsafe_offset(at).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=16](0, x.cast[dtype]())
-        v += S9_THREADS
-
-
-@always_inline
-def zero_outside_values[
-    fp8: Bool, rows: Int, //, key_rows: Int, boxes: Int
-](sm: SmemPlan[fp8, rows], keys: KeyBlocks, b: Int, s: Int, row0: Int, box0: Int, wt: Int):
-    """Zeros the value rows of block `b`'s keys outside `[lo, hi)` in stage `s`: one warpgroup's thread
-    `wt`, rows `row0 ..< row0 + key_rows` of boxes `box0 ..< box0 + boxes`."""
-    var k0 = keys.start(b)
-    comptime CHUNKS = boxes * 8  # 16-byte chunks of a row's columns in those boxes
-    var v = wt
-    while v < key_rows * CHUNKS:
-        var r = row0 + v // CHUNKS
-        var c = v % CHUNKS
-        var key = k0 + r
-        if key < keys.lo or key >= keys.hi:
-            var at = (box0 + c // 8) * S9_BOX_BYTES + r * 128 + (c % 8) * 16
-            sm.stage(s).unsafe_offset(at).unsafe_bitcast[UInt32]().unsafe_store[alignment=16](
-                0, SIMD[DType.uint32, 4](0)
-            )
-        v += S9_WG
-
-
-@always_inline
-def start_block[
-    dtype: DType, fp8: Bool, rows: Int, //
-](p: TmaAttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], tid: Int) -> KeyBlocks:
-    """Every thread of a TMA kernel's block: the rows' masks, the barriers, Q; then (after a block barrier)
-    the partition's keys any of the block's rows needs."""
-    var masks = sm.masks()
-    if tid < rows:
-        masks.store(blk, p.att, tid)
-    if tid == S9_MATH_THREADS:
-        sm.init_barriers()
-    load_q(p.att, blk, sm, tid)
-    fence_async_proxy()
-    barrier()
-    return KeyBlocks.of(masks.key_span(blk, rows))
-
-
-@always_inline
-def produce[
-    dtype: DType, fp8: Bool, rows: Int, //
-](p: TmaAttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], keys: KeyBlocks):
-    """The producer thread of a TMA kernel: `produce_fp8_keys` or `produce_keys` (the descriptors' addresses
-    in parameter space, `p` being the kernel's grid-constant parameter)."""
-    comptime if fp8:
-        produce_fp8_keys(
-            p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk, rebind[SmemPlan[True, rows]](sm), keys
-        )
-    else:
-        produce_keys(p.att, Int(Pointer(to=p.keys)), blk, rebind[SmemPlan[False, rows]](sm), keys)
 
 
 @__llvm_metadata(MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(S9_THREADS)))

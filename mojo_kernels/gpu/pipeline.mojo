@@ -74,14 +74,7 @@ from .attention_block import AttentionParams, enqueue_attention, enqueue_attenti
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_kernel, attention_mma_smem_bytes
 from .attention_narrow import N9_ROWS, attention_narrow_kernel, attention_narrow_smem_bytes
-from .attention_sm90 import (
-    S9_QUANT_BLOCK,
-    S9_ROWS,
-    S9_THREADS,
-    TmaAttentionParams,
-    attention_sm90_kernel,
-    attention_sm90_smem_bytes,
-)
+from .attention_sm90 import S9_QUANT_BLOCK, attention_sm90_kernel, attention_sm90_smem_bytes
 from .attention_wgmma import WG_BLOCK_THREADS, WG_ROWS, attention_wgmma_kernel, attention_wgmma_smem_bytes
 from .merge import (
     MERGE_QUANT_RANK,
@@ -126,6 +119,7 @@ from .schedule import (
 )
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
 from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
+from .tma_smem import S9_ROWS, S9_THREADS, TmaAttentionParams
 
 
 def device_cache[dtype: DType](p: DecodeProblem[dtype]) -> DeviceCache[dtype]:

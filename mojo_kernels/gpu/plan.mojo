@@ -22,8 +22,9 @@ from ..problem import DecodeProblem
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_smem_bytes, mma_supported
 from .attention_narrow import N9_ROWS
-from .attention_sm90 import S9_ROWS, sm90_supported
+from .attention_sm90 import sm90_supported
 from .attention_wgmma import WG_ROWS, wgmma_supported
+from .tma_smem import S9_ROWS
 from .projection import MATMUL_SMEM_FLOATS
 from .projection_mma import TileLayout
 from .steps_fused import tile_cols, tile_rows

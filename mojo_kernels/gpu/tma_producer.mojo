@@ -1,0 +1,240 @@
+"""The TMA attention kernels' data movement (`attention_sm90.mojo`, `attention_narrow.mojo`): the block's
+prologue (row masks, barriers, Q), the producer thread's copies of the key blocks (bf16 / f16 boxes, or
+`fp8_ds_mla` rows into raw slots and the rope part), and the math warpgroups' widening of raw fp8
+rows and zeroing of value rows outside a partition."""
+
+from max.gpu import barrier
+
+from ..common import U32Ptr
+from .attention_block import AttentionBlock, AttentionParams, dequantize8, fence_async_proxy
+from .hopper import arrive_expect_tx, mbar_wait, mbar_wait_u32, smem_u32, tma_load_box
+from .tma_smem import (
+    S9_BLOCK_BYTES,
+    S9_BOXES,
+    S9_BOX_BYTES,
+    S9_BOX_COLS,
+    S9_FP8_STAGES,
+    S9_KEYS,
+    S9_KEY_DIM,
+    S9_MATH_THREADS,
+    S9_RAW_BOXES,
+    S9_RAW_BOX_BYTES,
+    S9_ROPE_COL,
+    S9_ROWS,
+    S9_STAGES,
+    S9_THREADS,
+    S9_WG,
+    KeyBlocks,
+    SmemPlan,
+    TmaAttentionParams,
+    box_rows,
+)
+
+@always_inline
+def produce_keys[
+    dtype: DType, rows_: Int
+](p: AttentionParams[dtype], desc: Int, blk: AttentionBlock, sm: SmemPlan[False, rows_], keys: KeyBlocks):
+    """The producer thread: block `b`'s 9 column boxes into stage `b % 2` once the stage is released.
+
+    A column box is `box_rows(page_size)` rows of one page; a 64-key block takes
+    `64 / box_rows` of them per column box (one for pages of 64 keys or more),
+    `keys.copies(b)` of them. `desc`: the
+    generic address of the kernel parameter's TMA descriptor (taken in the
+    kernel: a copy of the parameter would not be in parameter space).
+
+    Every box's barrier is armed with the bytes of all its copies before the
+    first copy of the block starts. Runtime loops and 32-bit key arithmetic:
+    this thread runs on `S9_PRODUCER_REGS` registers.
+    """
+    var page_size = UInt32(p.cache.page_size)
+    var rows = UInt32(box_rows(Int(p.cache.page_size)))
+    var lookup = p.cache.lookup.unsafe_offset(blk.request * Int(p.cache.pages_per_request))
+    var stage0 = smem_u32(sm.stage(0))
+    var full0 = smem_u32(sm.full(0, 0))
+    var empty0 = smem_u32(sm.empty(0))
+    for b in range(keys.count()):
+        var s = b % S9_STAGES
+        # Phase parity: a fresh barrier passes parity 1 at once (the first use of a stage waits for nothing).
+        mbar_wait_u32(empty0 + UInt32(8 * s), UInt32(((b // S9_STAGES) & 1) ^ 1))
+        var k = UInt32(keys.start(b))
+        var parts = keys.copies(b, rows)
+        var dst = stage0 + UInt32(s * S9_BLOCK_BYTES)
+        var full = full0 + UInt32(8 * S9_BOXES * s)
+        for box in range(S9_BOXES):
+            arrive_expect_tx(full + UInt32(8 * box), parts * rows * 128)
+        for q in range(parts):
+            var key = k + q * rows
+            var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
+            var row = key % page_size
+            var at = dst + q * rows * 128
+            for box in range(S9_BOXES):
+                tma_load_box(
+                    at + UInt32(box * S9_BOX_BYTES), desc, full + UInt32(8 * box), UInt32(box * S9_BOX_COLS), row, page
+                )
+
+
+@always_inline
+def produce_fp8_keys[
+    dtype: DType, rows_: Int
+](p: AttentionParams[dtype], descs: Tuple[Int, Int], blk: AttentionBlock, sm: SmemPlan[True, rows_], keys: KeyBlocks):
+    """The producer thread on an `fp8_ds_mla` cache (module docstring, `fp8`).
+
+    It keeps the raw slots `RAW_SLOTS` blocks ahead (`copy_raw_block`): block `b + RAW_SLOTS` goes
+    into block `b`'s slot once both math warpgroups have widened it (`raw_empty`). Per block, once
+    the math warpgroups release the one stage (`empty`: P V of the block before, which also
+    read P from box 8), it copies the rope part into box 8 by TMA (`descs[0]`: the 128-byte
+    boxes; the rows' bytes land in the layout of a bf16 box).
+    """
+    var cache = p.fp8.rows
+    var page_size = UInt32(cache.page_size)
+    var rows = UInt32(box_rows(Int(cache.page_size)))
+    var lookup = cache.lookup.unsafe_offset(blk.request * Int(cache.pages_per_request))
+    var count = keys.count()
+    comptime SLOTS = SmemPlan[True, rows_].RAW_SLOTS
+    for b in range(min(count, SLOTS)):
+        copy_raw_block(descs, sm, b, lookup, page_size, rows, keys)
+    var rope_box = smem_u32(sm.stage(0)) + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
+    var rope_full = smem_u32(sm.full(0, S9_BOXES - 1))
+    for b in range(count):
+        var slot = b % SLOTS
+        mbar_wait(sm.empty(0), ((b // S9_FP8_STAGES) & 1) ^ 1)
+        var k = UInt32(keys.start(b))
+        var parts = keys.copies(b, rows)
+        arrive_expect_tx(rope_full, parts * rows * 128)
+        for q in range(parts):
+            var key = k + q * rows
+            var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
+            tma_load_box(rope_box + q * rows * 128, descs[0], rope_full, UInt32(S9_ROPE_COL), key % page_size, page)
+        if b + SLOTS < count:
+            mbar_wait(sm.raw_empty(slot), (b // SLOTS) & 1)
+            copy_raw_block(descs, sm, b + SLOTS, lookup, page_size, rows, keys)
+
+
+@always_inline
+def copy_raw_block[
+    rows_: Int
+](
+    descs: Tuple[Int, Int], sm: SmemPlan[True, rows_], b: Int, lookup: U32Ptr, page_size: UInt32, rows: UInt32,
+    keys: KeyBlocks,
+):
+    """One thread: block `b`'s `fp8_ds_mla` bytes into raw slot `b % RAW_SLOTS` by TMA (its latent boxes
+    with `descs[0]`, its scales with `descs[1]`), all on the slot's one transaction barrier."""
+    var slot = b % SmemPlan[True, rows_].RAW_SLOTS
+    var bar = smem_u32(sm.raw_full(slot))
+    var dst = smem_u32(sm.raw(slot))
+    var k = UInt32(keys.start(b))
+    var parts = keys.copies(b, rows)
+    arrive_expect_tx(bar, parts * rows * (S9_RAW_BOXES * 128 + 16))
+    for q in range(parts):
+        var key = k + q * rows
+        var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
+        var row = key % page_size
+        for j in range(S9_RAW_BOXES):
+            tma_load_box(dst + UInt32(j * S9_RAW_BOX_BYTES) + q * rows * 128, descs[0], bar, UInt32(j * 128), row, page)
+        tma_load_box(
+            dst + UInt32(S9_RAW_BOXES * S9_RAW_BOX_BYTES) + q * rows * 16, descs[1], bar, UInt32(S9_RAW_BOXES * 128), row, page
+        )
+
+
+@always_inline
+def widen_raw_rows[
+    rows_: Int, //, dtype: DType, key_rows: Int, raw_boxes: Int
+](sm: SmemPlan[True, rows_], slot: Int, row0: Int, jb0: Int, wt: Int):
+    """One math warpgroup's thread `wt`: the latent bytes of keys `row0 ..< row0 + key_rows` in raw boxes
+    `jb0 ..< jb0 + raw_boxes` of raw slot `slot` times their scales (`dequantize8`) into bf16 boxes
+    `2 jb0 ..` of the stage, in the 128-byte swizzle of both. The thread takes 16-byte output chunk
+    `wt % 8` of rows `row0 + wt / 8 + 16 i` of each box."""
+    comptime ROWS_PER_THREAD = key_rows * 8 // S9_WG  # 16-byte chunks of a box per thread
+    var raw = sm.raw(slot)
+    var scales = raw.unsafe_offset(S9_RAW_BOXES * S9_RAW_BOX_BYTES).unsafe_bitcast[Float32]()
+    var stage = sm.stage(0)
+    var c = wt % 8
+    var r0 = row0 + wt // 8
+    var swz = r0 % 8  # the rows r0 + 16 i share it
+    comptime for jbi in range(raw_boxes):
+        var jb = jb0 + jbi
+        var sc = SIMD[DType.float32, ROWS_PER_THREAD](0)
+        comptime for i in range(ROWS_PER_THREAD):
+            sc[i] = scales.unsafe_load((r0 + 16 * i) * 4 + jb)
+        comptime for half in range(2):
+            var box = 2 * jb + half
+            comptime for i in range(ROWS_PER_THREAD):
+                var r = r0 + 16 * i
+                var src = raw.unsafe_offset(jb * S9_RAW_BOX_BYTES + r * 128 + (((half * 4 + c // 2) ^ swz) * 16) + (c % 2) * 8)
+                var v = dequantize8[dtype](src.unsafe_load[width=8, alignment=8](0), sc[i])
+                stage.unsafe_offset(box * S9_BOX_BYTES + r * 128 + ((c ^ swz) * 16)).unsafe_bitcast[
+                    Scalar[dtype]
+                ]().unsafe_store[alignment=16](0, v)
+
+
+@always_inline
+def load_q[
+    dtype: DType, fp8: Bool, rows: Int, //
+](p: AttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], tid: Int):
+    """Q rows of the block into `q_s` in dtype (exact: q_full holds dtype values), zeros past the request's rows:
+    box `c / 8` of `rows` rows x 128 bytes, swizzled."""
+    comptime CHUNKS = S9_KEY_DIM // 8  # 16-byte chunks per row
+    var v = tid
+    while v < rows * CHUNKS:
+        var r = v // CHUNKS
+        var c = v % CHUNKS
+        var x = SIMD[DType.float32, 8](0)
+        if blk.row0 + r < blk.row_end:
+            x = p.q_full.unsafe_offset((blk.row0 + r) * S9_KEY_DIM + c * 8).unsafe_load[width=8, alignment=16](0)
+        var at = (c // 8) * SmemPlan[fp8, rows].Q_BOX_BYTES + r * 128 + (((c % 8) ^ (r % 8)) * 16)
+        sm.base.unsafe_offset(at).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=16](0, x.cast[dtype]())
+        v += S9_THREADS
+
+
+@always_inline
+def zero_outside_values[
+    fp8: Bool, rows: Int, //, key_rows: Int, boxes: Int
+](sm: SmemPlan[fp8, rows], keys: KeyBlocks, b: Int, s: Int, row0: Int, box0: Int, wt: Int):
+    """Zeros the value rows of block `b`'s keys outside `[lo, hi)` in stage `s`: one warpgroup's thread
+    `wt`, rows `row0 ..< row0 + key_rows` of boxes `box0 ..< box0 + boxes`."""
+    var k0 = keys.start(b)
+    comptime CHUNKS = boxes * 8  # 16-byte chunks of a row's columns in those boxes
+    var v = wt
+    while v < key_rows * CHUNKS:
+        var r = row0 + v // CHUNKS
+        var c = v % CHUNKS
+        var key = k0 + r
+        if key < keys.lo or key >= keys.hi:
+            var at = (box0 + c // 8) * S9_BOX_BYTES + r * 128 + (c % 8) * 16
+            sm.stage(s).unsafe_offset(at).unsafe_bitcast[UInt32]().unsafe_store[alignment=16](
+                0, SIMD[DType.uint32, 4](0)
+            )
+        v += S9_WG
+
+
+@always_inline
+def start_block[
+    dtype: DType, fp8: Bool, rows: Int, //
+](p: TmaAttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], tid: Int) -> KeyBlocks:
+    """Every thread of a TMA kernel's block: the rows' masks, the barriers, Q; then (after a block barrier)
+    the partition's keys any of the block's rows needs."""
+    var masks = sm.masks()
+    if tid < rows:
+        masks.store(blk, p.att, tid)
+    if tid == S9_MATH_THREADS:
+        sm.init_barriers()
+    load_q(p.att, blk, sm, tid)
+    fence_async_proxy()
+    barrier()
+    return KeyBlocks.of(masks.key_span(blk, rows))
+
+
+@always_inline
+def produce[
+    dtype: DType, fp8: Bool, rows: Int, //
+](p: TmaAttentionParams[dtype], blk: AttentionBlock, sm: SmemPlan[fp8, rows], keys: KeyBlocks):
+    """The producer thread of a TMA kernel: `produce_fp8_keys` or `produce_keys` (the descriptors' addresses
+    in parameter space, `p` being the kernel's grid-constant parameter)."""
+    comptime if fp8:
+        produce_fp8_keys(
+            p.att, (Int(Pointer(to=p.keys)), Int(Pointer(to=p.scales))), blk, rebind[SmemPlan[True, rows]](sm), keys
+        )
+    else:
+        produce_keys(p.att, Int(Pointer(to=p.keys)), blk, rebind[SmemPlan[False, rows]](sm), keys)
+
+
