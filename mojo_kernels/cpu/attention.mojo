@@ -39,7 +39,7 @@ ranges, and ALiBi takes each slot's sequence position.
 
 from std.math import min
 
-from ..common import DPtr, FPtr, ceil_div
+from ..common import DPtr, FPtr
 from ..paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch, partition_keys
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from .amx import TILE_DEPTH, TILE_ROWS, AmxTiles, TileUnit

@@ -89,10 +89,9 @@ from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
 from max.gpu.sync import mbarrier_arrive, named_barrier
 
 from ..fp8 import activation_scale, e4m3_as_f16
-from .attention_block import AttentionBlock, AttentionParams, SPtr, fence_async_proxy, rescale_row
+from .attention_block import AttentionBlock, AttentionParams, fence_async_proxy, rescale_row
 from .attention_wgmma import quad_max, quad_sum
 from .hopper import mbar_wait, opaque, smem_u32, sw128_desc
-from .params import GPtr
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
 from .tma_smem import (

@@ -66,9 +66,9 @@ the op starts after everything before it. With `GpuPlan.quantize_in_merge`
 from max.gpu import WARP_SIZE
 from max.gpu.host import DeviceBuffer, DeviceContext
 
-from ..common import DPtr, FPtr, U8Ptr, ceil_div
+from ..common import FPtr, ceil_div
 from ..problem import DecodeProblem
-from ..spec import SCORE_MOD_ALIBI_POS, Granularity
+from ..spec import SCORE_MOD_ALIBI_POS
 from .addressing import ELEMENTWISE_THREADS, attention_slots
 from .attention_block import AttentionParams, enqueue_attention, enqueue_attention_with
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_fma_kernel, attention_smem_bytes
