@@ -50,7 +50,10 @@ comptime SM90_MIN_HEADS = 16
 # The narrow TMA kernel (attention_narrow.mojo): keys as the M of its wgmmas, 16 rows per block, -2
 # warps per group marks it. The op's choice for an fp8_ds_mla cache at up to N9_ROWS heads (one
 # block's rows per token), where the 64-row kernel is bound by its padded math, not by the bytes.
-# NOT YET MEASURED (written 2026-12-05, ninth session; `gpu_bench variants ...:fp8` times both).
+# H100, 2026-12-05, tenth session (benchmarks/results/h100-2026-12-05k/), fp8 rows, 16 h b64 8k:
+# step 5 187.5 us against the 64-row kernel's 257.0; the whole op 16 h b8 8k / b64 8k / b128 32k
+# 74.6 / 281.5 / 1898 -> 62.6 / 209.9 / 1417 us. On bf16 rows 227.7 against 231.5 us (not taken:
+# within run-to-run spread), at 128 heads b8 2x slower.
 comptime NARROW_SHAPE = (N9_ROWS // MMA_ROWS, 64, -2)
 comptime NARROW_MAX_HEADS = N9_ROWS
 comptime MMA_MANY_HEADS = (2, 64, 4)  # 32 heads or more: two groups share every key tile
@@ -90,8 +93,10 @@ comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile
 # 2 alternated rounds; benchmarks/results/h200-2026-12-05b/bench_pdl.log) it cost 1.8-2.3 us per
 # call (16 h b8 8k: 73.4 -> 75.2 us; 128 h b64 8k: 737.6 -> 739.9 us): today's kernels have
 # little prologue to overlap. With every kernel letting its dependents in at entry it cost 6-10 us
-# (H100, 2026-12-05h, 16 h b8 8k 69.6 -> 77.6, 128 h b8 8k 98.1 -> 106.3); the kernels now trigger
-# late (pdl.mojo), to be measured (the `bench` mode's PDL line).
+# (H100, 2026-12-05h, 16 h b8 8k 69.6 -> 77.6, 128 h b8 8k 98.1 -> 106.3). The kernels now trigger
+# late (pdl.mojo), and PDL on is 3-6 us faster (H100, 2026-12-05j and k, `gpu_bench bench`: 128 h b64
+# 8k 418.1 -> 413.4, 128 h b8 8k 97.3 -> 90.9, 16 h b8 8k 70.1 -> 65.3 us); still off until the cuda
+# parity and serving tests have run through MAX with it on (branch pdl-default-on).
 comptime PDL_DEFAULT = False
 # Step 6's activation quantization in the partition merge (merge.mojo, `QuantizedRows`) where the
 # sizes allow it (`pipeline.merge_quantizes`). On: same H200 run, 16 h b8 8k 73.4 -> 65.8 us per
