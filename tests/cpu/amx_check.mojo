@@ -559,19 +559,17 @@ def main() raises:
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
+    # The tile registers, asked for before any tile instruction (without them one faults).
+    if amx_runs() and not amx_permitted():
+        raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
     if len(argv()) > 1 and argv()[1] == "projections":
-        # Steps 3 and 6 alone: their checks, then their timings per path, side by side (the tile
-        # registers asked for first, as below: without them a tile instruction faults).
-        if amx_runs() and not amx_permitted():
-            raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        # Steps 3 and 6 alone: their checks, then their timings per path, side by side.
         var failed = 0
         check_projections(failed)
         time_projections(7, failed)
         if failed:
             raise Error(String(failed, " checks failed"))
         return
-    if amx_runs() and not amx_permitted():
-        raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
     var failures = 0
     var seed = 1
     # Page sizes x heads, ragged: a request with no new token, one with an empty cache, one crossing pages.
