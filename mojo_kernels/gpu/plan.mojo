@@ -82,9 +82,10 @@ comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile
 # 2 alternated rounds; benchmarks/results/h200-2026-12-05b/bench_pdl.log) it cost 1.8-2.3 us per
 # call (16 h b8 8k: 73.4 -> 75.2 us; 128 h b64 8k: 737.6 -> 739.9 us): today's kernels have
 # little prologue to overlap. With every kernel letting its dependents in at entry it cost 6-10 us
-# (H100, 2026-12-05h, 16 h b8 8k 69.6 -> 77.6, 128 h b8 8k 98.1 -> 106.3); the kernels now trigger
-# late (pdl.mojo), to be measured (the `bench` mode's PDL line).
-comptime PDL_DEFAULT = False
+# (H100, 2026-12-05h, 16 h b8 8k 69.6 -> 77.6, 128 h b8 8k 98.1 -> 106.3). With the kernels
+# triggering late (pdl.mojo) it saves 3-6 us (H100, 2026-12-05j, best of 2: 16 h b8 8k 70.3 -> 66.9,
+# 128 h b8 8k 97.1 -> 92.8, 128 h b64 8k 421.4 -> 417.3; b128 32k within noise): on.
+comptime PDL_DEFAULT = True
 # Step 6's activation quantization in the partition merge (merge.mojo, `QuantizedRows`) where the
 # sizes allow it (`pipeline.merge_quantizes`). On: same H200 run, 16 h b8 8k 73.4 -> 65.8 us per
 # call (-7.6 us, -10%), 128 h b64 8k 737.6 -> 737.3 us; gpu_smoke checks the op both ways.
