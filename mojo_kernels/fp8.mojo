@@ -24,6 +24,13 @@ def scaled_into_range[w: Int](x: SIMD[DType.float32, w], scale: Float32) -> SIMD
     return min(max(x / scale, -FP8_MAX), FP8_MAX)
 
 
+@always_inline
+def e4m3_as_f16[w: Int](x: SIMD[DType.float32, w], scale: Float32) -> SIMD[DType.float16, w]:
+    """`x` quantized with `scale` (`scaled_into_range`, then the hardware's rounding to e4m3), held in
+    float16, where every e4m3 value is exact: the activations the GPU's tensor-core projections read."""
+    return scaled_into_range[w](x, scale).cast[DType.float8_e4m3fn]().cast[DType.float16]()
+
+
 def round_to_e4m3[w: Int](x: SIMD[DType.float32, w]) -> SIMD[DType.float32, w]:
     """The e4m3 value nearest to `x` (ties to even), as float32; `|x| <= 448`.
 

@@ -5,9 +5,10 @@
 # (step 5 alone and the whole op, `gpu_bench both`), peers.json (FlashMLA, and Triton with
 # PEERS_WHICH=flashmla,triton) and, when FlashInfer's wheels are staged, flashinfer.json.
 #
-#   call 1 (optional, FlashInfer), carry [".whl/fi/a"]:
-#       mkdir -p /tmp/fi_stage && cp .whl/fi/a/*.whl /tmp/fi_stage/
-#   call 2, carry [".devbin", ".peers"] (+ ".whl/fi/b" after call 1), timeout_s 600:
+#   calls 1 and 2 (optional, FlashInfer's wheel in halves: scripts/device_stage_flashinfer.sh),
+#       carry [".whl/fi/a1"]: bash scripts/device_stage_flashinfer.sh 1
+#       carry [".whl/fi/a2"]: bash scripts/device_stage_flashinfer.sh 2
+#   call 3, carry [".devbin", ".peers"] (+ ".whl/fi/b" after calls 1-2), timeout_s 600:
 #       bash scripts/device_gpu_vs_peers.sh
 #
 # (.devbin: scripts/build_devbin.sh, or a branch's build carried under another name and moved

@@ -141,12 +141,19 @@ for d in "$WHL"/parts/part*/; do
 done
 echo "total wheels: $(du -cb "$WHL"/w/*.whl | tail -1 | cut -f1) bytes in $i parts"
 
-# FlashInfer alone, for a peer run without MAX: two carries (the 62 MB wheel; its dependencies).
+# FlashInfer alone, for a peer run without MAX: the 62 MB wheel in two halves (a call carries at
+# most 64 MiB with the working tree: a1, a2) and its dependencies (b); scripts/device_stage_flashinfer.sh
+# puts the wheel back together on the device.
 if [[ "${WITH_FLASHINFER:-0}" == 1 ]]; then
-    rm -rf "$WHL/fi" && mkdir -p "$WHL/fi/a" "$WHL/fi/b"
-    cp "$WHL"/w/flashinfer_python-*.whl "$WHL/fi/a/"
+    rm -rf "$WHL/fi" && mkdir -p "$WHL/fi/a1" "$WHL/fi/a2" "$WHL/fi/b"
+    fi_whl=$(ls "$WHL"/w/flashinfer_python-*.whl)
+    half=$(( ($(stat -c %s "$fi_whl") + 1) / 2 ))
+    head -c "$half" "$fi_whl" > "$WHL/fi/a1/fi.part0"
+    tail -c +$(( half + 1 )) "$fi_whl" > "$WHL/fi/a2/fi.part1"
+    basename "$fi_whl" > "$WHL/fi/a2/NAME"
+    sha256sum "$fi_whl" | cut -d' ' -f1 > "$WHL/fi/a2/SHA256"
     for w in apache_tvm_ffi einops tabulate tqdm nvidia_ml_py ninja requests urllib3 idna certifi; do
         cp "$WHL"/w/"$w"-*.whl "$WHL/fi/b/"
     done
-    echo "FlashInfer without MAX: $WHL/fi/a ($(du -sb "$WHL/fi/a" | cut -f1) bytes), $WHL/fi/b ($(du -sb "$WHL/fi/b" | cut -f1) bytes)"
+    echo "FlashInfer without MAX: $WHL/fi/a1, $WHL/fi/a2 (the wheel in halves), $WHL/fi/b ($(du -sb "$WHL/fi/b" | cut -f1) bytes)"
 fi

@@ -96,7 +96,7 @@ from .attention_block import AttentionBlock, AttentionParams, RowMasks, SPtr, de
 from .attention_wgmma import quad_max, quad_sum
 from .params import GPtr, to_global
 from .projection_mma import QuantizedRows
-from ..fp8 import activation_scale, scaled_into_range
+from ..fp8 import activation_scale, e4m3_as_f16
 from .pdl import allow_dependents, wait_for_producers
 
 comptime S9_ROWS = 64  # rows per block: the M of one wgmma
@@ -907,9 +907,7 @@ def store_quantized_rows[
             comptime for jj in range(J_PER_BLOCK):
                 var col = wg * S9_VALUE_COLS + 8 * (kb * J_PER_BLOCK + jj) + 2 * t4
                 var v = SIMD[DType.float32, 2](vals[2 * jj], vals[2 * jj + 1])
-                p.quant.values.unsafe_offset(row * rank + col).unsafe_store[alignment=4](
-                    0, scaled_into_range[2](v, scale).cast[DType.float8_e4m3fn]().cast[DType.float16]()
-                )
+                p.quant.values.unsafe_offset(row * rank + col).unsafe_store[alignment=4](0, e4m3_as_f16[2](v, scale))
                 if p.has_attention_output != 0:
                     p.attention_output.unsafe_offset(row * rank + col).unsafe_store[alignment=2 * size_of[dtype]()](
                         0, v.cast[dtype]()

@@ -18,7 +18,7 @@ from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
 from max.gpu.memory import AddressSpace
 from max.gpu.primitives import warp
 
-from ..fp8 import activation_scale, scaled_into_range
+from ..fp8 import activation_scale, e4m3_as_f16
 from .addressing import ELEMENTWISE_THREADS
 from .params import GFPtr, GPtr, KernelParams
 from .pdl import wait_for_producers
@@ -157,9 +157,8 @@ def quantize_row[
     barrier()
     for c in range(4 * tid, rank, 4 * MERGE_THREADS):
         var value = row_s.unsafe_offset(c).unsafe_load[width=4, alignment=16](0)
-        var x = scaled_into_range[4](value, scale_s.unsafe_load(c // bk))
         p.quant.values.unsafe_offset(row * rank + c).unsafe_store[alignment=8](
-            0, x.cast[DType.float8_e4m3fn]().cast[DType.float16]()
+            0, e4m3_as_f16[4](value, scale_s.unsafe_load(c // bk))
         )
         if p.has_attention_output != 0:
             p.attention_output.unsafe_offset(row * rank + c).unsafe_store[alignment=4 * size_of[dtype]()](

@@ -42,7 +42,7 @@ from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group
 from max.gpu.primitives import warp
 
 from ..common import ceil_div
-from ..fp8 import activation_scale, scaled_into_range
+from ..fp8 import activation_scale, e4m3_as_f16
 from ..spec import BlockShape
 from .params import GFPtr, GlobalPtr, GPtr
 
@@ -308,13 +308,13 @@ def stage_activations[
             scale = activation_scale(amax)
         var src = act.a_g.unsafe_offset(m * act.ms + k0)
         for kk in range(lane, lay.block_kp, WARP_SIZE):
-            var x = Float32(0)
+            var x = SIMD[DType.float16, 1](0)
             if m < act.rows and kk < width:
                 var xv = src.unsafe_load(kk)
-                x = scaled_into_range[1](xv.cast[DType.float32](), scale)
+                x = e4m3_as_f16[1](xv.cast[DType.float32](), scale)
                 if do_copy:
                     act.copy_g.unsafe_store(m * copy_m_stride + k0 + kk, xv.cast[copy_dtype]())
-            dst.unsafe_store(kk, x.cast[DType.float8_e4m3fn]().cast[DType.float16]())
+            dst.unsafe_store(kk, x[0])
         if lane == 0:
             sm.sa_s.unsafe_store(item, scale)
 
@@ -375,9 +375,8 @@ def quantize_rows_in_registers[
             var amax = item_max[s // VPI]
             var scale = activation_scale(amax)
             if rr < mt and kk < lay.block_kp:
-                var x = scaled_into_range[4](v[s], scale)
                 sm.a_s.unsafe_offset(rr * lay.a_stride + kbb * lay.block_kp + kk).unsafe_store[alignment=8](
-                    0, x.cast[DType.float8_e4m3fn]().cast[DType.float16]()
+                    0, e4m3_as_f16[4](v[s], scale)
                 )
                 if lane == 0 and s % VPI == 0:
                     sm.sa_s.unsafe_store(rr * kb_count + kbb, scale)
