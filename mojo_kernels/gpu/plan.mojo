@@ -94,10 +94,11 @@ comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile
 # call (16 h b8 8k: 73.4 -> 75.2 us; 128 h b64 8k: 737.6 -> 739.9 us): today's kernels have
 # little prologue to overlap. With every kernel letting its dependents in at entry it cost 6-10 us
 # (H100, 2026-12-05h, 16 h b8 8k 69.6 -> 77.6, 128 h b8 8k 98.1 -> 106.3). The kernels now trigger
-# late (pdl.mojo), and PDL on is 3-6 us faster (H100, 2026-12-05j and k, `gpu_bench bench`: 128 h b64
-# 8k 418.1 -> 413.4, 128 h b8 8k 97.3 -> 90.9, 16 h b8 8k 70.1 -> 65.3 us); still off until the cuda
-# parity and serving tests have run through MAX with it on (branch pdl-default-on).
-comptime PDL_DEFAULT = False
+# late (pdl.mojo), and PDL on is faster at every shape measured: 3-6 us on the H100 (2026-12-05j and
+# k) and 1.5-6.6 us on the H200 (2026-12-05l gpu_both.log, bf16 and fp8_ds_mla caches, 16 and 128
+# heads, b8 to b128). The cuda parity grid (147 passed) and the serving tests (CUDA-graph replay,
+# 4 passed) ran through MAX with it on (H200, 2026-12-05l): on.
+comptime PDL_DEFAULT = True
 # Step 6's activation quantization in the partition merge (merge.mojo, `QuantizedRows`) where the
 # sizes allow it (`pipeline.merge_quantizes`). On: same H200 run, 16 h b8 8k 73.4 -> 65.8 us per
 # call (-7.6 us, -10%), 128 h b64 8k 737.6 -> 737.3 us; gpu_smoke checks the op both ways.
