@@ -10,6 +10,9 @@
 #   ncu CFG            Nsight Compute sections of one launch of KERNEL (a regex; default attention_mma), the
 #                      launch after the first LAUNCH_SKIP (default 1) that match (KERNEL=steps_fused matches the
 #                      q step and the output step, in that order per call: LAUNCH_SKIP=2 the q step, 1 the output step)
+#   sass CFG           one launch as `ncu sass` picks it, with the instruction mix and warp-stall samples per SASS
+#                      instruction: the report ($OUT/sass_KERNEL.ncu-rep), its source page as CSV
+#                      ($OUT/sass_KERNEL.csv) and the 40 instructions with the most stall samples
 #   breakdown CFG...   GPU time of every kernel of the whole op, one ncu summary per CFG
 #   smoke [sm90]       the correctness cases (sm90: the sm90 TMA kernel's raw checks alone)
 #   ab A B CFG...      the whole op (`bench`) of two builds carried as folders A and B (e.g. .devbin and a
@@ -34,6 +37,32 @@ case $step in
       --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
       .devbin/bench bench "$@" > "$out/ncu_${KERNEL:-attention_mma}_${LAUNCH_SKIP:-1}.log" 2>&1
     echo "ncu exit $?"; grep -v "^==PROF==" "$out/ncu_${KERNEL:-attention_mma}_${LAUNCH_SKIP:-1}.log" | head -150 ;;
+  sass)
+    rep="$out/sass_${KERNEL:-attention_mma}"
+    timeout 400 ncu --clock-control none -k regex:${KERNEL:-attention_mma} --launch-skip ${LAUNCH_SKIP:-1} --launch-count 1 \
+      --section SpeedOfLight --section InstructionStats --section WarpStateStats --section SourceCounters \
+      --import-source no -f -o "$rep" .devbin/bench bench "$@" > "$rep.log" 2>&1
+    echo "ncu exit $?"
+    ncu -i "$rep.ncu-rep" --page details --print-details all > "$rep.details.txt" 2>&1
+    ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.csv" 2>&1
+    echo "source page: $(wc -l < "$rep.csv") lines"; head -2 "$rep.csv" | cut -c1-400
+    python3 - "$rep.csv" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+if not rows:
+    sys.exit("no rows in the source page")
+key = next((k for k in rows[0] if "Sampling" in k and "All" in k), None) or next(k for k in rows[0] if "Sampl" in k)
+def num(x):
+    try:
+        return float(str(x).replace(",", ""))
+    except ValueError:
+        return 0.0
+total = sum(num(r[key]) for r in rows) or 1.0
+print(f"column {key!r}, {len(rows)} instructions, {total:.0f} samples")
+for r in sorted(rows, key=lambda r: -num(r[key]))[:40]:
+    print(f"{100 * num(r[key]) / total:5.1f}%  {r.get('Address', '')}  {r.get('Source', '')[:90]}")
+PY
+    ;;
   breakdown)
     for cfg in "$@"; do
       echo "== $cfg"
