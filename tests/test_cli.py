@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tomllib
@@ -57,6 +58,7 @@ BAD_OPTIONS = {
         ("--dtype", "int8", "invalid choice: 'int8'"),
         ("--cache-format", "fp4", "invalid choice: 'fp4'"),
         ("--repeat", "0", "expected an integer >= 1, got '0'"),
+        ("--rounds", "0", "expected an integer >= 1, got '0'"),
         ("--output-dir", __file__, f"expected a folder, got the file {__file__!r}"),
     ],
     "overhead": [
@@ -351,9 +353,49 @@ def test_bench_saves_every_case_before_the_next(fast_rooflines, tmp_path, monkey
         main(argv)
     (saved,) = tmp_path.glob("cpu-*.json")
     result = json.loads(saved.read_text())
-    assert result["rows"] == measured and result["rows"][0]["context"] == 8
+    (row,) = result["rows"]
+    assert {k: row[k] for k in measured[0]} == measured[0] and row["context"] == 8
+    assert row["rounds"] == [{k: measured[0][k] for k in bench.ROUND_KEYS}]
     assert result["meta"]["cases"] == 2
     assert measured[0]["path"] == cpu_paths.resolve_cpu_path("auto", torch.bfloat16)
+
+
+def test_bench_rounds_alternate_the_cases_each_beside_its_own_ceilings(
+    fast_rooflines, tmp_path, monkeypatch, capsys
+):
+    bandwidths = iter([30e9, 10e9, 20e9, 40e9, 25e9, 5e9])
+    monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda: next(bandwidths))
+    contexts = []
+    bench_one = bench.bench_one
+
+    def record(*args):
+        contexts.append(args[2])
+        return bench_one(*args)
+
+    monkeypatch.setattr(bench, "bench_one", record)
+    argv = ["bench", *SMALL, "--context", "8", "12", "--rounds", "3"]
+    assert main([*argv, "--output-dir", str(tmp_path)]) == 0
+    assert contexts == [8, 12, 8, 12, 8, 12]
+    (saved,) = tmp_path.glob("cpu-*.json")
+    result = json.loads(saved.read_text())
+    assert result["meta"]["rounds"] == 3
+    first, second = result["rows"]
+    assert [r["copy_bandwidth_bytes_per_s"] for r in first["rounds"]] == [30e9, 20e9, 25e9]
+    assert [r["copy_bandwidth_bytes_per_s"] for r in second["rounds"]] == [10e9, 40e9, 5e9]
+    for row in (first, second):
+        rounds = row["rounds"]
+        # Each round against its own roofline: the memory floor follows that round's bandwidth.
+        floors = [
+            row["cache_and_weight_bytes"] / r["copy_bandwidth_bytes_per_s"] * 1e3 for r in rounds
+        ]
+        roofs = [max(f, row["compute_floor_ms"]) for f in floors]
+        assert [r["roofline_ms"] for r in rounds] == pytest.approx(roofs)
+        ratios = [r["run_ms"] / roof for r, roof in zip(rounds, roofs, strict=True)]
+        assert row["run_over_roofline"] == pytest.approx(statistics.median(ratios))
+        assert row["run_ms"] == statistics.median(r["run_ms"] for r in rounds)
+        runs = [r["run_ms"] for r in rounds]
+        assert row["run_spread"] == pytest.approx(max(runs) / min(runs))
+    assert "medians of 3 round(s)" in capsys.readouterr().out
 
 
 def test_bench_times_the_fp8_cache_beside_the_dtype_cache(fast_rooflines, tmp_path, capsys):

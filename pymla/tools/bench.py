@@ -6,6 +6,8 @@ x context x page size x CPU path, everything measured in the same run:
 
 - copy bandwidth: a large torch copy_ (read + write bytes per second);
 - bf16 matmul rate: a large torch bf16 mm (flops per second);
+  both measured again right before each case, so a busy spell of a shared
+  machine slows a case and its ceilings together;
 - roofline = max((cache + weight bytes) / copy bandwidth,
   attention flops / bf16 matmul rate), where attention flops are
   2 x keys x heads x (576 + 512) (scores and P V);
@@ -19,6 +21,12 @@ x context x page size x CPU path, everything measured in the same run:
   attention) and the op's speed-up over it; not run on an ``fp8_ds_mla``
   cache (``--cache-format``: plain torch has no such cache), where the
   roofline counts the stored 656-byte rows.
+
+``--rounds N`` times every case N times, the cases alternated round by
+round; a row then gives the medians over its rounds (the ratios are the
+medians of each round's ratio to its own roofline), each round's numbers
+under ``rounds`` in the JSON, and the table the spread of ``run()``'s time
+(slowest / fastest round).
 
 Each row names the CPU path that ran (``auto`` resolved for the dtype); a
 requested path the compiled kernel lacks is skipped with the reason. The JSON
@@ -38,6 +46,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -232,14 +241,53 @@ def bench_one(
         "attention_flops": flops,
         "memory_floor_ms": memory_s * 1e3,
         "compute_floor_ms": compute_s * 1e3,
+        "copy_bandwidth_bytes_per_s": copy_bw,
+        "bf16_matmul_flops_per_s": mm_rate,
     }
+
+
+ROUND_KEYS = (
+    "op_ms",
+    "run_ms",
+    "roofline_ms",
+    "roofline_bound",
+    "op_over_roofline",
+    "run_over_roofline",
+    "plain_torch_ms",
+    "speedup_vs_plain_torch",
+    "copy_bandwidth_bytes_per_s",
+    "bf16_matmul_flops_per_s",
+)
+MEDIAN_KEYS = tuple(k for k in ROUND_KEYS if k != "roofline_bound")
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One case's row from its rounds (rows of :func:`bench_one`, the same case): the sizes of the
+    first, the median of each measured number over the rounds (a ratio: the median of each round's
+    ratio to its own roofline), ``run_spread`` (slowest / fastest ``run()``) and every round's
+    numbers under ``rounds``."""
+    row = dict(rounds[0])
+    for key in MEDIAN_KEYS:
+        values = [r[key] for r in rounds if r[key] is not None]
+        row[key] = statistics.median(values) if values else None
+    bounds = [r["roofline_bound"] for r in rounds]
+    row["roofline_bound"] = max(set(bounds), key=bounds.count)
+    runs = [r["run_ms"] for r in rounds]
+    row["run_spread"] = max(runs) / min(runs)
+    row["rounds"] = [{k: r[k] for k in ROUND_KEYS} for r in rounds]
+    return row
+
+
+def measure_ceilings() -> tuple[float, float]:
+    """The copy bandwidth and the bf16 matmul rate, measured now."""
+    return measure_copy_bandwidth(), measure_matmul_rate()
 
 
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'heads':>5} {'batch':>5} {'ctx':>6} {'reqs':>8} {'page':>4} {'path':>10} {'cache':>10} | {'op ms':>8} "
         f"{'run ms':>8} {'roof ms':>8} {'bound':>7} {'x roof':>6} {'run x':>6} | "
-        f"{'torch ms':>9} {'x faster':>8}"
+        f"{'torch ms':>9} {'x faster':>8} | {'spread':>6}"
     )
     print(header)
     print("-" * len(header))
@@ -249,9 +297,8 @@ def print_table(rows: list[dict]) -> None:
             f"{r['heads']:>5} {r['batch']:>5} {r['context']:>6} {r['requests']:>8} {r['page_size']:>4} {r['path']:>10} "
             f"{r['cache_format']:>10} | {r['op_ms']:>8.2f} {r['run_ms']:>8.2f} {r['roofline_ms']:>8.2f} "
             f"{r['roofline_bound']:>7} {r['op_over_roofline']:>6.2f} {r['run_over_roofline']:>6.2f} | "
-            + (
-                f"{torch_ms:>9.2f} {faster:>8.2f}" if torch_ms is not None else f"{'-':>9} {'-':>8}"
-            ),
+            + (f"{torch_ms:>9.2f} {faster:>8.2f}" if torch_ms is not None else f"{'-':>9} {'-':>8}")
+            + f" | {r['run_spread']:>6.2f}",
             flush=True,
         )
 
@@ -352,6 +399,12 @@ def run(argv: list[str], prog: str) -> int:
     )
     parser.add_argument("--repeat", type=count, default=5, help="timed calls per case (median)")
     parser.add_argument(
+        "--rounds",
+        type=count,
+        default=1,
+        help="times every case is timed, the cases alternated (medians over the rounds)",
+    )
+    parser.add_argument(
         "--output-dir",
         type=output_dir,
         default=DEFAULT_OUTPUT_DIR,
@@ -390,13 +443,6 @@ def run(argv: list[str], prog: str) -> int:
         f"({torch.get_num_threads()} threads), {args.dtype}",
         flush=True,
     )
-    copy_bw = measure_copy_bandwidth()
-    mm_rate = measure_matmul_rate()
-    print(
-        f"copy bandwidth (torch copy_, read + write): {copy_bw / 1e9:.1f} GB/s; "
-        f"bf16 matmul (torch mm 2048^3): {mm_rate / 1e9:.0f} GFLOP/s",
-        flush=True,
-    )
     configs = list(
         itertools.product(
             args.heads,
@@ -416,40 +462,50 @@ def run(argv: list[str], prog: str) -> int:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "copy_bandwidth_bytes_per_s": copy_bw,
-        "bf16_matmul_flops_per_s": mm_rate,
+        "ceilings": "copy bandwidth and bf16 matmul rate measured before each case (rows)",
         "dtype": args.dtype,
         "mask": "causal",
         "cases": len(configs),
+        "rounds": args.rounds,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    measured: list[list[dict]] = [[] for _ in configs]
     rows: list[dict] = []
-    for i, (heads, batch, context, requests, page_size, path, cache_format) in enumerate(
-        configs, 1
-    ):
-        print(
-            f"[{i}/{len(configs)}] heads {heads}, batch {batch}, context {context} ({requests}), "
-            f"page {page_size}, path {path}, cache {cache_format} ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        rows.append(
-            bench_one(
-                heads,
-                batch,
-                context,
-                page_size,
-                path,
-                cache_format,
-                dtype,
-                copy_bw,
-                mm_rate,
-                args.repeat,
-                requests,
+    for round_ in range(1, args.rounds + 1):
+        for i, (heads, batch, context, requests, page_size, path, cache_format) in enumerate(
+            configs
+        ):
+            copy_bw, mm_rate = measure_ceilings()
+            print(
+                f"[round {round_}/{args.rounds}, {i + 1}/{len(configs)}] heads {heads}, batch "
+                f"{batch}, context {context} ({requests}), page {page_size}, path {path}, cache "
+                f"{cache_format}; copy {copy_bw / 1e9:.1f} GB/s, bf16 mm {mm_rate / 1e9:.0f} "
+                "GFLOP/s ...",
+                file=sys.stderr,
+                flush=True,
             )
-        )
-        save_json(outputs[0], {"meta": meta, "rows": rows})  # a later crash keeps these rows
+            measured[i].append(
+                bench_one(
+                    heads,
+                    batch,
+                    context,
+                    page_size,
+                    path,
+                    cache_format,
+                    dtype,
+                    copy_bw,
+                    mm_rate,
+                    args.repeat,
+                    requests,
+                )
+            )
+            rows = [combine_rounds(m) for m in measured if m]
+            save_json(outputs[0], {"meta": meta, "rows": rows})  # a later crash keeps these rows
     print()
+    print(
+        f"ceilings measured before each case (torch copy_ read + write, torch bf16 mm 2048^3); "
+        f"medians of {args.rounds} round(s); spread: slowest / fastest run()"
+    )
     print_table(rows)
     print(f"\nsaved {outputs[0]}")
     try:
