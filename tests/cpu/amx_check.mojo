@@ -521,7 +521,9 @@ def main() raises:
         # `loop HEADS [ITERS [VARIANT]]` heads, VARIANT one of op (the op's tuning), packed, inplace (values
         # always packed / read in place), score, value, pairs (the other `score_pairs`, `value_pairs`, both),
         # pairs-pf0 (both, without the next tile's prefetch), pf0, pf2, pf4 (the next tile prefetched not at all,
-        # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows. Prints the best time.
+        # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows; `whole`: the whole
+        # CPU op on the AMX path (steps 1-6, bf16 rows), where the rest of the op shows beside step 5. Prints
+        # the best time.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
@@ -553,8 +555,11 @@ def main() raises:
             ms = time_path[AmxTiles, prefetching(2)](c, PATH_AMX, iters)
         elif variant == "pf4":
             ms = time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
+        elif which == "whole":
+            var inputs = OpInputs(c, 16384 + 1)
+            ms = time_op(c, inputs, "amx", iters)
         else:
-            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, each also with an fp8- prefix)"))
+            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, each also with an fp8- prefix; whole)"))
         print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
