@@ -44,6 +44,7 @@ case $step in
       --import-source no -f -o "$rep" .devbin/bench bench "$@" > "$rep.log" 2>&1
     echo "ncu exit $?"
     ncu -i "$rep.ncu-rep" --page details --print-details all > "$rep.details.txt" 2>&1
+    grep -iE "Duration|Issue Slots|Eligible|Warp Cycles Per|stall" "$rep.details.txt" | cut -c1-160 | head -40
     ncu -i "$rep.ncu-rep" --page source --print-source sass --csv > "$rep.csv" 2>&1
     echo "source page: $(wc -l < "$rep.csv") lines"; head -2 "$rep.csv" | cut -c1-400
     python3 - "$rep.csv" <<'PY'
@@ -51,7 +52,11 @@ import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 if not rows:
     sys.exit("no rows in the source page")
-key = next((k for k in rows[0] if "Sampling" in k and "All" in k), None) or next(k for k in rows[0] if "Sampl" in k)
+names = list(rows[0])
+key = next((k for k in names if "Sampling" in k and "All" in k), None) or next(
+    (k for k in names if "Sampl" in k), None)
+if key is None:
+    sys.exit(f"no stall-sampling column; the columns: {names}")
 def num(x):
     try:
         return float(str(x).replace(",", ""))
