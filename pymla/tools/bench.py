@@ -257,6 +257,8 @@ ROUND_KEYS = (
     "speedup_vs_plain_torch",
     "copy_bandwidth_bytes_per_s",
     "bf16_matmul_flops_per_s",
+    "memory_floor_ms",
+    "compute_floor_ms",
 )
 MEDIAN_KEYS = tuple(k for k in ROUND_KEYS if k != "roofline_bound")
 
