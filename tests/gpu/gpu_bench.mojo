@@ -3,7 +3,8 @@
 # Run on a machine with an NVIDIA GPU, from the repository root; configurations are
 # BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]] (one new token per request, bf16; `fp8`: the configuration
 # with a bf16 cache, then with an fp8_ds_mla cache, side by side; `fp8-only`: the fp8_ds_mla cache
-# alone; `one-long`: the first request CACHE_LEN, the others CACHE_LEN // 16):
+# alone; `one-long`: the first request CACHE_LEN, the others CACHE_LEN // 16; the cache's rows are copies
+# of 4096 drawn rows, `decode_case`: 128 requests of 32k keys take seconds on the host, not minutes):
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the copy rate, then the whole op on these
 #                                                                      # configurations: the op's plan and each plan
 #                                                                      # choice turned, alternating (`bench` below)
