@@ -3,8 +3,9 @@
 # scripts/build_devbin.sh (.devbin/smoke: tests/gpu/gpu_smoke.mojo, .devbin/bench:
 # tests/gpu/gpu_bench.mojo) travel as the carried folder .devbin. Steps:
 #   regs               ptxas -v register / spill report of every attention kernel (both binaries' PTX)
-#   variants CFG...    step 5 alone, the op's choice and pinned variants (CFG = BATCH:HEADS:CACHE_LEN[:ITERS[:fp8]];
-#                      `fp8`: again with an fp8_ds_mla cache, after the bf16 cache)
+#   variants CFG...    step 5 alone, the op's choice and pinned variants (CFG = BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]];
+#                      `fp8`: again with an fp8_ds_mla cache, after the bf16 cache; `fp8-only`: that cache alone;
+#                      `plan-only`: `bench` and `ab` time the op's plan alone, not also three turned plans)
 #   bench CFG...       the whole op timed, after a device-to-device copy (the HBM yardstick; CFG as variants)
 #   proj CFG...        steps 1-4 on q and step 6 alone, the op's tile, every tile, the FMA path
 #   ncu CFG            Nsight Compute sections of one launch of KERNEL (a regex; default attention_mma), the

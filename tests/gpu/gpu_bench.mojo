@@ -3,7 +3,8 @@
 # Run on a machine with an NVIDIA GPU, from the repository root; configurations are
 # BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]] (one new token per request, bf16; `fp8`: the configuration
 # with a bf16 cache, then with an fp8_ds_mla cache, side by side; `fp8-only`: the fp8_ds_mla cache
-# alone; `one-long`: the first request CACHE_LEN, the others CACHE_LEN // 16; the cache's rows are copies
+# alone; `one-long`: the first request CACHE_LEN, the others CACHE_LEN // 16; `plan-only`: `bench` times the
+# op's plan alone, not also the plans with one choice turned; the cache's rows are copies
 # of 4096 drawn rows, `decode_case`: 128 requests of 32k keys take seconds on the host, not minutes):
 #     mojo run -I . tests/gpu/gpu_bench.mojo bench 64:128:8191:5       # the copy rate, then the whole op on these
 #                                                                      # configurations: the op's plan and each plan
@@ -112,21 +113,22 @@ def split_label(plan: GpuPlan) -> String:
 
 def bench[
     dtype: DType
-](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], shape: String, iters: Int) raises:
+](ctx: DeviceContext, c: Case, d: DeviceCase[dtype], shape: String, iters: Int, plans: Int = 4) raises:
     """Times the whole op on decode step `c` (`shape`: its label; an fp8_ds_mla cache where `c` has one):
-    the op's plan, and the plan with one choice turned the other way each (programmatic
+    the op's plan, and (`plans` 4) the plan with one choice turned the other way each (programmatic
     dependent launch, `GpuPlan.pdl`; step 6's quantization in step 6, not the merge,
     `quantize_in_merge`; the split schedule in a launch of its own, not the q step's,
-    `schedule_in_q_step`), the four alternating, two rounds: an A/B in one process."""
+    `schedule_in_q_step`), the four alternating, two rounds: an A/B in one process. `plans` 1: the
+    op's plan alone (the `plan-only` flag: builds compared by `device_kernel_profile.sh ab`)."""
     var cache_bytes = Float64(visible_keys(c) * cache_row_bytes[dtype](c))
     var weight_bytes = Float64(len(c.w_uk.bytes) + len(c.w_uv.bytes))
     var flops = 2.0 * Float64(c.heads) * Float64(visible_keys(c)) * Float64(c.key_dim + c.rank)
     var best = [Float64(1e30), Float64(1e30), Float64(1e30), Float64(1e30)]
     var names = List[String]()
-    for mode in range(4):
+    for mode in range(plans):
         names.append(plan_label(plan_mode(d.plan(ctx, c), mode)))
     for _ in range(2):
-        for mode in range(4):
+        for mode in range(plans):
             var plan = plan_mode(d.plan(ctx, c), mode)  # the op's own, one choice turned
             var us = time_op[dtype](ctx, c, d, plan, iters)
             best[mode] = min(best[mode], us)
@@ -135,7 +137,7 @@ def bench[
                 " ) :", us, "us per call,", (cache_bytes + weight_bytes) / us / 1e3, "GB/s of cache+weights,",
                 flops / us / 1e6, "TFLOP/s attention",
             )
-    for mode in range(4):
+    for mode in range(plans):
         print("  best of 2,", cache_label(c), names[mode], ":", best[mode], "us (", best[mode] - best[0], "us vs the op's plan )")
 
 
@@ -359,14 +361,14 @@ def bench_candidate_tile[
 
 def config_flag(config: String, flag: String) raises -> Bool:
     """Whether configuration `config` (BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]]) has `flag`: `one-long` (the
-    first request CACHE_LEN, the others CACHE_LEN // 16), `fp8` (the fp8_ds_mla cache too) or `fp8-only`
-    (the fp8_ds_mla cache alone)."""
+    first request CACHE_LEN, the others CACHE_LEN // 16), `fp8` (the fp8_ds_mla cache too), `fp8-only`
+    (the fp8_ds_mla cache alone) or `plan-only` (`bench`: the op's plan alone, not the turned plans)."""
     var f = config.split(":")
     var found = False
     for i in range(4, len(f)):
         var name = String(f[i])
-        if name != "one-long" and name != "fp8" and name != "fp8-only":
-            raise Error("gpu_bench: a configuration's flags are one-long, fp8 and fp8-only, got ", name)
+        if name != "one-long" and name != "fp8" and name != "fp8-only" and name != "plan-only":
+            raise Error("gpu_bench: a configuration's flags are one-long, fp8, fp8-only and plan-only, got ", name)
         found = found or name == flag
     return found
 
@@ -408,6 +410,7 @@ def main() raises:
                     if mode != "bench":
                         bench_variants[DType.bfloat16](ctx, c, d, shape, iters, pinned=mode == "variants")
                     if mode != "variants":
-                        bench[DType.bfloat16](ctx, c, d, shape, iters)
+                        var plans = 1 if config_flag(String(args[i]), "plan-only") else 4
+                        bench[DType.bfloat16](ctx, c, d, shape, iters, plans)
         else:
             raise Error("gpu_bench: mode bench, variants, both or proj, then BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]]...")
