@@ -154,12 +154,19 @@ def widen_raw_rows[
         var sc = SIMD[DType.float32, ROWS_PER_THREAD](0)
         comptime for i in range(ROWS_PER_THREAD):
             sc[i] = scales.unsafe_load((r0 + 16 * i) * 4 + jb)
+        # Every load of the box before the first store: a store may alias the next load for the
+        # compiler, which would otherwise wait for each chunk's load, widening and store in turn.
+        var bytes = SIMD[DType.uint8, 16 * ROWS_PER_THREAD](0)
+        comptime for half in range(2):
+            comptime for i in range(ROWS_PER_THREAD):
+                var r = r0 + 16 * i
+                var src = raw.unsafe_offset(jb * S9_RAW_BOX_BYTES + r * 128 + (((half * 4 + c // 2) ^ swz) * 16) + (c % 2) * 8)
+                bytes = bytes.insert[offset = 8 * (half * ROWS_PER_THREAD + i)](src.unsafe_load[width=8, alignment=8](0))
         comptime for half in range(2):
             var box = 2 * jb + half
             comptime for i in range(ROWS_PER_THREAD):
                 var r = r0 + 16 * i
-                var src = raw.unsafe_offset(jb * S9_RAW_BOX_BYTES + r * 128 + (((half * 4 + c // 2) ^ swz) * 16) + (c % 2) * 8)
-                var v = dequantize8[dtype](src.unsafe_load[width=8, alignment=8](0), sc[i])
+                var v = dequantize8[dtype](bytes.slice[8, offset = 8 * (half * ROWS_PER_THREAD + i)](), sc[i])
                 stage.unsafe_offset(box * S9_BOX_BYTES + r * 128 + ((c ^ swz) * 16)).unsafe_bitcast[
                     Scalar[dtype]
                 ]().unsafe_store[alignment=16](0, v)
