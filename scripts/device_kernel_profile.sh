@@ -14,6 +14,8 @@
 #   sass CFG           one launch as `ncu sass` picks it, with the instruction mix and warp-stall samples per SASS
 #                      instruction: the report ($OUT/sass_KERNEL.ncu-rep), its source page as CSV
 #                      ($OUT/sass_KERNEL.csv) and the 40 instructions with the most stall samples
+#   pipes CFG          one launch of KERNEL: the share of peak of every SM pipe's instructions and the tensor pipe's
+#                      cycles (which unit a stage of the kernel saturates: e.g. conversions on the xu pipe)
 #   breakdown CFG...   GPU time of every kernel of the whole op, one ncu summary per CFG
 #   smoke [sm90]       the correctness cases (sm90: the sm90 TMA kernel's raw checks alone)
 #   ab A B CFG...      the whole op (`bench`) of two builds carried as folders A and B (e.g. .devbin and a
@@ -69,6 +71,11 @@ for r in sorted(rows, key=lambda r: -num(r[key]))[:40]:
     print(f"{100 * num(r[key]) / total:5.1f}%  {r.get('Address', '')}  {r.get('Source', '')[:90]}")
 PY
     ;;
+  pipes)
+    timeout 300 ncu --clock-control none -k regex:${KERNEL:-attention_mma} --launch-skip ${LAUNCH_SKIP:-1} --launch-count 1 \
+      --metrics "regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$,regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active$,gpu__time_duration.sum,sm__warps_active.avg.per_cycle_active,smsp__issue_active.avg.pct_of_peak_sustained_active" \
+      .devbin/bench bench "$@" > "$out/pipes_${KERNEL:-attention_mma}.log" 2>&1
+    echo "ncu exit $?"; grep -E "pct|duration|per_cycle" "$out/pipes_${KERNEL:-attention_mma}.log" | awk '$NF+0 > 0.5 || /duration|per_cycle/' | head -60 ;;
   breakdown)
     for cfg in "$@"; do
       echo "== $cfg"
