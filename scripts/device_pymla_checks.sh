@@ -10,7 +10,9 @@
 #        dropin   (examples/multi_layer_decode.py on the GPU beside MAX's built-in, 1 then 2 tokens)
 #        sanitize (the cuda parity tests under compute-sanitizer memcheck; exit 9 on any error)
 #        cputarget (the host CPU, LLVM's name for it, the CPU paths the compiled kernel has)
-#        cpu      (the whole suite but cuda and packaging on the host CPU: AMX Xeon, 16 cores)
+#        cpu      (the whole suite but cuda and packaging on the host CPU: AMX Xeon, 16 cores; more than
+#                  one call's 560 s there: CPU_TESTS names the files of one call, e.g.
+#                  CPU_TESTS="tests/test_op_parity.py tests/test_cpu_paths.py", the default all of tests/)
 # A step's failure does not stop the next one.
 set -u
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
@@ -33,7 +35,14 @@ for step in "$@"; do
     cputarget) lscpu | grep -E "Model name|^Model:|^CPU\(s\)|Flags" | cut -c1-400 &&
                mojo build --print-effective-target &&
                python3 -c "from pymla import cpu_paths as c; print('target', c.compile_target_name(), 'paths', c.kernel_cpu_paths())" ;;
-    cpu)      timeout 560 python3 -m pytest tests -k "not cuda" -q -rf -p no:cacheprovider \
+    cpu)      # torch.compile's CPU kernels include Python.h, which the host lacks: the CPython 3.12
+              # headers carried with the peers (../shared/peers/pyinc312.tgz), as FlashMLA's build takes them.
+              inc=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+              if [ ! -f "$inc/Python.h" ] && [ -f ../shared/peers/pyinc312.tgz ]; then
+                mkdir -p /tmp/pyinc && tar -xzf ../shared/peers/pyinc312.tgz -C /tmp/pyinc &&
+                export CPATH=/tmp/pyinc/python3.12${CPATH:+:$CPATH} && echo "Python.h from the carried headers"
+              fi
+              timeout 560 python3 -m pytest ${CPU_TESTS:-tests} -k "not cuda" -q -rf -p no:cacheprovider \
                 --ignore=tests/test_packaging.py ;;
     *) echo "unknown step $step"; false ;;
   esac > "$out/$step.log" 2>&1
