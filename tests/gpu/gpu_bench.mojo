@@ -398,6 +398,7 @@ def main() raises:
                 var shape = shape_label(Int(f[0]), Int(f[1]), Int(f[2]), one_long)
                 # the bf16 cache, then (`:fp8`) the fp8_ds_mla cache, side by side; `:fp8-only`: the latter
                 var fp8_only = config_flag(String(args[i]), "fp8-only")
+                var plans = 1 if config_flag(String(args[i]), "plan-only") else 4  # `bench`: the op's plan alone, or all 4
                 var caches = List[Bool]()
                 if not fp8_only:
                     caches.append(False)
@@ -411,7 +412,6 @@ def main() raises:
                     if mode != "bench":
                         bench_variants[DType.bfloat16](ctx, c, d, shape, iters, pinned=mode == "variants")
                     if mode != "variants":
-                        var plans = 1 if config_flag(String(args[i]), "plan-only") else 4
                         bench[DType.bfloat16](ctx, c, d, shape, iters, plans)
         else:
             raise Error("gpu_bench: mode bench, variants, both or proj, then BATCH:HEADS:CACHE_LEN[:ITERS[:FLAG...]]...")
