@@ -46,7 +46,7 @@ class _Named(enum.IntEnum):
 
     @classmethod
     def labels(cls) -> tuple[str, ...]:
-        return tuple(m.label for m in cls)
+        return tuple(_MEMBERS[cls])
 
     @classmethod
     def parse(cls, value: object, name: str | None = None, *, codes: bool = False):
@@ -55,25 +55,28 @@ class _Named(enum.IntEnum):
         TypeError for another type (a code without ``codes``), ValueError for
         an unknown name or code. ``name`` names the argument in the messages
         (default: the enum's, ``"mask"`` or ``"score_mod"``).
+
+        It looks members up in tables built at import (``_MEMBERS``), never by
+        iterating the enum class: torch 2.11's dynamo cannot trace that
+        iteration, and the op parses its options inside ``torch.compile``.
         """
         if isinstance(value, cls):
             return value
         name = cls._argument if name is None else name
-        labels = cls.labels()
+        members = _MEMBERS[cls]
+        labels = tuple(members)
         if codes and isinstance(value, int) and not isinstance(value, bool):
-            try:
-                return cls(value)
-            except ValueError:
-                known = {m.label: int(m) for m in cls}
-                raise ValueError(
-                    f"{name}: expected one of the codes {known}, got {value}"
-                ) from None
+            for member in members.values():
+                if int(member) == value:
+                    return member
+            known = {label: int(m) for label, m in members.items()}
+            raise ValueError(f"{name}: expected one of the codes {known}, got {value}")
         if not isinstance(value, str):
             raise TypeError(f"{name}: expected a str, one of {labels}, got {type(value).__name__}")
         lowered = value.lower()
         if lowered not in labels:
             raise ValueError(f"{name}: expected one of {labels} (any case), got {value!r}")
-        return cls[lowered.upper()]
+        return members[lowered]
 
 
 class Mask(_Named):
@@ -100,6 +103,11 @@ class ScoreMod(_Named):
     NO_POS = 0
     ALIBI_POS = 1
 
+
+_MEMBERS: dict[type[_Named], dict[str, _Named]] = {
+    named: {m.label: m for m in named} for named in (Mask, ScoreMod)
+}
+"""Each :class:`_Named` enum's members by label, in definition order (:meth:`_Named.parse`)."""
 
 MASKS: tuple[str, ...] = Mask.labels()
 """The mask names: ``("null", "causal", "sliding_window_causal", "chunked_causal")``."""
