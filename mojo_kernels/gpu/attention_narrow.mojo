@@ -42,7 +42,7 @@ from max.gpu.primitives.warp import shuffle_xor
 from max.gpu.sync import mbarrier_arrive, named_barrier
 
 from .attention_block import AttentionBlock, SPtr, fence_async_proxy, rescale_row
-from .hopper import mbar_wait, opaque, smem_u32, sw128_desc
+from .hopper import Sw128, mbar_wait, opaque, smem_u32
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
 from .tma_smem import (
@@ -120,7 +120,9 @@ def row_of(q: Int, t4: Int) -> Int:
 @always_inline
 def scores_box[
     dtype: DType, kk_first: Int, kk_count: Int
-](s: SIMD[DType.float32, N9_ACC], keys_u: UInt32, q_u: UInt32, box: Int, col: Int = 0) -> SIMD[DType.float32, N9_ACC]:
+](
+    s: SIMD[DType.float32, N9_ACC], keys: Sw128[dtype, 16, 1024], q: Sw128[dtype, 16, 1024], box: Int, col: Int = 0
+) -> SIMD[DType.float32, N9_ACC]:
     """`s += K Q^T` over k16 steps `kk_first ..< kk_first + kk_count` of column box `box` (both K-major),
     from byte column `col` of the box on (a multiple of 32: whole k16 steps)."""
     var out = s
@@ -128,8 +130,8 @@ def scores_box[
         out = wgmma_async[
             64, N9_ROWS, 16, DType.float32, N9_ACC, a_type=dtype, b_type=dtype, layout_a="row", layout_b="col"
         ](
-            sw128_desc[dtype](keys_u + UInt32(box * S9_BOX_BYTES + col + kk * 32), 16, 1024),
-            sw128_desc[dtype](q_u + UInt32(box * SmemPlan[False, N9_ROWS].Q_BOX_BYTES + col + kk * 32), 16, 1024),
+            keys.at(box * S9_BOX_BYTES + col + kk * 32),
+            q.at(box * SmemPlan[False, N9_ROWS].Q_BOX_BYTES + col + kk * 32),
             out,
         )
     return out
@@ -138,16 +140,18 @@ def scores_box[
 @always_inline
 def values_tile[
     dtype: DType
-](acc: SIMD[DType.float32, N9_ACC], box_u: UInt32, pt_u: UInt32) -> SIMD[DType.float32, N9_ACC]:
-    """`acc += V^T P^T` for one 64-column value box at `box_u` (MN-major: the transpose bit) over the
-    block's 64 keys."""
+](
+    acc: SIMD[DType.float32, N9_ACC], v: Sw128[dtype, S9_BOX_BYTES, 1024], box: Int, pt: Sw128[dtype, 16, 1024]
+) -> SIMD[DType.float32, N9_ACC]:
+    """`acc += V^T P^T` for the 64-column value box `box` boxes on from `v` (MN-major: the transpose
+    bit) over the block's 64 keys."""
     var out = acc
     comptime for kk in range(S9_KEYS // 16):
         out = wgmma_async[
             64, N9_ROWS, 16, DType.float32, N9_ACC, a_type=dtype, b_type=dtype, layout_a="col", layout_b="col"
         ](
-            sw128_desc[dtype](box_u + UInt32(kk * 16 * 128), S9_BOX_BYTES, 1024),
-            sw128_desc[dtype](pt_u + UInt32(kk * 32), 16, 1024),
+            v.at(box * S9_BOX_BYTES + kk * 16 * 128),
+            pt.at(kk * 32),
             out,
         )
     return out
@@ -250,10 +254,9 @@ def attend_narrow[
         var phase = (b // STAGES) & 1
         var par = b & 1
         comptime if fp8:
-            # This warpgroup's value boxes of the one stage, widened from the block's raw slot once both
-            # warpgroups' P V of the block before is done (`empty`: every math warp has waited for it).
+            # This warpgroup's value boxes of the one stage, widened from the block's raw slot. Only this
+            # warpgroup reads them (its scores and its P V, both waited for), so it waits for no one.
             var slot = b % SLOTS
-            mbar_wait(sm.empty(0), (b & 1) ^ 1)
             mbar_wait(sm.raw_full(slot), (b // SLOTS) & 1)
             widen_raw_rows[dtype, S9_KEYS, 2](rebind[SmemPlan[True, N9_ROWS]](sm), slot, 0, 2 * wg, wt)
             fence_async_proxy()
@@ -263,19 +266,25 @@ def attend_narrow[
 
         # S^T over this warpgroup's value boxes and its half of the rope box, each started as it lands.
         var s = SIMD[DType.float32, N9_ACC](0)
-        var q_it = opaque(q_u)
         var stage_u = opaque(stage0_u + UInt32(st * S9_BLOCK_BYTES))
+        var q_d = Sw128[dtype, 16, 1024].of(opaque(q_u))
+        var k_d = Sw128[dtype, 16, 1024].of(stage_u)
         comptime for i in range(N9_TILES):
             comptime if not fp8:
                 mbar_wait(sm.full(st, 4 * wg + i), phase)
             # A fence after every wait (attention_sm90_kernel: else ptxas serializes every wgmma, C7520).
             wgmma_fence_aligned()
-            s = scores_box[dtype, 0, 4](s, stage_u, q_it, 4 * wg + i)
+            s = scores_box[dtype, 0, 4](s, k_d, q_d, 4 * wg + i)
         mbar_wait(sm.full(st, S9_BOXES - 1), phase)
         wgmma_fence_aligned()
-        s = scores_box[dtype, 0, 2](s, stage_u, q_it, S9_BOXES - 1, wg * 64)  # its k steps 2 wg, 2 wg + 1
+        s = scores_box[dtype, 0, 2](s, k_d, q_d, S9_BOXES - 1, wg * 64)  # its k steps 2 wg, 2 wg + 1
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
+        comptime if fp8:
+            # The rope box is read by the scores alone: the producer may copy the next block's now (`empty`),
+            # while this block's softmax and P V and the next block's widening run.
+            if lane == 0:
+                _ = mbarrier_arrive(sm.empty(0))
 
         # The other warpgroup's partial scores: both now hold the block's S^T.
         ns.exch(wg, par).unsafe_offset(wt * N9_ACC).unsafe_store[alignment=32](0, s)
@@ -341,15 +350,17 @@ def attend_narrow[
         acc2 = rescaled(acc2, corr)
         acc3 = rescaled(acc3, corr)
         wgmma_fence_aligned()
-        var v_u = stage_u + UInt32(4 * wg * S9_BOX_BYTES)
-        acc0 = values_tile[dtype](acc0, v_u, pt_u)
-        acc1 = values_tile[dtype](acc1, v_u + UInt32(S9_BOX_BYTES), pt_u)
-        acc2 = values_tile[dtype](acc2, v_u + UInt32(2 * S9_BOX_BYTES), pt_u)
-        acc3 = values_tile[dtype](acc3, v_u + UInt32(3 * S9_BOX_BYTES), pt_u)
+        var v_d = Sw128[dtype, S9_BOX_BYTES, 1024].of(stage_u + UInt32(4 * wg * S9_BOX_BYTES))
+        var pt_d = Sw128[dtype, 16, 1024].of(pt_u)
+        acc0 = values_tile[dtype](acc0, v_d, 0, pt_d)
+        acc1 = values_tile[dtype](acc1, v_d, 1, pt_d)
+        acc2 = values_tile[dtype](acc2, v_d, 2, pt_d)
+        acc3 = values_tile[dtype](acc3, v_d, 3, pt_d)
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
-        if lane == 0:
-            _ = mbarrier_arrive(sm.empty(st))
+        comptime if not fp8:
+            if lane == 0:
+                _ = mbarrier_arrive(sm.empty(st))
 
     # The key loop is done: the merge may be scheduled (pdl.mojo).
     allow_dependents()

@@ -106,3 +106,23 @@ def sw128_desc[dtype: DType](addr: UInt32, lbo: Int, sbo: Int) -> WGMMADescripto
     var v = Int64((Int(addr) & 0x3FFFF) >> 4) | (Int64(lbo >> 4) << 16) | (Int64(sbo >> 4) << 32) | (Int64(1) << 62)
     return WGMMADescriptor[dtype](v)
 
+
+@fieldwise_init
+struct Sw128[dtype: DType, lbo: Int, sbo: Int](TrivialRegisterPassable):
+    """`sw128_desc` for many tiles at offsets from one shared address: the low word (start address >> 4,
+    `lbo` >> 4) computed once by `of`, each tile's descriptor one 32-bit add by `at` (the high word
+    is a constant), where `sw128_desc` masks and shifts every tile's address again."""
+
+    var lo: UInt32
+    comptime HI = UInt64((Self.sbo >> 4) | (1 << 30)) << 32
+
+    @staticmethod
+    @always_inline
+    def of(addr: UInt32) -> Self:
+        return Self(((addr & 0x3FFFF) >> 4) | UInt32((Self.lbo >> 4) << 16))
+
+    @always_inline
+    def at(self, offset: Int) -> WGMMADescriptor[Self.dtype]:
+        """The descriptor of the tile `offset` bytes on (a multiple of 16 within shared memory, whose
+        addresses fit the 14-bit field: the add cannot carry into `lbo`)."""
+        return WGMMADescriptor[Self.dtype](Int64(Self.HI | UInt64(self.lo + UInt32(offset >> 4))))

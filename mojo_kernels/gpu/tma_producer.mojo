@@ -79,9 +79,10 @@ def produce_fp8_keys[
 
     It keeps the raw slots `RAW_SLOTS` blocks ahead (`copy_raw_block`): block `b + RAW_SLOTS` goes
     into block `b`'s slot once both math warpgroups have widened it (`raw_empty`). Per block, once
-    the math warpgroups release the one stage (`empty`: P V of the block before, which also
-    read P from box 8), it copies the rope part into box 8 by TMA (`descs[0]`: the 128-byte
-    boxes; the rows' bytes land in the layout of a bf16 box).
+    the math warps release box 8 of the one stage (`empty`: the 64-row kernel after P V of the block
+    before, which also read P from box 8; the narrow kernel after its scores), it copies the rope
+    part into box 8 by TMA (`descs[0]`: the 128-byte boxes; the rows' bytes land in the layout of
+    a bf16 box).
     """
     var cache = p.fp8.rows
     var page_size = UInt32(cache.page_size)

@@ -182,7 +182,8 @@ struct SmemPlan[fp8: Bool, rows: Int = S9_ROWS](TrivialRegisterPassable):
 
     @always_inline
     def empty(self, s: Int) -> SPtr[Int64]:
-        """Release barrier of stage `s`: one arrival per math warp once its P V on the stage is done."""
+        """Release barrier of stage `s`: one arrival per math warp once its P V on the stage is done (the
+        narrow kernel on fp8 rows: once its scores are, `produce_fp8_keys`)."""
         return self.base.unsafe_offset(Self.BARS + 8 * (Self.N_FULL + s)).unsafe_bitcast[Int64]()
 
     @always_inline
