@@ -52,7 +52,10 @@ case $step in
     echo "source page: $(wc -l < "$rep.csv") lines"; head -2 "$rep.csv" | cut -c1-400
     python3 - "$rep.csv" <<'PY'
 import csv, sys
-rows = list(csv.DictReader(open(sys.argv[1])))
+lines = open(sys.argv[1]).read().splitlines()
+# The page may open with title lines ("Kernel Name", ...) before the column header.
+start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), 0)
+rows = list(csv.DictReader(lines[start:]))
 if not rows:
     sys.exit("no rows in the source page")
 names = list(rows[0])
