@@ -109,17 +109,17 @@ def sw128_desc[dtype: DType](addr: UInt32, lbo: Int, sbo: Int) -> WGMMADescripto
 
 @fieldwise_init
 struct Sw128[dtype: DType, lbo: Int, sbo: Int](TrivialRegisterPassable):
-    """`sw128_desc` for many tiles at offsets from one shared address: the low word (start address >> 4,
+    """`sw128_desc` for many tiles at offsets from one shared address: its low word (start address >> 4,
     `lbo` >> 4) computed once by `of`, each tile's descriptor one 32-bit add by `at` (the high word
     is a constant), where `sw128_desc` masks and shifts every tile's address again."""
 
     var lo: UInt32
-    comptime HI = UInt64((Self.sbo >> 4) | (1 << 30)) << 32
+    comptime HI = UInt64(sw128_desc[Self.dtype](0, Self.lbo, Self.sbo).desc) & 0xFFFFFFFF00000000
 
     @staticmethod
     @always_inline
     def of(addr: UInt32) -> Self:
-        return Self(((addr & 0x3FFFF) >> 4) | UInt32((Self.lbo >> 4) << 16))
+        return Self(UInt32(UInt64(sw128_desc[Self.dtype](addr, Self.lbo, Self.sbo).desc) & 0xFFFFFFFF))
 
     @always_inline
     def at(self, offset: Int) -> WGMMADescriptor[Self.dtype]:
