@@ -64,7 +64,7 @@ class _Named(enum.IntEnum):
             return value
         name = cls._argument if name is None else name
         members = _MEMBERS[cls]
-        labels = tuple(members)
+        labels = cls.labels()
         if codes and isinstance(value, int) and not isinstance(value, bool):
             for member in members.values():
                 if int(member) == value:
