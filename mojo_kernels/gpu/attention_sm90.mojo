@@ -91,7 +91,7 @@ from max.gpu.sync import mbarrier_arrive, named_barrier
 from ..fp8 import activation_scale, e4m3_as_f16
 from .attention_block import AttentionBlock, AttentionParams, fence_async_proxy, rescale_row
 from .attention_wgmma import quad_max, quad_sum
-from .hopper import mbar_wait, opaque, smem_u32, sw128_desc
+from .hopper import Sw128, mbar_wait, opaque, smem_u32
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
 from .tma_smem import (
@@ -238,7 +238,8 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         var s = SIMD[DType.float32, NJ_S * 4](0)
         var q_it = opaque(q_u)
         var stage_u = opaque(stage0_u + UInt32(st * S9_BLOCK_BYTES))
-        var keys_u = stage_u + UInt32(wg * HALF * 128)
+        var q_d = Sw128[dtype, 16, 1024].of(q_it)
+        var k_d = Sw128[dtype, 16, 1024].of(stage_u + UInt32(wg * HALF * 128))
         comptime for box in range(S9_BOXES):
             comptime if not fp8 or box == S9_BOXES - 1:  # fp8: boxes 0-7 widened above
                 mbar_wait(sm.full(st, box), phase)
@@ -246,9 +247,9 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
             # without one, serializes every wgmma of the kernel (C7520).
             wgmma_fence_aligned()
             comptime for kk in range(S9_BOX_COLS // 16):
-                var off = UInt32(box * S9_BOX_BYTES + kk * 32)
+                comptime off = box * S9_BOX_BYTES + kk * 32
                 s = wgmma_async[64, HALF, 16, DType.float32, NJ_S * 4, a_type=dtype, b_type=dtype, layout_b="col"](
-                    sw128_desc[dtype](q_it + off, 16, 1024), sw128_desc[dtype](keys_u + off, 16, 1024), s
+                    q_d.at(off), k_d.at(off), s
                 )
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
@@ -321,13 +322,11 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
             acc[4 * j + 2] *= corr_b
             acc[4 * j + 3] *= corr_b
         wgmma_fence_aligned()
-        var p_u = stage_u + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
-        var v_u = stage_u + UInt32(4 * wg * S9_BOX_BYTES)
+        var p_d = Sw128[dtype, 16, 1024].of(stage_u + UInt32((S9_BOXES - 1) * S9_BOX_BYTES))
+        var v_d = Sw128[dtype, S9_BOX_BYTES, 1024].of(stage_u + UInt32(4 * wg * S9_BOX_BYTES))
         comptime for kk in range(S9_KEYS // 16):
             acc = wgmma_async[64, S9_VALUE_COLS, 16, DType.float32, ACC_W, a_type=dtype, b_type=dtype, layout_b="row"](
-                sw128_desc[dtype](p_u + UInt32(kk * 32), 16, 1024),
-                sw128_desc[dtype](v_u + UInt32(kk * 16 * 128), S9_BOX_BYTES, 1024),
-                acc,
+                p_d.at(kk * 32), v_d.at(kk * 16 * 128), acc
             )
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()

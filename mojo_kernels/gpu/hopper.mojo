@@ -95,31 +95,27 @@ def mbar_wait(bar: SPtr[Int64], parity: Int):
     mbar_wait_u32(smem_u32(bar), UInt32(parity))
 
 
-@always_inline
-def sw128_desc[dtype: DType](addr: UInt32, lbo: Int, sbo: Int) -> WGMMADescriptor[dtype]:
-    """A wgmma descriptor of a 128-byte-swizzled operand at shared address `addr` (byte offsets `lbo`, `sbo`).
+@fieldwise_init
+struct Sw128[dtype: DType, lbo: Int, sbo: Int](TrivialRegisterPassable):
+    """wgmma descriptors of 128-byte-swizzled operands at byte offsets from one shared address.
 
     K-major (Q, K, P): `sbo` = 1024 (8 rows of 128 bytes), `lbo` unused; a k16
     step inside a box adds 32 bytes to the start. MN-major (V): `lbo` = the
     stride between 64-column boxes, `sbo` = 1024 (8 keys).
+
+    The descriptor's low word (start address >> 4, `lbo` >> 4) is computed once
+    by `of`; each tile's descriptor is one 32-bit add by `at`, the high word
+    (`sbo` >> 4, the 128-byte swizzle mode) a constant.
     """
-    var v = Int64((Int(addr) & 0x3FFFF) >> 4) | (Int64(lbo >> 4) << 16) | (Int64(sbo >> 4) << 32) | (Int64(1) << 62)
-    return WGMMADescriptor[dtype](v)
-
-
-@fieldwise_init
-struct Sw128[dtype: DType, lbo: Int, sbo: Int](TrivialRegisterPassable):
-    """`sw128_desc` for many tiles at offsets from one shared address: its low word (start address >> 4,
-    `lbo` >> 4) computed once by `of`, each tile's descriptor one 32-bit add by `at` (the high word
-    is a constant), where `sw128_desc` masks and shifts every tile's address again."""
 
     var lo: UInt32
-    comptime HI = UInt64(sw128_desc[Self.dtype](0, Self.lbo, Self.sbo).desc) & 0xFFFFFFFF00000000
+    comptime HI = (UInt64(Self.sbo >> 4) << 32) | (UInt64(1) << 62)
 
     @staticmethod
     @always_inline
     def of(addr: UInt32) -> Self:
-        return Self(UInt32(UInt64(sw128_desc[Self.dtype](addr, Self.lbo, Self.sbo).desc) & 0xFFFFFFFF))
+        """The descriptors of tiles from shared address `addr` on."""
+        return Self(((addr & 0x3FFFF) >> 4) | (UInt32(Self.lbo >> 4) << 16))
 
     @always_inline
     def at(self, offset: Int) -> WGMMADescriptor[Self.dtype]:

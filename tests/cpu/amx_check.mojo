@@ -10,6 +10,7 @@
 #     /tmp/amx_check overhead   # the AMX path with no tile instruction, 16 heads, on any CPU:
 #                               # `perf record /tmp/amx_check overhead` shows where the rest goes
 #     /tmp/amx_check loop 16 200  # the AMX path alone, 200 times, 16 heads (perf on an AMX host)
+#     /tmp/amx_check loop 16 50 stages  # the whole op and each of its stages alone (AMX host)
 #
 # Each case (random bf16 caches, NaN in every slot past a request's tokens; page sizes 1/16/64/128 and one of 24, heads 1/16/128, ragged requests incl. ones with
 # no new token and ones with an empty cache, causal / sliding-window / no mask, 1 or several key
@@ -39,7 +40,8 @@ from mojo_kernels.cpu.amx_attention import AMX_TUNING, AmxTuning
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
 from mojo_kernels.cpu.merge import PartialResults, TaskPlan, merge_partitions
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
-from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention
+from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention, project_output, project_q_nope
+from mojo_kernels.cpu.rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
 from mojo_kernels.cpu.scratch import SCRATCH_SLOTS, Scratch
 from mojo_kernels.cpu.simd import run_tasks
 from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
@@ -508,6 +510,90 @@ def time_op(mut c: Case, mut inputs: OpInputs, path: String, iters: Int) raises 
     return best
 
 
+def best_ms[F: def() raises -> None](f: F, iters: Int) raises -> Float64:
+    """Best wall time of `iters` calls of `f` (after one warm-up)."""
+    f()
+    var best = Float64(1e30)
+    for _ in range(iters):
+        var t0 = perf_counter_ns()
+        f()
+        best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
+    return best
+
+
+def time_stages(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> String:
+    """The whole CPU op (bf16 rows) and each of its stages alone, best of `iters`, on the AMX path where the CPU
+    has it, else on the AVX512-BF16 path: where the op's time goes beside step 5 (stage launches, projections,
+    merge). Also an empty parallel stage (the task runner's own cost per stage)."""
+    var name = "amx" if amx_runs() and amx_permitted() else "avx512bf16"
+    var path = PATH_AMX if name == "amx" else PATH_AVX512BF16
+    var p = inputs.problem(c)
+    var whole = time_op(c, inputs, name, iters)
+    var mem = Scratch()
+    var key_dim = p.key_dim()
+    var q_full = mem.take[BF16](p.num_tokens * p.num_heads * key_dim, zero=False)
+    var plan = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
+    var shape = plan.shape()
+    var rows = shape.num_slots * p.num_heads
+    var partials = PartialResults(
+        mem.take[DType.float32](rows * p.kv_lora_rank, zero=False), mem.take[DType.float32](rows, zero=False),
+        mem.take[DType.float32](rows, zero=False),
+    )
+    var raw = mem.take[BF16](p.num_tokens * p.num_heads * p.kv_lora_rank, zero=False)
+
+    def steps_1_2() raises {var p}:
+        rotate_and_normalize_new_rows[BF16](
+            p.cache, p.batch, p.freqs_cis, p.kv_norm_gamma, p.epsilon, p.kv_lora_rank, p.rope_dim
+        )
+
+    def rope_q() raises {var p, var q_full}:
+        rope_queries_into_q_full[BF16](p.q, p.batch, p.freqs_cis, q_full, p.num_heads, p.nope_dim, p.rope_dim, p.kv_lora_rank)
+
+    def step_3() raises {var p, var q_full, var path}:
+        project_q_nope[BF16](
+            p.q, p.w_uk, p.w_uk_scale, q_full, p.num_tokens, p.num_heads, p.nope_dim, p.rope_dim, p.kv_lora_rank,
+            p.granularity, path,
+        )
+
+    def planning() raises {var p, var key_dim}:
+        _ = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
+
+    def step_5() raises {var p, var q_full, var shape, var partials, var path}:
+        attend_partitions[BF16](
+            q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, path, p.fp8_cache
+        )
+
+    def merge() raises {var partials, var shape, var raw, var p}:
+        merge_partitions[BF16](partials, shape, raw, p.lse, False)
+
+    def step_6() raises {var p, var raw, var path}:
+        project_output[BF16](
+            raw, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank, p.v_head_dim,
+            p.granularity, path,
+        )
+
+    def empty_task(i: Int):
+        pass
+
+    def empty_stage() raises:
+        run_tasks(empty_task, num_physical_cores() * 4, 1 << 30)
+
+    var line = String("stages, path ", name, ", heads ", p.num_heads, ", threads ", num_physical_cores(), ": whole op ", whole, " ms;")
+    var total = Float64(0)
+    var names = ["steps 1-2 (cache rows)", "rope q", "step 3", "plan", "step 5", "merge", "step 6"]
+    var times = [
+        best_ms(steps_1_2, iters), best_ms(rope_q, iters), best_ms(step_3, iters), best_ms(planning, iters),
+        best_ms(step_5, iters), best_ms(merge, iters), best_ms(step_6, iters),
+    ]
+    for i in range(len(names)):
+        line += String(" ", names[i], " ", times[i], " ms,")
+        total += times[i]
+    line += String(" sum ", total, " ms; an empty parallel stage ", best_ms(empty_stage, iters), " ms")
+    _ = plan^
+    _ = mem^
+    return line
+
+
 def main() raises:
     var quick = len(argv()) > 1 and argv()[1] == "quick"
     if len(argv()) > 1 and argv()[1] == "overhead":
@@ -516,6 +602,11 @@ def main() raises:
         var c = Case(99, 16, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
         print("overhead on", cpu_model(), ": AMX path without tile instructions, 16 heads:", time_path[NoTiles](c, PATH_AMX, 20), "ms")
         return
+    if len(argv()) > 4 and argv()[1] == "loop" and argv()[4] == "stages":
+        var c = Case(99, atol(argv()[2]), 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+        var inputs = OpInputs(c, 16384 + 1)
+        print("loop on", cpu_model(), ":", time_stages(c, inputs, atol(argv()[3])))
+        return
     if len(argv()) > 2 and argv()[1] == "loop":
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
         # `loop HEADS [ITERS [VARIANT]]` heads, VARIANT one of op (the op's tuning), packed, inplace (values
@@ -523,7 +614,7 @@ def main() raises:
         # pairs-pf0 (both, without the next tile's prefetch), pf0, pf2, pf4 (the next tile prefetched not at all,
         # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows; `whole`: the whole
         # CPU op on the AMX path (steps 1-6, bf16 rows), where the rest of the op shows beside step 5. Prints
-        # the best time.
+        # the best time. `loop HEADS ITERS stages` (any CPU): the whole op and each of its stages alone.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
