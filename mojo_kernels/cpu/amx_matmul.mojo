@@ -2,17 +2,17 @@
 
 Same products, same block scales, same rounding points: e4m3 weights widen
 exactly to bf16, and so do the activations' e4m3 values (quantized by
-`quantize_activations`, the one rule of `fp8.mojo`); a product of two e4m3
+`quantize_head`, the one rule of `fp8.mojo`); a product of two e4m3
 values is exact in float32, so `tdpbf16ps` sums, per K block, the same
 products in float32 as the vector path, in another order. Per
 `(m_block, k_block)` the tile's partial sums are scaled by `sa * sw` and
 added up in float32, as there.
 
 Layout (`TileUnit` of `cpu/amx.mojo`, tiles of 16 rows x 64 bytes): the
-weights are the left operands, `C^T [n x m] = W A^T`. A task widens a slice
-of one head's weight rows once, to bf16 rows in place order (`[rows, Kp]`),
-and loads 16 x 32 tiles from them with the row stride; the activations are
-packed once per call into the right operand's pair layout (`pack_queries`'
+weights are the left operands, `C^T [n x m] = W A^T`. A head's task widens
+its weight rows a slice at a time, to bf16 rows in place order (`[rows, Kp]`),
+and loads 16 x 32 tiles from them with the row stride; the head's activations
+are packed once per call into the right operand's pair layout (`pack_queries`'
 layout, one 16-row block of tokens per tile). Each K block starts on a
 32-value step: a block of `bk` values takes `ceil(bk / 32)` steps, zeros
 past its end in both operands, so a block that is not a multiple of 32 (or
@@ -41,7 +41,7 @@ from .amx import (
 )
 from .attention import PATH_AMX
 from .bf16 import BF16Ptr
-from .fp8_matmul import StridedMatrices, fp8_batched_matmul, quantize_activations
+from .fp8_matmul import QuantizedMatmul, StridedMatrices
 from .scratch import Scratch
 from .simd import F32_WIDTH, run_tasks
 
@@ -56,7 +56,7 @@ the widened weights' tile loads and the packing cost more than the dots save. Th
 counts: each head's rows are its own matmul. Where the tiles start to win is measured by the same
 check's 16- and 64-token lines."""
 comptime AMX_WEIGHT_ROWS_PER_TASK = 64
-"""Weight rows a task widens (four 16-row tiles): 64 KiB of bf16 at K = 512, in L2."""
+"""Weight rows a head's task widens at a time (four 16-row tiles): 64 KiB of bf16 at K = 512, in L2."""
 
 
 def projection_on_amx(path: Int, num_tokens: Int) -> Bool:
@@ -140,35 +140,61 @@ def pack_activations(
 
 
 @fieldwise_init
-struct AmxMatmul[out_dtype: DType](TrivialRegisterPassable):
-    """One fp8 batched matmul on tiles, its activations quantized and packed."""
+struct AmxMatmul[in_dtype: DType, out_dtype: DType](TrivialRegisterPassable):
+    """One fp8 batched matmul on tiles: `QuantizedMatmul`'s activations (quantized per head), packed per
+    head as right operands."""
 
+    var q: QuantizedMatmul[Self.in_dtype, Self.out_dtype]  # the sizes, weights, output; the quantized activations
     var a_packed: BF16Ptr  # [G, row_blocks, steps, 16, 32]
-    var a_scale: FPtr  # [G, MB, KB]
-    var w: U8Ptr  # [G, N, K] fp8 bytes
-    var w_scale: FPtr  # [G, NB, KB]
-    var c: StridedMatrices[Self.out_dtype]
-    var num_rows: Int
-    var n_out: Int
-    var blocks: BlockShape
     var kb: KBlocks
     var row_blocks: Int
+
+    @staticmethod
+    def create(mut mem: Scratch, quantized: QuantizedMatmul[Self.in_dtype, Self.out_dtype], num_groups: Int) -> Self:
+        """The tile matmul of `quantized` (made without bf16 dots), its packed operands from `mem` (zero-filled:
+        the rows past the tokens stay zero)."""
+        var kb = KBlocks.of(quantized.depth, quantized.blocks.k)
+        var row_blocks = ceil_div(quantized.num_rows, TILE_ROWS)
+        var packed = mem.take[DType.bfloat16](num_groups * row_blocks * kb.padded_depth() * TILE_ROWS)
+        return Self(quantized, packed, kb, row_blocks)
+
+    def head[tiles: TileUnit](self, g: Int):
+        """`c[g]` on the tiles: head `g`'s activations quantized and packed, then its weight rows in
+        slices of AMX_WEIGHT_ROWS_PER_TASK (widened once to bf16, rows past the last zero), each
+        multiplied with every token."""
+        var mem = Scratch()
+        self.q.quantize(g)
+        var row_buf = mem.take[DType.bfloat16](self.kb.padded_depth())
+        pack_activations(self.q.a_q, self.a_packed, row_buf, g, self.q.num_rows, self.row_blocks, self.kb)
+        var w_rows = mem.take[DType.bfloat16](AMX_WEIGHT_ROWS_PER_TASK * self.kb.padded_depth(), zero=False)
+        var buf = mem.take[DType.float32](9 * TILE_ROWS * TILE_ROWS)
+        var unit = tiles()
+        unit.start()
+        for n0 in range(0, self.q.n_out, AMX_WEIGHT_ROWS_PER_TASK):
+            var n1 = min(n0 + AMX_WEIGHT_ROWS_PER_TASK, self.q.n_out)
+            var n_tiles = ceil_div(n1 - n0, TILE_ROWS)
+            for i in range((n1 - n0) * self.kb.padded_depth(), n_tiles * TILE_ROWS * self.kb.padded_depth()):
+                w_rows.unsafe_store(i, 0)
+            self.widen_weights(g, n0, n1, w_rows)
+            self.tiles_of_slice(unit, w_rows, g, n0, n_tiles, buf)
+        unit.stop()
+        _ = mem^
 
     def widen_weights(self, g: Int, n0: Int, n1: Int, w_rows: BF16Ptr):
         """`w_rows [n1 - n0, Kp]`: weight rows `n0 ..` of head `g` in bf16, K blocks padded."""
         for n in range(n0, n1):
-            var src = self.w.unsafe_offset((g * self.n_out + n) * self.kb.depth)
+            var src = self.q.w.unsafe_offset((g * self.q.n_out + n) * self.kb.depth)
             to_padded_bf16[DType.uint8](src, w_rows.unsafe_offset((n - n0) * self.kb.padded_depth()), self.kb)
 
     def scale_into(self, part: FPtr, total: FPtr, g: Int, m0: Int, n0: Int, b: Int):
         """`total[n, m] += part[n, m] * (sa[m0 + m, b] * sw[n0 + n, b])` for a `16 x 16` tile (`[n, m]`)."""
-        var m_blocks = ceil_div(self.num_rows, self.blocks.m)
-        var n_blocks = ceil_div(self.n_out, self.blocks.n)
+        var m_blocks = ceil_div(self.q.num_rows, self.q.blocks.m)
+        var n_blocks = ceil_div(self.q.n_out, self.q.blocks.n)
         var sa = SIMD[DType.float32, TILE_ROWS](0)
-        for m in range(min(TILE_ROWS, self.num_rows - m0)):
-            sa[m] = self.a_scale.unsafe_load((g * m_blocks + (m0 + m) // self.blocks.m) * self.kb.count + b)
-        for n in range(min(TILE_ROWS, self.n_out - n0)):
-            var sw = self.w_scale.unsafe_load((g * n_blocks + (n0 + n) // self.blocks.n) * self.kb.count + b)
+        for m in range(min(TILE_ROWS, self.q.num_rows - m0)):
+            sa[m] = self.q.a_scale.unsafe_load((g * m_blocks + (m0 + m) // self.q.blocks.m) * self.kb.count + b)
+        for n in range(min(TILE_ROWS, self.q.n_out - n0)):
+            var sw = self.q.w_scale.unsafe_load((g * n_blocks + (n0 + n) // self.q.blocks.n) * self.kb.count + b)
             var at = n * TILE_ROWS
             total.unsafe_store(
                 at, total.unsafe_load[width=TILE_ROWS](at) + part.unsafe_load[width=TILE_ROWS](at) * (sa * sw)
@@ -177,9 +203,9 @@ struct AmxMatmul[out_dtype: DType](TrivialRegisterPassable):
     def store_tile(self, total: FPtr, transposed: FPtr, g: Int, m0: Int, n0: Int):
         """`c[g, m0 + m, n0 + n] = total[n, m]` for the tile's rows and columns inside `c`."""
         transpose_into_scores(total, transposed, 0, 0, TILE_ROWS)
-        var cols = min(TILE_ROWS, self.n_out - n0)
-        for m in range(min(TILE_ROWS, self.num_rows - m0)):
-            var dst = self.c.row(g, m0 + m).unsafe_offset(n0)
+        var cols = min(TILE_ROWS, self.q.n_out - n0)
+        for m in range(min(TILE_ROWS, self.q.num_rows - m0)):
+            var dst = self.q.c.row(g, m0 + m).unsafe_offset(n0)
             if cols == TILE_ROWS:
                 dst.unsafe_store(transposed.unsafe_load[width=TILE_ROWS](m * TILE_ROWS).cast[Self.out_dtype]())
             else:
@@ -245,8 +271,23 @@ struct AmxMatmul[out_dtype: DType](TrivialRegisterPassable):
             rb += 2
 
 
+trait HeadPrologue(ImplicitlyCopyable, Deinitable):
+    """What a projection's task for head `h` runs first: it writes that head's rows of the activations."""
+
+    def run(self, h: Int):
+        ...
+
+
+@fieldwise_init
+struct NoPrologue(HeadPrologue, TrivialRegisterPassable):
+    """The prologue of a projection whose activations are all in place already."""
+
+    def run(self, h: Int):
+        pass
+
+
 def fp8_projection[
-    in_dtype: DType, out_dtype: DType, tiles: TileUnit = AmxTiles
+    Prologue: HeadPrologue, //, in_dtype: DType, out_dtype: DType, tiles: TileUnit = AmxTiles
 ](
     a: StridedMatrices[in_dtype],
     w: U8Ptr,
@@ -258,57 +299,32 @@ def fp8_projection[
     depth: Int,
     blocks: BlockShape,
     on_amx: Bool,
-    bf16_dots: Bool = False,
+    bf16_dots: Bool,
+    prologue: Prologue,
 ) raises:
-    """Step 3 or 6: `fp8_batched_matmul` (with `bf16_dots`: on the AVX512-BF16 unit where it serves),
-    on tiles where `on_amx` (`projection_on_amx`): the same `c`, up to the order of the float32 sums.
+    """Step 3 or 6, one parallel stage of a task per head `g`: `prologue.run(g)` (what writes head `g`'s
+    rows of `a`: the merge of step 5's partitions, RoPE on q; `NoPrologue` where `a` is ready), then
+    `c[g]` on tiles where `on_amx` (`projection_on_amx`: `AmxMatmul.head`), else on the vector unit
+    (`QuantizedMatmul.head`; with `bf16_dots` on the AVX512-BF16 unit where it serves): the same `c`,
+    up to the order of the float32 sums.
 
-    On tiles: quantizes `a` (`quantize_activations`) and packs it as right
-    operands; each task widens AMX_WEIGHT_ROWS_PER_TASK weight rows of one
-    head to bf16 once and multiplies them with every token. The tile
-    registers are asked for by the caller (`amx_permitted`, done by
-    `pipeline.attention_path`).
+    One stage instead of one per phase (quantize, copy, products): each stage costs the task runner
+    about 25 us on 16 cores, the phases of a head need nothing from other heads, and a task per head
+    (16 or 128 in DeepSeek-V3's shapes) fills the cores. The tile registers are asked for by the
+    caller (`amx_permitted`, done by `pipeline.attention_path`).
     """
-    if not on_amx:
-        fp8_batched_matmul[in_dtype, out_dtype](a, w, w_scale, c, num_groups, num_rows, n_out, depth, blocks, bf16_dots)
-        return
-    var m_blocks = ceil_div(num_rows, blocks.m)
-    var kb = KBlocks.of(depth, blocks.k)
-    var row_blocks = ceil_div(num_rows, TILE_ROWS)
     var mem = Scratch()
-    var a_q = mem.take[DType.float32](num_groups * num_rows * depth)
-    var a_scale = mem.take[DType.float32](num_groups * m_blocks * kb.count)
-    var packed = mem.take[DType.bfloat16](num_groups * row_blocks * kb.padded_depth() * TILE_ROWS)
-    quantize_activations[in_dtype](a, num_groups, num_rows, depth, blocks, a_q, a_scale)
+    var quantized = QuantizedMatmul[in_dtype, out_dtype].create(
+        mem, a, w, w_scale, c, num_groups, num_rows, n_out, depth, blocks, bf16_dots and not on_amx
+    )
+    var amx = AmxMatmul[in_dtype, out_dtype].create(mem, quantized, num_groups if on_amx else 0)
 
-    def pack_task(g: Int) {var a_q, var packed, var num_rows, var row_blocks, var kb}:
-        var task_mem = Scratch()
-        pack_activations(a_q, packed, task_mem.take[DType.bfloat16](kb.padded_depth()), g, num_rows, row_blocks, kb)
-        _ = task_mem^
+    def head_task(g: Int) {var prologue, var quantized, var amx, var on_amx}:
+        prologue.run(g)
+        if on_amx:
+            amx.head[tiles](g)
+        else:
+            quantized.head(g)
 
-    run_tasks(pack_task, num_groups, num_groups * num_rows * depth)
-
-    var mm = AmxMatmul[out_dtype](packed, a_scale, w, w_scale, c, num_rows, n_out, blocks, kb, row_blocks)
-    var slices = ceil_div(n_out, AMX_WEIGHT_ROWS_PER_TASK)
-
-    def slice_task(i: Int) {var mm, var n_out, var slices}:
-        var g = i // slices
-        var n0 = (i % slices) * AMX_WEIGHT_ROWS_PER_TASK
-        var n1 = min(n0 + AMX_WEIGHT_ROWS_PER_TASK, n_out)
-        var n_tiles = ceil_div(n1 - n0, TILE_ROWS)
-        # The slice's weights, widened once for every token; rows past n1 (up to the tile) zero.
-        var task_mem = Scratch()
-        var w_count = n_tiles * TILE_ROWS * mm.kb.padded_depth()
-        var w_rows = task_mem.take[DType.bfloat16](w_count, zero=False)
-        for i in range((n1 - n0) * mm.kb.padded_depth(), w_count):
-            w_rows.unsafe_store(i, 0)
-        var buf = task_mem.take[DType.float32](9 * TILE_ROWS * TILE_ROWS)
-        mm.widen_weights(g, n0, n1, w_rows)
-        var unit = tiles()
-        unit.start()
-        mm.tiles_of_slice(unit, w_rows, g, n0, n_tiles, buf)
-        unit.stop()
-        _ = task_mem^
-
-    run_tasks(slice_task, num_groups * slices, num_groups * n_out * depth * max(num_rows, 1))
+    run_tasks(head_task, num_groups, num_groups * n_out * depth * max(num_rows, 1))
     _ = mem^

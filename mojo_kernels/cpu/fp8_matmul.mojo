@@ -23,8 +23,8 @@ from .scratch import Scratch
 from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, cast_copy, dot_lanes, run_tasks, sum_lanes
 
 comptime WEIGHT_BYTES_PER_TASK = 32768
-"""fp8 weight bytes per task (whole rows, at least one): 64 rows of step 6 (K 512), 256 of step 3
-(K 128), so both projections make the same number of tasks, each a slice that stays in L2 widened."""
+"""fp8 weight bytes a head's task widens at a time (whole rows, at least one): 64 rows of step 6
+(K 512), 256 of step 3 (K 128), a slice that stays in L2 widened."""
 
 
 def weight_rows_per_task(depth: Int) -> Int:
@@ -43,25 +43,23 @@ struct StridedMatrices[dtype: DType](TrivialRegisterPassable):
         return self.ptr.unsafe_offset(g * self.g_stride + m * self.m_stride)
 
 
-def quantize_activations[
+def quantize_head[
     dtype: DType
 ](
     a: StridedMatrices[dtype],
-    num_groups: Int,
+    g: Int,
     num_rows: Int,
     depth: Int,
     blocks: BlockShape,
     a_q: FPtr,
     a_scale: FPtr,
-) raises:
-    """Quantizes `a` into fp8 values kept as float32 in `a_q [G, M, K]`, scales in `a_scale [G, MB, KB]`."""
+):
+    """Quantizes head `g`'s rows of `a` into fp8 values kept as float32 in `a_q [G, M, K]`, their scales
+    in `a_scale [G, MB, KB]` (every value of head `g` in both is written)."""
+    comptime W = F32_WIDTH
     var m_blocks = ceil_div(num_rows, blocks.m)
     var k_blocks = ceil_div(depth, blocks.k)
-
-    def block_row_task(i: Int) {var a, var num_rows, var depth, var blocks, var a_q, var a_scale, var m_blocks, var k_blocks}:
-        comptime W = F32_WIDTH
-        var g = i // m_blocks
-        var mb = i % m_blocks
+    for mb in range(m_blocks):
         var m0 = mb * blocks.m
         var m1 = min(m0 + blocks.m, num_rows)
         for kb in range(k_blocks):
@@ -89,8 +87,6 @@ def quantize_activations[
                     var x = F32Vec(src.unsafe_load(k).cast[DType.float32]())
                     dst.unsafe_store(k, round_to_e4m3[W](scaled_into_range[W](x, s))[0])
 
-    run_tasks(block_row_task, num_groups * m_blocks, num_groups * num_rows * depth)
-
 
 def widen_weight_rows[elem: DType](w: U8Ptr, dst: DPtr[elem], count: Int):
     """`dst[i] = e4m3(w[i])` for `count` bytes, exactly: as float32 (`fp8.widen_e4m3`) or, for the
@@ -108,9 +104,11 @@ def widen_weight_rows[elem: DType](w: U8Ptr, dst: DPtr[elem], count: Int):
 
 
 @fieldwise_init
-struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
-    """One fp8 batched matmul, its activations already quantized."""
+struct QuantizedMatmul[in_dtype: DType, out_dtype: DType](TrivialRegisterPassable):
+    """One fp8 batched matmul: its activations, their quantized copies (written per head by `quantize`),
+    the weights and the output."""
 
+    var a: StridedMatrices[Self.in_dtype]
     var a_q: FPtr  # [G, M, K] fp8 values as float32
     var a_bf16: BF16Ptr  # the same values as bfloat16 for the bf16 dots (else not read)
     var a_scale: FPtr  # [G, MB, KB]
@@ -121,6 +119,53 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
     var n_out: Int
     var depth: Int
     var blocks: BlockShape
+    var on_bf16: Bool  # the products on the AVX512-BF16 unit (`vdpbf16ps`), else float32 FMAs
+
+    @staticmethod
+    def create(
+        mut mem: Scratch,
+        a: StridedMatrices[Self.in_dtype],
+        w: U8Ptr,
+        w_scale: FPtr,
+        c: StridedMatrices[Self.out_dtype],
+        num_groups: Int,
+        num_rows: Int,
+        n_out: Int,
+        depth: Int,
+        blocks: BlockShape,
+        bf16_dots: Bool,
+    ) -> Self:
+        """The matmul with its quantized activations' buffers from `mem` (not filled: `quantize` writes a
+        head's whole share of them); `bf16_dots` where the AVX512-BF16 unit is compiled in."""
+        var values = max(num_groups * num_rows * depth, 1)
+        var on_bf16 = bf16_dots and HAS_AVX512_BF16
+        var scales = num_groups * ceil_div(num_rows, blocks.m) * ceil_div(depth, blocks.k)
+        return Self(
+            a, mem.take[DType.float32](values, zero=False),
+            mem.take[DType.bfloat16](values if on_bf16 else 0, zero=False),
+            mem.take[DType.float32](scales, zero=False), w, w_scale, c, num_rows, n_out, depth, blocks, on_bf16,
+        )
+
+    def quantize(self, g: Int):
+        """Head `g`'s activations quantized (`quantize_head`), and their bf16 copies for the bf16 dots
+        (exact: the quantized values are e4m3's)."""
+        quantize_head[Self.in_dtype](self.a, g, self.num_rows, self.depth, self.blocks, self.a_q, self.a_scale)
+        if self.on_bf16:
+            var n = self.num_rows * self.depth
+            cast_copy(self.a_q.unsafe_offset(g * n), self.a_bf16.unsafe_offset(g * n), n)
+
+    def head(self, g: Int):
+        """`c[g]`: head `g`'s activations quantized, then its weight rows in slices of
+        `weight_rows_per_task` rows (`slice_outputs`: widened once, in L2, for every token)."""
+        self.quantize(g)
+        var rows_per_slice = weight_rows_per_task(self.depth)
+        for n0 in range(0, self.n_out, rows_per_slice):
+            var n1 = min(n0 + rows_per_slice, self.n_out)
+            comptime if HAS_AVX512_BF16:
+                if self.on_bf16:
+                    self.slice_outputs[DType.bfloat16](g, n0, n1)
+                    continue
+            self.slice_outputs[DType.float32](g, n0, n1)
 
     def activations[elem: DType](self) -> DPtr[elem]:
         """The quantized activations as `elem` values: `a_q` (float32) or `a_bf16` (bfloat16)."""
@@ -190,63 +235,3 @@ struct QuantizedMatmul[out_dtype: DType](TrivialRegisterPassable):
             self.output_rows[1](w_rows, g, m, n0, n1)
             m += 1
         _ = mem^
-
-
-def fp8_batched_matmul[
-    in_dtype: DType, out_dtype: DType
-](
-    a: StridedMatrices[in_dtype],
-    w: U8Ptr,
-    w_scale: FPtr,
-    c: StridedMatrices[out_dtype],
-    num_groups: Int,
-    num_rows: Int,
-    n_out: Int,
-    depth: Int,
-    blocks: BlockShape,
-    bf16_dots: Bool = False,
-) raises:
-    """`c[g, m, n] = sum_kb sa[g, m, kb] * sw[g, n, kb] * sum_{k in kb} a_q[g, m, k] * w[g, n, k]`.
-
-    Quantizes `a` first. Each task takes a slice of one head's weight rows
-    (`weight_rows_per_task`) and widens its fp8 bytes once per call
-    (`QuantizedMatmul.slice_outputs`): the weights are read once per call,
-    as bytes. With `bf16_dots` where the unit is compiled in the products
-    are summed with `vdpbf16ps`, else with float32 FMAs.
-    """
-    var m_blocks = ceil_div(num_rows, blocks.m)
-    var k_blocks = ceil_div(depth, blocks.k)
-    var on_bf16 = bf16_dots and HAS_AVX512_BF16
-    var values = max(num_groups * num_rows * depth, 1)
-    var mem = Scratch()
-    var mm = QuantizedMatmul[out_dtype](
-        mem.take[DType.float32](values), mem.take[DType.bfloat16](values if on_bf16 else 0, zero=False),
-        mem.take[DType.float32](num_groups * m_blocks * k_blocks), w, w_scale, c, num_rows, n_out, depth, blocks,
-    )
-    quantize_activations[in_dtype](a, num_groups, num_rows, depth, blocks, mm.a_q, mm.a_scale)
-    if on_bf16:  # exact: the quantized values are e4m3's
-        var a_q = mm.a_q
-        var a_bf16 = mm.a_bf16
-        var count = num_groups * num_rows * depth
-
-        def bf16_task(g: Int) {var a_q, var a_bf16, var num_rows, var depth}:
-            var n = num_rows * depth
-            cast_copy(a_q.unsafe_offset(g * n), a_bf16.unsafe_offset(g * n), n)
-
-        run_tasks(bf16_task, num_groups, count)
-
-    var rows_per_task = weight_rows_per_task(depth)
-    var slices = ceil_div(n_out, rows_per_task)
-
-    def slice_task(i: Int) {var mm, var n_out, var slices, var rows_per_task, var on_bf16}:
-        var g = i // slices
-        var n0 = (i % slices) * rows_per_task
-        var n1 = min(n0 + rows_per_task, n_out)
-        comptime if HAS_AVX512_BF16:
-            if on_bf16:
-                mm.slice_outputs[DType.bfloat16](g, n0, n1)
-                return
-        mm.slice_outputs[DType.float32](g, n0, n1)
-
-    run_tasks(slice_task, num_groups * slices, num_groups * n_out * depth * max(num_rows, 1))
-    _ = mem^

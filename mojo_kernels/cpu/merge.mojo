@@ -140,6 +140,65 @@ struct PartialResults(TrivialRegisterPassable):
     var row_sum: FPtr  # [slots, H]
 
 
+def merge_row[
+    dtype: DType
+](
+    partials: PartialResults, shape: AttentionShape, row: Int, raw: DPtr[dtype], lse: FPtr, has_lse: Bool,
+    slots: IPtr, weights: FPtr,
+):
+    """Row `row = t H + h` of `merge_partitions`; `slots`, `weights` scratch of `shape.max_partitions`."""
+    comptime W = F32_WIDTH
+    var rank = shape.kv_lora_rank
+    var t = row // shape.num_heads
+    var b = shape.request_of_token.unsafe_load(t)
+    var parts = shape.partitions(b)
+    for p in range(parts):
+        slots.unsafe_store(p, shape.row(b, p, t, row % shape.num_heads))
+    var top = neg_inf[DType.float32]()
+    for p in range(parts):
+        top = max(top, partials.row_max.unsafe_load(slots.unsafe_load(p)))
+    var total = Float32(0)
+    for p in range(parts):
+        var m = partials.row_max.unsafe_load(slots.unsafe_load(p))
+        if m > neg_inf[DType.float32]():
+            total += exp(m - top) * partials.row_sum.unsafe_load(slots.unsafe_load(p))
+    for p in range(parts):
+        var m = partials.row_max.unsafe_load(slots.unsafe_load(p))
+        # Zero where this partition held none of the row's keys.
+        weights.unsafe_store(p, exp(m - top) / total if m > neg_inf[DType.float32]() else Float32(0))
+    if has_lse:
+        lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
+    var dst = raw.unsafe_offset(row * rank)
+    var c = 0
+    while c < rank:
+        var width = W if c + W <= rank else 1
+        if width == W:
+            var acc = SIMD[DType.float32, W](0)
+            for p in range(parts):
+                if weights.unsafe_load(p) != 0:
+                    acc += weights.unsafe_load(p) * partials.out.unsafe_load[width=W](slots.unsafe_load(p) * rank + c)
+            dst.unsafe_store(c, acc.cast[dtype]())
+        else:
+            var acc = Float32(0)
+            for p in range(parts):
+                if weights.unsafe_load(p) != 0:
+                    acc += weights.unsafe_load(p) * partials.out.unsafe_load(slots.unsafe_load(p) * rank + c)
+            dst.unsafe_store(c, acc.cast[dtype]())
+        c += width
+
+
+def merge_head[
+    dtype: DType
+](partials: PartialResults, shape: AttentionShape, h: Int, raw: DPtr[dtype], lse: FPtr, has_lse: Bool):
+    """Head `h`'s rows of `merge_partitions` (every token's): the prologue of step 6's task for head `h`."""
+    var mem = Scratch()
+    var slots = mem.take_ints(shape.max_partitions)
+    var weights = mem.take[DType.float32](shape.max_partitions)
+    for t in range(shape.num_tokens):
+        merge_row[dtype](partials, shape, t * shape.num_heads + h, raw, lse, has_lse, slots, weights)
+    _ = mem^
+
+
 def merge_partitions[
     dtype: DType
 ](partials: PartialResults, shape: AttentionShape, raw: DPtr[dtype], lse: FPtr, has_lse: Bool) raises:
@@ -149,52 +208,17 @@ def merge_partitions[
     log-sum-exp of the row's scaled, biased scores (`m_p`, `l_p` are a
     partition's running max and sum of `exp(s - m_p)`). A row that saw no key
     (a shard holding none of its key range) gets `raw = 0` and `lse = -inf`.
+    Its own stage where step 6 does not follow (a context-parallel rank); else
+    step 6's task for head `h` merges that head's rows first (`merge_head`).
     """
     var rows = shape.num_tokens * shape.num_heads
 
     def rows_task(task: Int) {var partials, var shape, var raw, var rows, var lse, var has_lse}:
-        comptime W = F32_WIDTH
-        var rank = shape.kv_lora_rank
         var mem = Scratch()
         var slots = mem.take_ints(shape.max_partitions)
         var weights = mem.take[DType.float32](shape.max_partitions)
         for row in range(task * MERGE_ROWS_PER_TASK, min((task + 1) * MERGE_ROWS_PER_TASK, rows)):
-            var t = row // shape.num_heads
-            var b = shape.request_of_token.unsafe_load(t)
-            var parts = shape.partitions(b)
-            for p in range(parts):
-                slots.unsafe_store(p, shape.row(b, p, t, row % shape.num_heads))
-            var top = neg_inf[DType.float32]()
-            for p in range(parts):
-                top = max(top, partials.row_max.unsafe_load(slots.unsafe_load(p)))
-            var total = Float32(0)
-            for p in range(parts):
-                var m = partials.row_max.unsafe_load(slots.unsafe_load(p))
-                if m > neg_inf[DType.float32]():
-                    total += exp(m - top) * partials.row_sum.unsafe_load(slots.unsafe_load(p))
-            for p in range(parts):
-                var m = partials.row_max.unsafe_load(slots.unsafe_load(p))
-                # Zero where this partition held none of the row's keys.
-                weights.unsafe_store(p, exp(m - top) / total if m > neg_inf[DType.float32]() else Float32(0))
-            if has_lse:
-                lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
-            var dst = raw.unsafe_offset(row * rank)
-            var c = 0
-            while c < rank:
-                var width = W if c + W <= rank else 1
-                if width == W:
-                    var acc = SIMD[DType.float32, W](0)
-                    for p in range(parts):
-                        if weights.unsafe_load(p) != 0:
-                            acc += weights.unsafe_load(p) * partials.out.unsafe_load[width=W](slots.unsafe_load(p) * rank + c)
-                    dst.unsafe_store(c, acc.cast[dtype]())
-                else:
-                    var acc = Float32(0)
-                    for p in range(parts):
-                        if weights.unsafe_load(p) != 0:
-                            acc += weights.unsafe_load(p) * partials.out.unsafe_load(slots.unsafe_load(p) * rank + c)
-                    dst.unsafe_store(c, acc.cast[dtype]())
-                c += width
+            merge_row[dtype](partials, shape, row, raw, lse, has_lse, slots, weights)
         _ = mem^  # the slot stays this task's until here (a value ends at its last use)
 
     run_tasks(rows_task, ceil_div(rows, MERGE_ROWS_PER_TASK), shape.num_slots * shape.num_heads * shape.kv_lora_rank)

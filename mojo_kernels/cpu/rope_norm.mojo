@@ -139,38 +139,31 @@ def rotate_normalize_and_quantize_new_rows[
     run_tasks(request_task, num_requests, rows * width)
 
 
-def rope_queries_into_q_full[
+def rope_query_head[
     dtype: DType
 ](
     q: DPtr[dtype],
     batch: RaggedBatch,
     freqs_cis: DPtr[dtype],
     q_full: DPtr[dtype],
+    h: Int,
     num_heads: Int,
     nope_dim: Int,
     rope_dim: Int,
     kv_lora_rank: Int,
-) raises:
-    """Steps 1 and 4 on q: rotates `q[t, h, nope:]` into `q_full[t, h, kv_lora_rank:]`.
+):
+    """Steps 1 and 4 on head `h` of q: rotates `q[t, h, nope:]` into `q_full[t, h, kv_lora_rank:]` for
+    every token (the prologue of step 3's task for head `h`).
 
     `q_full [T, H, kv_lora_rank + rope_dim]` is the concatenation of step 4;
     step 3 fills its first `kv_lora_rank` columns.
     """
-    var num_requests = batch.num_requests
-    var q_stride = nope_dim + rope_dim
-    var full_stride = kv_lora_rank + rope_dim
-
-    def request_task(b: Int) {var q, var batch, var freqs_cis, var q_full, var num_heads, var nope_dim, var rope_dim, var kv_lora_rank, var q_stride, var full_stride}:
+    for b in range(batch.num_requests):
         for t in range(batch.start(b), batch.stop(b)):
-            var freqs = freqs_cis.unsafe_offset(batch.position(b, t) * rope_dim)
-            for h in range(num_heads):
-                var row = t * num_heads + h
-                rope_interleaved[dtype, dtype, dtype](
-                    q.unsafe_offset(row * q_stride + nope_dim),
-                    freqs,
-                    q_full.unsafe_offset(row * full_stride + kv_lora_rank),
-                    rope_dim,
-                )
-
-    var rows = batch.stop(num_requests - 1) - batch.start(0) if num_requests > 0 else 0
-    run_tasks(request_task, num_requests, rows * num_heads * rope_dim)
+            var row = t * num_heads + h
+            rope_interleaved[dtype, dtype, dtype](
+                q.unsafe_offset(row * (nope_dim + rope_dim) + nope_dim),
+                freqs_cis.unsafe_offset(batch.position(b, t) * rope_dim),
+                q_full.unsafe_offset(row * (kv_lora_rank + rope_dim) + kv_lora_rank),
+                rope_dim,
+            )

@@ -40,8 +40,8 @@ from mojo_kernels.cpu.amx_attention import AMX_TUNING, AmxTuning
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32, attend_partitions
 from mojo_kernels.cpu.merge import PartialResults, TaskPlan, merge_partitions
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
-from mojo_kernels.cpu.pipeline import mla_decode_branch_fp8_cpu, plan_attention, project_output, project_q_nope
-from mojo_kernels.cpu.rope_norm import rope_queries_into_q_full, rotate_and_normalize_new_rows
+from mojo_kernels.cpu.pipeline import MergeRows, RopeQuery, mla_decode_branch_fp8_cpu, plan_attention, project_output, project_q_nope
+from mojo_kernels.cpu.rope_norm import rotate_and_normalize_new_rows
 from mojo_kernels.cpu.scratch import SCRATCH_SLOTS, Scratch
 from mojo_kernels.cpu.simd import run_tasks
 from mojo_kernels.paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch
@@ -546,13 +546,10 @@ def time_stages(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> String:
             p.cache, p.batch, p.freqs_cis, p.kv_norm_gamma, p.epsilon, p.kv_lora_rank, p.rope_dim
         )
 
-    def rope_q() raises {var p, var q_full}:
-        rope_queries_into_q_full[BF16](p.q, p.batch, p.freqs_cis, q_full, p.num_heads, p.nope_dim, p.rope_dim, p.kv_lora_rank)
-
     def step_3() raises {var p, var q_full, var path}:
         project_q_nope[BF16](
             p.q, p.w_uk, p.w_uk_scale, q_full, p.num_tokens, p.num_heads, p.nope_dim, p.rope_dim, p.kv_lora_rank,
-            p.granularity, path,
+            p.granularity, path, RopeQuery[BF16](p, q_full),
         )
 
     def planning() raises {var p, var key_dim}:
@@ -566,10 +563,10 @@ def time_stages(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> String:
     def merge() raises {var partials, var shape, var raw, var p}:
         merge_partitions[BF16](partials, shape, raw, p.lse, False)
 
-    def step_6() raises {var p, var raw, var path}:
+    def step_6() raises {var p, var raw, var path, var partials, var shape}:
         project_output[BF16](
             raw, p.w_uv, p.w_uv_scale, p.output, p.num_tokens, p.num_heads, p.kv_lora_rank, p.v_head_dim,
-            p.granularity, path,
+            p.granularity, path, MergeRows[BF16](partials, shape, raw, p.lse, False),
         )
 
     def empty_task(i: Int):
@@ -580,14 +577,15 @@ def time_stages(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> String:
 
     var line = String("stages, path ", name, ", heads ", p.num_heads, ", threads ", num_physical_cores(), ": whole op ", whole, " ms;")
     var total = Float64(0)
-    var names = ["steps 1-2 (cache rows)", "rope q", "step 3", "plan", "step 5", "merge", "step 6"]
+    var names = ["steps 1-2 (cache rows)", "rope q + step 3", "plan", "step 5", "merge + step 6", "(merge alone)"]
     var times = [
-        best_ms(steps_1_2, iters), best_ms(rope_q, iters), best_ms(step_3, iters), best_ms(planning, iters),
-        best_ms(step_5, iters), best_ms(merge, iters), best_ms(step_6, iters),
+        best_ms(steps_1_2, iters), best_ms(step_3, iters), best_ms(planning, iters), best_ms(step_5, iters),
+        best_ms(step_6, iters), best_ms(merge, iters),
     ]
-    for i in range(len(names)):
+    for i in range(len(names) - 1):
         line += String(" ", names[i], " ", times[i], " ms,")
         total += times[i]
+    line += String(" ", names[len(names) - 1], " ", times[len(times) - 1], " ms,")
     line += String(" sum ", total, " ms; an empty parallel stage ", best_ms(empty_stage, iters), " ms")
     _ = plan^
     _ = mem^

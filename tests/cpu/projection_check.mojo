@@ -19,7 +19,7 @@ from std.time import perf_counter_ns
 
 from mojo_kernels.common import DPtr, FPtr, U8Ptr
 from mojo_kernels.cpu.amx import AmxTiles, TileUnit
-from mojo_kernels.cpu.amx_matmul import fp8_projection, projection_on_amx
+from mojo_kernels.cpu.amx_matmul import NoPrologue, fp8_projection, projection_on_amx
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.fp8_matmul import StridedMatrices
@@ -93,7 +93,7 @@ struct Projection(Movable):
         var ws = untracked(self.w_scale)
         var a = self.activations()
         fp8_projection[BF16, F32, tiles](
-            a, w, ws, out, self.heads, self.tokens, self.n_out, self.depth, self.blocks, on_tiles, bf16_dots
+            a, w, ws, out, self.heads, self.tokens, self.n_out, self.depth, self.blocks, on_tiles, bf16_dots, NoPrologue()
         )
         return c^
 
@@ -209,12 +209,12 @@ struct ProjectionInputs(Movable):
             var c = StridedMatrices[BF16](untracked(self.q_full), 576, self.heads * 576)
             fp8_projection[BF16, BF16, T](
                 a, w, untracked(self.w_uk_scale), c, self.heads, self.tokens, 512, 128,
-                blocks.resolve(self.tokens, 512, 128), True,
+                blocks.resolve(self.tokens, 512, 128), True, False, NoPrologue(),
             )
             return
         project_q_nope[BF16](
             untracked(self.q), w, untracked(self.w_uk_scale), untracked(self.q_full), self.tokens, self.heads,
-            128, 64, 512, blocks, path,
+            128, 64, 512, blocks, path, NoPrologue(),
         )
 
     def step6[T: TileUnit](mut self, path: Int, tiles_direct: Bool) raises:
@@ -226,12 +226,12 @@ struct ProjectionInputs(Movable):
             var c = StridedMatrices[BF16](untracked(self.output), 128, self.heads * 128)
             fp8_projection[BF16, BF16, T](
                 a, w, untracked(self.w_uv_scale), c, self.heads, self.tokens, 128, 512,
-                blocks.resolve(self.tokens, 128, 512), True,
+                blocks.resolve(self.tokens, 128, 512), True, False, NoPrologue(),
             )
             return
         project_output[BF16](
             untracked(self.raw), w, untracked(self.w_uv_scale), untracked(self.output), self.tokens, self.heads,
-            512, 128, blocks, path,
+            512, 128, blocks, path, NoPrologue(),
         )
 
     def time[T: TileUnit = AmxTiles](mut self, path: Int, iters: Int, tiles_direct: Bool = False) raises -> Tuple[Float64, Float64]:
