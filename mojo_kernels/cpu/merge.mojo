@@ -139,6 +139,15 @@ struct PartialResults(TrivialRegisterPassable):
     var row_max: FPtr  # [slots, H]
     var row_sum: FPtr  # [slots, H]
 
+    @staticmethod
+    def take(mut mem: Scratch, shape: AttentionShape) -> Self:
+        """The partial results of `shape`'s tasks, from `mem` (not filled: every task writes its rows)."""
+        var rows = shape.num_slots * shape.num_heads
+        return Self(
+            mem.take[DType.float32](rows * shape.kv_lora_rank, zero=False), mem.take[DType.float32](rows, zero=False),
+            mem.take[DType.float32](rows, zero=False),
+        )
+
 
 def merge_row[
     dtype: DType

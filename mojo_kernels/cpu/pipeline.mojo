@@ -238,11 +238,7 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     # Step 5: attention, split into partitions, then merged.
     var plan = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
     var shape = plan.shape()
-    var rows = shape.num_slots * p.num_heads
-    var partials = PartialResults(
-        mem.take[DType.float32](rows * p.kv_lora_rank, zero=False), mem.take[DType.float32](rows, zero=False),
-        mem.take[DType.float32](rows, zero=False),
-    )
+    var partials = PartialResults.take(mem, shape)
     attend_partitions[dtype](
         q_full, p.cache, p.batch, shape, p.scale, p.mask, p.score_mod, partials, path, p.fp8_cache
     )

@@ -534,11 +534,7 @@ def time_stages(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> String:
     var q_full = mem.take[BF16](p.num_tokens * p.num_heads * key_dim, zero=False)
     var plan = plan_attention(p.batch, p.num_tokens, p.num_heads, p.kv_lora_rank, key_dim)
     var shape = plan.shape()
-    var rows = shape.num_slots * p.num_heads
-    var partials = PartialResults(
-        mem.take[DType.float32](rows * p.kv_lora_rank, zero=False), mem.take[DType.float32](rows, zero=False),
-        mem.take[DType.float32](rows, zero=False),
-    )
+    var partials = PartialResults.take(mem, shape)
     var raw = mem.take[BF16](p.num_tokens * p.num_heads * p.kv_lora_rank, zero=False)
 
     def steps_1_2() raises {var p}:
