@@ -31,14 +31,12 @@ def _span(t: torch.Tensor) -> tuple[torch.device, int, int] | None:
 
 def _check_no_overlap(written: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor]) -> None:
     """The tensors the op writes (out, the cache blocks, attention_out) share memory with no other argument."""
-    spans = {id(t): _span(t) for group in (inputs, written) for t in group.values()}
+    merged = [(other, t, _span(t)) for other, t in {**inputs, **written}.items()]
     for name, target in written.items():
-        mine = spans[id(target)]
+        mine = _span(target)
         if mine is None:
             continue
-        others = {**inputs, **{k: v for k, v in written.items() if k != name}}
-        for other, t in others.items():
-            theirs = spans[id(t)]
+        for other, t, theirs in merged:
             if t is target or other == name or theirs is None or theirs[0] != mine[0]:
                 continue
             if mine[1] < theirs[2] and theirs[1] < mine[2]:
