@@ -55,7 +55,7 @@ faster where the tiles were taken before (8 tokens, or 128 heads at any count): 
 the widened weights' tile loads and the packing cost more than the dots save. The head count no longer
 counts: each head's rows are its own matmul. Where the tiles start to win is measured by the same
 check's 16- and 64-token lines."""
-comptime AMX_WEIGHT_ROWS_PER_TASK = 64
+comptime AMX_WEIGHT_ROWS_PER_SLICE = 64
 """Weight rows a head's task widens at a time (four 16-row tiles): 64 KiB of bf16 at K = 512, in L2."""
 
 
@@ -160,18 +160,18 @@ struct AmxMatmul[in_dtype: DType, out_dtype: DType](TrivialRegisterPassable):
 
     def head[tiles: TileUnit](self, g: Int):
         """`c[g]` on the tiles: head `g`'s activations quantized and packed, then its weight rows in
-        slices of AMX_WEIGHT_ROWS_PER_TASK (widened once to bf16, rows past the last zero), each
+        slices of AMX_WEIGHT_ROWS_PER_SLICE (widened once to bf16, rows past the last zero), each
         multiplied with every token."""
         var mem = Scratch()
         self.q.quantize(g)
         var row_buf = mem.take[DType.bfloat16](self.kb.padded_depth())
         pack_activations(self.q.a_q, self.a_packed, row_buf, g, self.q.num_rows, self.row_blocks, self.kb)
-        var w_rows = mem.take[DType.bfloat16](AMX_WEIGHT_ROWS_PER_TASK * self.kb.padded_depth(), zero=False)
+        var w_rows = mem.take[DType.bfloat16](AMX_WEIGHT_ROWS_PER_SLICE * self.kb.padded_depth(), zero=False)
         var buf = mem.take[DType.float32](9 * TILE_ROWS * TILE_ROWS)
         var unit = tiles()
         unit.start()
-        for n0 in range(0, self.q.n_out, AMX_WEIGHT_ROWS_PER_TASK):
-            var n1 = min(n0 + AMX_WEIGHT_ROWS_PER_TASK, self.q.n_out)
+        for n0 in range(0, self.q.n_out, AMX_WEIGHT_ROWS_PER_SLICE):
+            var n1 = min(n0 + AMX_WEIGHT_ROWS_PER_SLICE, self.q.n_out)
             var n_tiles = ceil_div(n1 - n0, TILE_ROWS)
             for i in range((n1 - n0) * self.kb.padded_depth(), n_tiles * TILE_ROWS * self.kb.padded_depth()):
                 w_rows.unsafe_store(i, 0)

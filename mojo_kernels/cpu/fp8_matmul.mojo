@@ -20,15 +20,15 @@ from ..fp8 import activation_scale, round_to_e4m3, scaled_into_range, widen_e4m3
 from ..spec import BlockShape
 from .bf16 import HAS_AVX512_BF16, STEP, BF16Ptr
 from .scratch import Scratch
-from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, cast_copy, dot_lanes, run_tasks, sum_lanes
+from .simd import DOT_COLS, DOT_ROWS, F32Vec, F32_WIDTH, cast_copy, dot_lanes, sum_lanes
 
-comptime WEIGHT_BYTES_PER_TASK = 32768
+comptime WEIGHT_BYTES_PER_SLICE = 32768
 """fp8 weight bytes a head's task widens at a time (whole rows, at least one): 64 rows of step 6
 (K 512), 256 of step 3 (K 128), a slice that stays in L2 widened."""
 
 
-def weight_rows_per_task(depth: Int) -> Int:
-    return max(1, WEIGHT_BYTES_PER_TASK // max(depth, 1))
+def weight_rows_per_slice(depth: Int) -> Int:
+    return max(1, WEIGHT_BYTES_PER_SLICE // max(depth, 1))
 
 
 @fieldwise_init
@@ -156,9 +156,9 @@ struct QuantizedMatmul[in_dtype: DType, out_dtype: DType](TrivialRegisterPassabl
 
     def head(self, g: Int):
         """`c[g]`: head `g`'s activations quantized, then its weight rows in slices of
-        `weight_rows_per_task` rows (`slice_outputs`: widened once, in L2, for every token)."""
+        `weight_rows_per_slice` rows (`slice_outputs`: widened once, in L2, for every token)."""
         self.quantize(g)
-        var rows_per_slice = weight_rows_per_task(self.depth)
+        var rows_per_slice = weight_rows_per_slice(self.depth)
         for n0 in range(0, self.n_out, rows_per_slice):
             var n1 = min(n0 + rows_per_slice, self.n_out)
             comptime if HAS_AVX512_BF16:

@@ -196,16 +196,26 @@ def merge_row[
         c += width
 
 
+def merge_rows[
+    dtype: DType
+](
+    partials: PartialResults, shape: AttentionShape, first: Int, count: Int, stride: Int, raw: DPtr[dtype],
+    lse: FPtr, has_lse: Bool,
+):
+    """Rows `first, first + stride, ..` (`count` of them) of `merge_partitions`, with this task's scratch."""
+    var mem = Scratch()
+    var slots = mem.take_ints(shape.max_partitions)
+    var weights = mem.take[DType.float32](shape.max_partitions)
+    for i in range(count):
+        merge_row[dtype](partials, shape, first + i * stride, raw, lse, has_lse, slots, weights)
+    _ = mem^  # the slot stays this task's until here (a value ends at its last use)
+
+
 def merge_head[
     dtype: DType
 ](partials: PartialResults, shape: AttentionShape, h: Int, raw: DPtr[dtype], lse: FPtr, has_lse: Bool):
     """Head `h`'s rows of `merge_partitions` (every token's): the prologue of step 6's task for head `h`."""
-    var mem = Scratch()
-    var slots = mem.take_ints(shape.max_partitions)
-    var weights = mem.take[DType.float32](shape.max_partitions)
-    for t in range(shape.num_tokens):
-        merge_row[dtype](partials, shape, t * shape.num_heads + h, raw, lse, has_lse, slots, weights)
-    _ = mem^
+    merge_rows[dtype](partials, shape, h, shape.num_tokens, shape.num_heads, raw, lse, has_lse)
 
 
 def merge_partitions[
@@ -223,11 +233,7 @@ def merge_partitions[
     var rows = shape.num_tokens * shape.num_heads
 
     def rows_task(task: Int) {var partials, var shape, var raw, var rows, var lse, var has_lse}:
-        var mem = Scratch()
-        var slots = mem.take_ints(shape.max_partitions)
-        var weights = mem.take[DType.float32](shape.max_partitions)
-        for row in range(task * MERGE_ROWS_PER_TASK, min((task + 1) * MERGE_ROWS_PER_TASK, rows)):
-            merge_row[dtype](partials, shape, row, raw, lse, has_lse, slots, weights)
-        _ = mem^  # the slot stays this task's until here (a value ends at its last use)
+        var first = task * MERGE_ROWS_PER_TASK
+        merge_rows[dtype](partials, shape, first, min(MERGE_ROWS_PER_TASK, rows - first), 1, raw, lse, has_lse)
 
     run_tasks(rows_task, ceil_div(rows, MERGE_ROWS_PER_TASK), shape.num_slots * shape.num_heads * shape.kv_lora_rank)

@@ -229,7 +229,6 @@ def mla_decode_branch_fp8_cpu[dtype: DType](p: DecodeProblem[dtype]) raises:
     # the merge): no zero fill.
     var mem = Scratch()
     var q_full = mem.take[dtype](p.num_tokens * p.num_heads * key_dim, zero=False)
-
     project_q_nope[dtype](
         p.q, p.w_uk, p.w_uk_scale, q_full, p.num_tokens, p.num_heads, p.nope_dim, p.rope_dim,
         p.kv_lora_rank, p.granularity, path, RopeQuery[dtype](p, q_full),
