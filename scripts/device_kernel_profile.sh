@@ -18,9 +18,10 @@
 #                      cycles (which unit a stage of the kernel saturates: e.g. conversions on the xu pipe)
 #   breakdown CFG...   GPU time of every kernel of the whole op, one ncu summary per CFG
 #   smoke [sm90]       the correctness cases (sm90: the sm90 TMA kernel's raw checks alone)
-#   ab A B CFG...      the whole op (`bench`) of two builds carried as folders A and B (e.g. .devbin and a
-#                      branch's .devbin-x: bench, smoke and lib/ are enough), alternated, 2 rounds each;
-#                      prints each run's best-of-2 lines, the full log in $OUT/ab.log
+#   ab A B [C...] CFG...  the whole op (`bench`) of two or more builds carried as folders (e.g. .devbin-main
+#                      and a branch's .devbin-x: bench, smoke and lib/ are enough), alternated, 2 rounds each;
+#                      prints a line per build and round with each CFG's best-of-2 time (us), the full
+#                      log in $OUT/ab.log
 set -u
 export LD_LIBRARY_PATH=$PWD/.devbin/lib
 out=${OUT:-/tmp/pymla-out}
@@ -88,13 +89,16 @@ PY
     done ;;
   smoke) timeout 560 .devbin/smoke "$@" ;;
   ab)
-    a=$1; b=$2; shift 2
+    # The leading arguments that are carried builds (folders with a `bench`), then the CFGs.
+    builds=()
+    while [ $# -gt 0 ] && [ -x "$1/bench" ]; do builds+=("$1"); shift; done
     for round in 1 2; do
-      for d in "$a" "$b"; do
+      for d in "${builds[@]}"; do
         echo "== $d (round $round)"
         LD_LIBRARY_PATH=$PWD/$d/lib timeout 150 "$d/bench" bench "$@"
       done
     done > "$out/ab.log" 2>&1
-    grep -E "^== |best of 2" "$out/ab.log" | cut -c1-140 ;;
+    # One line per build and round: the best-of-2 whole-op time of each CFG, in us, in CFG order.
+    awk '/^== /{if (line) print line; sub(/\)/, "", $4); line=$2" round "$4} /best of 2/{sub(/.*step : /, ""); sub(/ us \(.*/, ""); line=line" "$0} END{print line}' "$out/ab.log" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
