@@ -66,15 +66,6 @@ def run(R, order):
         if not moved:
             return False, {a: (pc[a], progs[a][pc[a]] if pc[a] < len(progs[a]) else None) for a in progs}
 
-for R in range(1, 7):
-    for order in itertools.permutations(['wg0', 'wg1', 'prod']):
-        ok, info = run(R, list(order))
-        if not ok:
-            print('DEADLOCK', R, order, info); break
-    else:
-        print('rounds', R, 'no deadlock in any actor order')
-# over-release check: a part must not receive more arrivals than readers in a round
-
 import random
 def run_random(R, seed):
     rnd = random.Random(seed)
@@ -110,11 +101,22 @@ def run_random(R, seed):
             synced[(op[1], op[2])] = True
         pc[actor] += 1
 
-bad = 0
-for R in range(1, 7):
-    for seed in range(3000):
-        try:
-            if not run_random(R, seed): bad += 1; print('deadlock', R, seed); break
-        except AssertionError as e:
-            bad += 1; print('violation', R, seed, e); break
-print('random interleavings checked, problems:', bad)
+
+if __name__ == '__main__':
+    for R in range(1, 7):
+        for order in itertools.permutations(['wg0', 'wg1', 'prod']):
+            ok, info = run(R, list(order))
+            if not ok:
+                print('DEADLOCK', R, order, info); break
+        else:
+            print('rounds', R, 'no deadlock in any actor order')
+    # over-release check: a part must not receive more arrivals than readers in a round
+
+    bad = 0
+    for R in range(1, 7):
+        for seed in range(3000):
+            try:
+                if not run_random(R, seed): bad += 1; print('deadlock', R, seed); break
+            except AssertionError as e:
+                bad += 1; print('violation', R, seed, e); break
+    print('random interleavings checked, problems:', bad)

@@ -1,14 +1,9 @@
 """Buffer hand-overs of seesaw v4: every read of a buffer's round-i contents must come after its
 round-i write and before its round-(i+1) write (random interleavings of the two warpgroups and the
 producer, waits as in sim_v4)."""
-import random, sys
-sys.path.insert(0, '/tmp')
-LEFT, RIGHT, ROPE = 0, 1, 2
-BOXES = {LEFT: range(0, 4), RIGHT: range(4, 8), ROPE: range(8, 9)}
-ORDER = [(0, 0), (0, 2), (1, 1), (0, 1), (1, 0), (1, 2)]
-def readers(s, p):
-    if s == 0: return 2 if p == 1 else 1
-    return 1 if p == 1 else 2
+import os, random, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sim_v4 import BOXES, LEFT, ORDER, RIGHT, ROPE, readers
 # Buffers: sP0, box8 of stage 0 (P0), box8 of stage 1 (P1, written after the rope copy was read),
 # cs0 (c0 slots), cs1 (c1 slots), sM. 'w' = write of round i, 'r0'/'r1' = start / end of a read.
 def programs(R):
