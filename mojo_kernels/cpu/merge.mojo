@@ -179,21 +179,25 @@ def merge_row[
         lse.unsafe_store(row, top + log(total) if total > 0 else neg_inf[DType.float32]())
     var dst = raw.unsafe_offset(row * rank)
     var c = 0
+    while c + W <= rank:
+        weighted_columns[W](partials, rank, parts, slots, weights, c, dst)
+        c += W
     while c < rank:
-        var width = W if c + W <= rank else 1
-        if width == W:
-            var acc = SIMD[DType.float32, W](0)
-            for p in range(parts):
-                if weights.unsafe_load(p) != 0:
-                    acc += weights.unsafe_load(p) * partials.out.unsafe_load[width=W](slots.unsafe_load(p) * rank + c)
-            dst.unsafe_store(c, acc.cast[dtype]())
-        else:
-            var acc = Float32(0)
-            for p in range(parts):
-                if weights.unsafe_load(p) != 0:
-                    acc += weights.unsafe_load(p) * partials.out.unsafe_load(slots.unsafe_load(p) * rank + c)
-            dst.unsafe_store(c, acc.cast[dtype]())
-        c += width
+        weighted_columns[1](partials, rank, parts, slots, weights, c, dst)
+        c += 1
+
+
+@always_inline
+def weighted_columns[
+    dtype: DType, //, w: Int
+](partials: PartialResults, rank: Int, parts: Int, slots: IPtr, weights: FPtr, c: Int, dst: DPtr[dtype]):
+    """`dst[c ..< c + w] = sum_p weights[p] out[slots[p], c ..]` over the partitions with a nonzero weight."""
+    var acc = SIMD[DType.float32, w](0)
+    for p in range(parts):
+        var weight = weights.unsafe_load(p)
+        if weight != 0:
+            acc += weight * partials.out.unsafe_load[width=w](slots.unsafe_load(p) * rank + c)
+    dst.unsafe_store(c, acc.cast[dtype]())
 
 
 def merge_rows[
