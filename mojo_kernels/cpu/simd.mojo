@@ -1,6 +1,7 @@
 """Host SIMD helpers of the CPU stages: the task runner, register-blocked dot products."""
 
-from std.sys import llvm_intrinsic
+from std.atomic import Atomic
+from std.sys import llvm_intrinsic, num_physical_cores
 from std.sys.info import simd_width_of
 from std.utils import IndexList
 from max.algorithm import sync_parallelize
@@ -19,13 +20,27 @@ microseconds on a quiet machine, milliseconds when the cores are shared)."""
 
 @always_inline
 def run_tasks[FuncType: def(Int) raises -> None](func: FuncType, count: Int, work: Int) raises:
-    """`func(0) .. func(count - 1)`: in parallel (`sync_parallelize`), or in
-    this thread when `work` (values the stage touches) is below PARALLEL_MIN_WORK."""
+    """`func(0) .. func(count - 1)`: in parallel, or in this thread when `work` (values the stage
+    touches) is below PARALLEL_MIN_WORK. In parallel, one runtime task per core (`sync_parallelize`)
+    takes the next index from a shared counter until none is left: a core that finishes early takes
+    more, and the runtime creates and wakes `cores` tasks, not `count`."""
     if work < PARALLEL_MIN_WORK or count <= 1:
         for i in range(count):
             func(i)
-    else:
-        sync_parallelize(func, count)
+        return
+    var workers = min(count, num_physical_cores())
+    var next = Atomic[Int64](0)
+    var counter = Pointer(to=next).unsafe_origin_cast[MutUntrackedOrigin]()
+
+    def worker(w: Int) raises {imm func, var counter, var count}:
+        while True:
+            var i = Int(counter[].fetch_add(1))
+            if i >= count:
+                return
+            func(i)
+
+    sync_parallelize(worker, workers)
+    _ = next.load()  # the counter lives until every worker is done
 
 
 comptime DOT_ROWS = 4

@@ -489,7 +489,7 @@ struct OpInputs(Movable):
             self.w_uk_scale.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), False,  # no lse
             untracked(self.raw), False,  # no new_rows
             False,  # all six steps
-            Fp8LatentRows.absent(c.cache()),  # rows in bf16
+            c.fp8_rows(),  # the cache's fp8_ds_mla rows when the case has them, else rows in bf16
         )
 
 
@@ -607,7 +607,8 @@ def main() raises:
         # always packed / read in place), score, value, pairs (the other `score_pairs`, `value_pairs`, both),
         # pairs-pf0 (both, without the next tile's prefetch), pf0, pf2, pf4 (the next tile prefetched not at all,
         # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows; `whole`: the whole
-        # CPU op on the AMX path (steps 1-6, bf16 rows), where the rest of the op shows beside step 5. Prints
+        # CPU op on the AMX path (steps 1-6; `fp8-whole` on fp8_ds_mla rows), where the rest of the op shows
+        # beside step 5. Prints
         # the best time. `loop HEADS ITERS stages` (any CPU): the whole op and each of its stages alone.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
@@ -640,7 +641,7 @@ def main() raises:
             ms = time_path[AmxTiles, prefetching(2)](c, PATH_AMX, iters)
         elif variant == "pf4":
             ms = time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
-        elif which == "whole":
+        elif variant == "whole":
             var inputs = OpInputs(c, 16384 + 1)
             ms = time_op(c, inputs, "amx", iters)
         else:
