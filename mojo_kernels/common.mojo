@@ -15,3 +15,10 @@ comptime U8Ptr = Pointer[UInt8, MutUntrackedOrigin]
 
 def ceil_div(a: Int, b: Int) -> Int:
     return (a + b - 1) // b
+
+
+@always_inline
+def div_u32(a: Int, b: Int) -> Int:
+    """`a // b` for `0 <= a < 2^32` and `0 < b < 2^32`, as a 32-bit division: an index's quotient in a
+    GPU kernel, where a 64-bit division of runtime values is a subroutine call."""
+    return Int(UInt32(a) // UInt32(b))

@@ -41,7 +41,7 @@ from max.gpu.compute.mma import mma
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group
 from max.gpu.primitives import warp
 
-from ..common import ceil_div
+from ..common import ceil_div, div_u32
 from ..fp8 import activation_scale, e4m3_as_f16
 from ..spec import BlockShape
 from .params import GFPtr, GlobalPtr, GPtr
@@ -129,14 +129,14 @@ struct TileLayout(TrivialRegisterPassable):
 
     @staticmethod
     def create(depth: Int, block_k: Int) -> Self:
-        var kb = ceil_div(depth, block_k)
+        var kb = div_u32(depth + block_k - 1, block_k)
         var bkp = ceil_div(block_k, KCHUNK) * KCHUNK
         var kp = kb * bkp
         # Row strides that keep the 16-byte fragment loads of 8 lanes on distinct banks:
         # activation rows 16 bytes past a multiple of 128, weight rows 64 bytes past one.
         var a_stride = kp + 8
         var w_stride = kp + (64 if kp % 128 == 0 else 0)
-        return Self(kb, bkp, kp, a_stride, w_stride, block_k % KCHUNK == 0 and depth % block_k == 0)
+        return Self(kb, bkp, kp, a_stride, w_stride, block_k % KCHUNK == 0 and depth == div_u32(depth, block_k) * block_k)
 
     def a_bytes(self, mt: Int) -> Int:
         return ceil_div(mt * self.a_stride * 2, 16) * 16
@@ -170,6 +170,33 @@ struct TileSmem(TrivialRegisterPassable):
 
 
 @always_inline
+def copy_rows_16b[
+    threads: Int
+](src: GlobalPtr[UInt8], src_stride: Int, dst: SPtr[DType.uint8], dst_stride: Int, rows: Int, vecs: Int):
+    """Starts `cp.async` copies of `rows` rows of `vecs` 16-byte vectors, `src_stride` bytes apart in
+    global memory, into shared rows `dst_stride` bytes apart (16-byte aligned). Where the block's
+    threads split evenly over a row's vectors, a thread keeps one vector column and steps down the
+    rows by pointer increments (one division per thread, not two per vector)."""
+    var tid = thread_idx.x
+    if vecs > 0 and threads % vecs == 0:
+        var step = div_u32(threads, vecs)
+        var r = div_u32(tid, vecs)
+        var col = 16 * (tid - r * vecs)
+        var from_ = src.unsafe_offset(r * src_stride + col)
+        var to = dst.unsafe_offset(r * dst_stride + col)
+        while r < rows:
+            async_copy[16](from_, to)
+            from_ = from_.unsafe_offset(step * src_stride)
+            to = to.unsafe_offset(step * dst_stride)
+            r += step
+        return
+    for i in range(tid, rows * vecs, threads):
+        var r = div_u32(i, vecs)
+        var v = i - r * vecs
+        async_copy[16](src.unsafe_offset(r * src_stride + 16 * v), dst.unsafe_offset(r * dst_stride + 16 * v))
+
+
+@always_inline
 def stage_weights[
     in_dtype: DType, out_dtype: DType, threads: Int
 ](p: Fp8Projection[in_dtype, out_dtype], lay: TileLayout, sm: TileSmem, g: Int, n0: Int, nt: Int):
@@ -187,13 +214,7 @@ def stage_weights[
     var w_g = p.w.unsafe_offset(g * n_total * k_total)
     var rows = min(nt, n_total - n0)
     if lay.fast_weights:
-        var vecs = k_total // 16
-        for i in range(tid, rows * vecs, threads):
-            var r = i // vecs
-            var v = i % vecs
-            async_copy[16](
-                w_g.unsafe_offset((n0 + r) * k_total + 16 * v), sm.w_s.unsafe_offset(r * lay.w_stride + 16 * v)
-            )
+        copy_rows_16b[threads](w_g.unsafe_offset(n0 * k_total), k_total, sm.w_s, lay.w_stride, rows, k_total // 16)
         async_copy_commit_group()
     else:
         # Any block size: byte by byte into the padded layout, zeros past each K block.
@@ -206,12 +227,13 @@ def stage_weights[
             if kk < bk and k < k_total:
                 byte = w_g.unsafe_load((n0 + r) * k_total + k)
             sm.w_s.unsafe_store(r * lay.w_stride + kp, byte)
-    var n_blocks = ceil_div(n_total, bn)
+    var n_blocks = div_u32(n_total + bn - 1, bn)
     for i in range(tid, nt * kb_count, threads):
-        var n = n0 + i // kb_count
+        var r = div_u32(i, kb_count)
+        var n = n0 + r
         var s = Float32(0)
         if n < n_total:
-            s = p.w_scale.unsafe_load((g * n_blocks + n // bn) * kb_count + i % kb_count)
+            s = p.w_scale.unsafe_load((g * n_blocks + div_u32(n, bn)) * kb_count + i - r * kb_count)
         sm.sw_s.unsafe_store(i, s)
 
 
@@ -340,8 +362,8 @@ def quantize_rows_in_registers[
         # Row and K block of the step's items, and the valid width of each block.
         var r_of = SIMD[DType.int32, IPG](0)
         var kb_of = SIMD[DType.int32, IPG](0)
-        var r = (grp * IPG) // kb_count
-        var kb = (grp * IPG) % kb_count
+        var r = div_u32(grp * IPG, kb_count)
+        var kb = grp * IPG - r * kb_count
         comptime for q in range(IPG):
             r_of[q] = Int32(r)
             kb_of[q] = Int32(kb)
@@ -396,20 +418,23 @@ def stage_quantized[threads: Int](q: QuantizedRows, lay: TileLayout, sm: TileSme
     var heads = Int(q.heads)
     var kb_count = lay.k_blocks
     var vecs = lay.kp // 8  # 16-byte vectors of float16 per row
-    for i in range(tid, mt * vecs, threads):
-        var r = i // vecs
-        var v = i % vecs
-        var dst = sm.a_s.unsafe_offset(r * lay.a_stride + 8 * v)
-        if m0 + r < rows:
-            async_copy[16](q.values.unsafe_offset(((m0 + r) * heads + g) * lay.kp + 8 * v), dst)
-        else:
-            dst.unsafe_store[alignment=16](0, SIMD[DType.float16, 8](0))
+    var live = max(0, min(mt, rows - m0))
+    copy_rows_16b[threads](
+        q.values.unsafe_offset((m0 * heads + g) * lay.kp).unsafe_bitcast[UInt8](), heads * lay.kp * 2,
+        sm.a_s.unsafe_bitcast[UInt8](), lay.a_stride * 2, live, vecs,
+    )
+    for i in range(live * vecs + tid, mt * vecs, threads):  # zeros for the rows past `rows`
+        var r = div_u32(i, vecs)
+        sm.a_s.unsafe_offset(r * lay.a_stride + 8 * (i - r * vecs)).unsafe_store[alignment=16](
+            0, SIMD[DType.float16, 8](0)
+        )
     async_copy_commit_group()
     for i in range(tid, mt * kb_count, threads):
-        var m = m0 + i // kb_count
+        var r = div_u32(i, kb_count)
+        var m = m0 + r
         var s = Float32(1)
         if m < rows:
-            s = q.scales.unsafe_load((m * heads + g) * kb_count + i % kb_count)
+            s = q.scales.unsafe_load((m * heads + g) * kb_count + i - r * kb_count)
         sm.sa_s.unsafe_store(i, s)
 
 

@@ -26,6 +26,7 @@ from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
+from ..common import div_u32
 from .params import DeviceBatch, GPtr, KernelParams
 from .pdl import allow_dependents, launch_attributes, wait_for_producers
 from .projection_mma import (
@@ -109,8 +110,10 @@ def tile_of_block(blk: Int, tiles: TileGrid) -> Tuple[Int, Int, Int]:
     """(group, row tile, column tile) of projection block `blk`; neighbours share their weight tile."""
     var m_tiles = Int(tiles.m_tiles)
     var per_group = m_tiles * Int(tiles.n_tiles)
-    var rest = blk % per_group
-    return (blk // per_group, rest % m_tiles, rest // m_tiles)
+    var group = div_u32(blk, per_group)
+    var rest = blk - group * per_group
+    var col = div_u32(rest, m_tiles)
+    return (group, rest - col * m_tiles, col)
 
 
 def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: QStepParams[dtype]):
