@@ -22,6 +22,8 @@
 #                      and a branch's .devbin-x: bench, smoke and lib/ are enough), alternated, 2 rounds each;
 #                      prints a line per build and round with each CFG's best-of-2 time (us), the full
 #                      log in $OUT/ab.log
+#   abproj A B [C...] CFG...  the same for the projection steps alone (`proj`): the op's choice of each
+#                      build, alternated, 2 rounds; the full log (every tile) in $OUT/abproj.log
 set -u
 export LD_LIBRARY_PATH=$PWD/.devbin/lib
 out=${OUT:-/tmp/pymla-out}
@@ -100,5 +102,15 @@ PY
     done > "$out/ab.log" 2>&1
     # One line per build and round: the best-of-2 whole-op time of each CFG, in us, in CFG order.
     awk '/^== /{if (line) print line; sub(/\)/, "", $4); line=$2" round "$4} /best of 2/{sub(/.*step : /, ""); sub(/ us \(.*/, ""); line=line" "$0} END{print line}' "$out/ab.log" ;;
+  abproj)
+    builds=()
+    while [ $# -gt 0 ] && [ -x "$1/bench" ]; do builds+=("$1"); shift; done
+    for round in 1 2; do
+      for d in "${builds[@]}"; do
+        echo "== $d (round $round)"
+        LD_LIBRARY_PATH=$PWD/$d/lib timeout 120 "$d/bench" proj "$@"
+      done
+    done > "$out/abproj.log" 2>&1
+    grep -E "^== |proj B|op's choice" "$out/abproj.log" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
