@@ -32,6 +32,23 @@ def programs(R):
             prod.append(('copy', s, p, i))
     return {'wg0': wg0, 'wg1': wg1, 'prod': prod}
 
+def blocked(op, full, empty, arrived):
+    """Whether `op` waits: its box not landed, its part not released by all its readers, its named barrier not arrived at."""
+    k = op[0]
+    if k == 'wfull':
+        return (op[1], op[2], op[3]) not in full
+    if k == 'wempty':
+        return empty.get((op[1], op[2], op[3]), 0) < readers(op[1], op[2])
+    if k == 'sync':
+        return (op[1], op[2]) not in arrived
+    return False
+
+
+def ready_actors(progs, pc, full, empty, arrived):
+    """The actors whose next op can run now."""
+    return [a for a, prog in progs.items() if pc[a] < len(prog) and not blocked(prog[pc[a]], full, empty, arrived)]
+
+
 def run(R, order):
     progs = programs(R)
     pc = {k: 0 for k in progs}
@@ -46,18 +63,13 @@ def run(R, order):
             while pc[actor] < len(prog):
                 op = prog[pc[actor]]
                 kind = op[0]
-                if kind == 'wfull':
-                    if (op[1], op[2], op[3]) not in full: break
-                elif kind == 'copy':
+                if blocked(op, full, empty, arrived): break
+                if kind == 'copy':
                     for b in BOXES[op[2]]: full.add((op[1], b, op[3]))
-                elif kind == 'wempty':
-                    if empty.get((op[1], op[2], op[3]), 0) < readers(op[1], op[2]): break
                 elif kind == 'rel':
                     empty[(op[1], op[2], op[3])] = empty.get((op[1], op[2], op[3]), 0) + 1
                 elif kind == 'arrive':
                     arrived.add((op[1], op[2]))
-                elif kind == 'sync':
-                    if (op[1], op[2]) not in arrived: break
                 pc[actor] += 1
                 moved = True
                 steps += 1
@@ -73,14 +85,7 @@ def run_random(R, seed):
     pc = {k: 0 for k in progs}
     full = set(); empty = {}; arrived = set(); synced = {}
     while True:
-        ready = []
-        for actor, prog in progs.items():
-            if pc[actor] >= len(prog): continue
-            op = prog[pc[actor]]; k = op[0]
-            if k == 'wfull' and (op[1], op[2], op[3]) not in full: continue
-            if k == 'wempty' and empty.get((op[1], op[2], op[3]), 0) < readers(op[1], op[2]): continue
-            if k == 'sync' and (op[1], op[2]) not in arrived: continue
-            ready.append(actor)
+        ready = ready_actors(progs, pc, full, empty, arrived)
         if not ready:
             return all(pc[a] == len(progs[a]) for a in progs)
         actor = rnd.choice(ready)

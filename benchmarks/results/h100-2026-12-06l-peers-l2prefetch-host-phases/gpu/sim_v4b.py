@@ -3,7 +3,7 @@ round-i write and before its round-(i+1) write (random interleavings of the two 
 producer, waits as in sim_v4)."""
 import os, random, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sim_v4 import BOXES, LEFT, ORDER, RIGHT, ROPE, readers
+from sim_v4 import BOXES, LEFT, ORDER, RIGHT, ROPE, ready_actors
 # Buffers: sP0, box8 of stage 0 (P0), box8 of stage 1 (P1, written after the rope copy was read),
 # cs0 (c0 slots), cs1 (c1 slots), sM. 'w' = write of round i, 'r0'/'r1' = start / end of a read.
 def programs(R):
@@ -46,14 +46,7 @@ def run(R, seed):
     version = {}    # buffer -> round of its current contents
     reading = {}    # (actor, buffer) -> round being read
     while True:
-        ready = []
-        for a, prog in progs.items():
-            if pc[a] >= len(prog): continue
-            op = prog[pc[a]]; k = op[0]
-            if k == 'wfull' and (op[1], op[2], op[3]) not in full: continue
-            if k == 'wempty' and empty.get((op[1], op[2], op[3]), 0) < readers(op[1], op[2]): continue
-            if k == 'sync' and (op[1], op[2]) not in arrived: continue
-            ready.append(a)
+        ready = ready_actors(progs, pc, full, empty, arrived)
         if not ready:
             assert all(pc[a] == len(progs[a]) for a in progs), 'deadlock'
             return
