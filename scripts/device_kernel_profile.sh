@@ -29,6 +29,21 @@ export LD_LIBRARY_PATH=$PWD/.devbin/lib
 out=${OUT:-/tmp/pymla-out}
 mkdir -p "$out"
 step=$1; shift
+
+# `bench MODE CFG...` of every carried build (the leading arguments that are folders with a `bench`),
+# the builds alternated, 2 rounds, each run under `timeout LIMIT`, all into LOG.
+alternate() {
+  local mode=$1 limit=$2 log=$3
+  shift 3
+  local builds=()
+  while [ $# -gt 0 ] && [ -x "$1/bench" ]; do builds+=("$1"); shift; done
+  for round in 1 2; do
+    for d in "${builds[@]}"; do
+      echo "== $d (round $round)"
+      LD_LIBRARY_PATH=$PWD/$d/lib timeout "$limit" "$d/bench" "$mode" "$@"
+    done
+  done > "$log" 2>&1
+}
 case $step in
   regs)
     for f in .devbin/*_mojo_kernels_gpu_attention*.ptx; do
@@ -91,26 +106,11 @@ PY
     done ;;
   smoke) timeout 560 .devbin/smoke "$@" ;;
   ab)
-    # The leading arguments that are carried builds (folders with a `bench`), then the CFGs.
-    builds=()
-    while [ $# -gt 0 ] && [ -x "$1/bench" ]; do builds+=("$1"); shift; done
-    for round in 1 2; do
-      for d in "${builds[@]}"; do
-        echo "== $d (round $round)"
-        LD_LIBRARY_PATH=$PWD/$d/lib timeout 150 "$d/bench" bench "$@"
-      done
-    done > "$out/ab.log" 2>&1
+    alternate bench 150 "$out/ab.log" "$@"
     # One line per build and round: the best-of-2 whole-op time of each CFG, in us, in CFG order.
     awk '/^== /{if (line) print line; sub(/\)/, "", $4); line=$2" round "$4} /best of 2/{sub(/.*step : /, ""); sub(/ us \(.*/, ""); line=line" "$0} END{print line}' "$out/ab.log" ;;
   abproj)
-    builds=()
-    while [ $# -gt 0 ] && [ -x "$1/bench" ]; do builds+=("$1"); shift; done
-    for round in 1 2; do
-      for d in "${builds[@]}"; do
-        echo "== $d (round $round)"
-        LD_LIBRARY_PATH=$PWD/$d/lib timeout 120 "$d/bench" proj "$@"
-      done
-    done > "$out/abproj.log" 2>&1
+    alternate proj 120 "$out/abproj.log" "$@"
     grep -E "^== |proj B|op's choice" "$out/abproj.log" ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
