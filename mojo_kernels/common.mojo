@@ -22,3 +22,9 @@ def div_u32(a: Int, b: Int) -> Int:
     """`a // b` for `0 <= a < 2^32` and `0 < b < 2^32`, as a 32-bit division: an index's quotient in a
     GPU kernel, where a 64-bit division of runtime values is a subroutine call."""
     return Int(UInt32(a) // UInt32(b))
+
+
+@always_inline
+def ceil_div_u32(a: Int, b: Int) -> Int:
+    """`ceil_div` by a 32-bit division (`div_u32`'s range)."""
+    return div_u32(a + b - 1, b)

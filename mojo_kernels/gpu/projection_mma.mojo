@@ -41,7 +41,7 @@ from max.gpu.compute.mma import mma
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group
 from max.gpu.primitives import warp
 
-from ..common import ceil_div, div_u32
+from ..common import ceil_div, ceil_div_u32, div_u32
 from ..fp8 import activation_scale, e4m3_as_f16
 from ..spec import BlockShape
 from .params import GFPtr, GlobalPtr, GPtr
@@ -129,7 +129,7 @@ struct TileLayout(TrivialRegisterPassable):
 
     @staticmethod
     def create(depth: Int, block_k: Int) -> Self:
-        var kb = div_u32(depth + block_k - 1, block_k)
+        var kb = ceil_div_u32(depth, block_k)
         var bkp = ceil_div(block_k, KCHUNK) * KCHUNK
         var kp = kb * bkp
         # Row strides that keep the 16-byte fragment loads of 8 lanes on distinct banks:
@@ -227,7 +227,7 @@ def stage_weights[
             if kk < bk and k < k_total:
                 byte = w_g.unsafe_load((n0 + r) * k_total + k)
             sm.w_s.unsafe_store(r * lay.w_stride + kp, byte)
-    var n_blocks = div_u32(n_total + bn - 1, bn)
+    var n_blocks = ceil_div_u32(n_total, bn)
     for i in range(tid, nt * kb_count, threads):
         var r = div_u32(i, kb_count)
         var n = n0 + r
