@@ -1,4 +1,6 @@
-# device: the op through MAX, main's task runner vs self-scheduling, alternated (issue 22)
+# device: the op through MAX, main's task runner vs self-scheduling, alternated (issue 22).
+# hostab/simd_main.mojo.txt was `git show 0e0d3f8:mojo_kernels/cpu/simd.mojo`, hostab/simd_ss.mojo.txt
+# the file as committed in 461aa47 (both carried in the working tree for the call, not kept).
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 grep -m1 "model name" /proc/cpuinfo
 for r in 1 2; do for v in main ss; do
