@@ -7,7 +7,7 @@
 #                               # where the CPU has it; then timings where the CPU has AMX
 #     /tmp/amx_check quick      # correctness only
 #     /tmp/amx_check projections  # steps 3 and 6 alone: checks, then timings per path
-#     /tmp/amx_check overhead   # the AMX path with no tile instruction, 16 heads, on any CPU:
+#     /tmp/amx_check overhead [fp8]  # the AMX path with no tile instruction, 16 heads, on any CPU (fp8: fp8_ds_mla rows):
 #                               # `perf record /tmp/amx_check overhead` shows where the rest goes
 #     /tmp/amx_check loop 16 200  # the AMX path alone, 200 times, 16 heads (perf on an AMX host)
 #     /tmp/amx_check loop 16 50 stages  # the whole op and each of its stages alone (AMX host)
@@ -593,8 +593,14 @@ def main() raises:
     if len(argv()) > 1 and argv()[1] == "overhead":
         # The AMX path's work outside the unit (no tile instruction: `NoTiles`), on any CPU: a
         # target for a profiler (`perf record`), batch 8, 16k, page 64, 16 heads.
+        # `overhead fp8`: the cache as fp8_ds_mla rows (the dequantization into the staging tiles shows).
         var c = Case(99, 16, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
-        print("overhead on", cpu_model(), ": AMX path without tile instructions, 16 heads:", time_path[NoTiles](c, PATH_AMX, 20), "ms")
+        var rows = String("bf16")
+        if len(argv()) > 2 and argv()[2] == "fp8":
+            c.quantize_to_fp8()
+            rows = String("fp8_ds_mla")
+        print("overhead on", cpu_model(), ": AMX path without tile instructions, 16 heads,", rows, "rows, threads",
+              num_physical_cores(), ":", time_path[NoTiles](c, PATH_AMX, 20), "ms")
         return
     if len(argv()) > 4 and argv()[1] == "loop" and argv()[4] == "stages":
         var c = Case(99, atol(argv()[2]), 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
