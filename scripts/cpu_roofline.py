@@ -1,0 +1,90 @@
+"""The CPU benchmark's roofline without MAX: for machines where MAX is not staged (the device's host).
+
+    python scripts/cpu_roofline.py [--threads N] [--heads 16 128] [--batch 8] [--context 16384]
+
+Measures torch's copy bandwidth and bf16 matmul rate with `--threads` torch threads (the ceilings of
+`python -m pymla bench`, measured the same way: `pymla/tools/bench.py` needs MAX to import, so this
+file repeats its two measurements and its formula for the bench's default case) and prints, per head count, the roofline of the bench's
+case (bf16 cache, page 64, one new token per request): max(cache + weight bytes / copy bandwidth,
+attention flops / matmul rate). Run it under the same `taskset` as the op it is compared with (e.g.
+`tests/cpu/amx_check.mojo`'s `loop HEADS ITERS whole`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+KEY_DIM = 576  # kv_lora_rank 512 + rope 64 (DeepSeek-V3)
+RANK = 512
+NOPE = 128
+V_HEAD = 128
+BLOCK = 128  # fp8 weight scale blocks
+
+
+def median_seconds(fn, warmup: int, repeat: int) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def cpu_name() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def roofline_ms(
+    heads: int, batch: int, context: int, copy_bps: float, flops_per_s: float
+) -> tuple[float, str]:
+    keys = batch * (context + 1)
+    cache_bytes = keys * KEY_DIM * 2
+    weight_bytes = 2 * heads * RANK * NOPE + 2 * 4 * heads * (RANK // BLOCK) * max(1, NOPE // BLOCK)
+    memory = (cache_bytes + weight_bytes) / copy_bps
+    compute = 2 * keys * heads * (KEY_DIM + RANK) / flops_per_s
+    return 1e3 * max(memory, compute), "memory" if memory >= compute else "compute"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=16384)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    src = torch.ones(
+        512 * 2**20, dtype=torch.uint8
+    )  # bench: copy_ of 512 MiB, read + write counted
+    dst = torch.empty_like(src)
+    copy_bps = 2 * src.numel() / median_seconds(lambda: dst.copy_(src), 2, 7)
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)  # bench: bf16 matmul 2048^3
+    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    flops = 2 * 2048**3 / median_seconds(lambda: a @ b, 2, 5)
+    print(
+        f"{cpu_name()}: {torch.get_num_threads()} torch threads, {len(os.sched_getaffinity(0))} CPUs allowed; "
+        f"copy {copy_bps / 1e9:.1f} GB/s, bf16 mm {flops / 1e9:.0f} GFLOP/s"
+    )
+    for heads in args.heads:
+        ms, bound = roofline_ms(heads, args.batch, args.context, copy_bps, flops)
+        print(
+            f"heads {heads}, batch {args.batch}, context {args.context}: roofline {ms:.2f} ms ({bound})"
+        )
+
+
+if __name__ == "__main__":
+    main()
