@@ -3,8 +3,9 @@
     python scripts/cpu_roofline.py [--threads N] [--heads 16 128] [--batch 8] [--context 16384]
 
 Measures torch's copy bandwidth and bf16 matmul rate with `--threads` torch threads (the ceilings of
-`python -m pymla bench`, measured the same way: `pymla/tools/bench.py` needs MAX to import, so this
-file repeats its two measurements and its formula for the bench's default case) and prints, per head count, the roofline of the bench's
+`python -m pymla bench`, measured the same way with its `time_call`: `pymla` itself needs MAX to
+import, so this file loads `pymla/tools/timing.py` alone and repeats the bench's two measurements and
+its formula for the bench's default case) and prints, per head count, the roofline of the bench's
 case (bf16 cache, page 64, one new token per request): max(cache + weight bytes / copy bandwidth,
 attention flops / matmul rate). Run it under the same `taskset` as the op it is compared with (e.g.
 `tests/cpu/amx_check.mojo`'s `loop HEADS ITERS whole`).
@@ -13,29 +14,24 @@ attention flops / matmul rate). Run it under the same `taskset` as the op it is 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
-import statistics
-import time
 
 import torch
+
+_TIMING = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "pymla", "tools", "timing.py"
+)
+_spec = importlib.util.spec_from_file_location("pymla_timing", _TIMING)
+timing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(timing)
 
 KEY_DIM = 576  # kv_lora_rank 512 + rope 64 (DeepSeek-V3)
 RANK = 512
 NOPE = 128
 V_HEAD = 128
 BLOCK = 128  # fp8 weight scale blocks
-
-
-def median_seconds(fn, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def cpu_name() -> str:
@@ -71,10 +67,10 @@ def main() -> None:
         512 * 2**20, dtype=torch.uint8
     )  # bench: copy_ of 512 MiB, read + write counted
     dst = torch.empty_like(src)
-    copy_bps = 2 * src.numel() / median_seconds(lambda: dst.copy_(src), 2, 7)
+    copy_bps = 2 * src.numel() / timing.time_call(lambda: dst.copy_(src), warmup=2, repeat=7)
     a = torch.randn(2048, 2048, dtype=torch.bfloat16)  # bench: bf16 matmul 2048^3
     b = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    flops = 2 * 2048**3 / median_seconds(lambda: a @ b, 2, 5)
+    flops = 2 * 2048**3 / timing.time_call(lambda: a @ b, warmup=2, repeat=5)
     print(
         f"{cpu_name()}: {torch.get_num_threads()} torch threads, {len(os.sched_getaffinity(0))} CPUs allowed; "
         f"copy {copy_bps / 1e9:.1f} GB/s, bf16 mm {flops / 1e9:.0f} GFLOP/s"
