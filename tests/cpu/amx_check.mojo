@@ -9,6 +9,7 @@
 #     /tmp/amx_check projections  # steps 3 and 6 alone: checks, then timings per path
 #     /tmp/amx_check overhead [fp8]  # the AMX path with no tile instruction, 16 heads, on any CPU (fp8: fp8_ds_mla rows):
 #                               # `perf record /tmp/amx_check overhead` shows where the rest goes
+#     /tmp/amx_check dequantize  # one thread dequantizing fp8_ds_mla rows, cache-resident and from memory (any CPU)
 #     /tmp/amx_check loop 16 200  # the AMX path alone, 200 times, 16 heads (perf on an AMX host)
 #     /tmp/amx_check loop 16 50 stages  # the whole op and each of its stages alone (AMX host)
 #
@@ -588,6 +589,33 @@ def time_stages(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> String:
     return line
 
 
+def time_dequantize(mut c: Case, iters: Int) raises -> String:
+    """One thread dequantizing `fp8_ds_mla` rows into a bf16 staging tile (the AMX path's per-key work on an fp8
+    cache): the same 64 rows again and again (cache-resident: the arithmetic), then every row of the cache once
+    (from memory), in ns per row."""
+    c.quantize_to_fp8()
+    var rows = c.fp8_rows()
+    var staging = List[BFloat16](length=64 * c.key_dim, fill=0)
+    var dst = staging.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
+    rows.dequantize_rows[BF16](0, 0, 64, dst, c.key_dim)
+    var t0 = perf_counter_ns()
+    for _ in range(iters):
+        rows.dequantize_rows[BF16](0, 0, 64, dst, c.key_dim)
+    var resident = Float64(perf_counter_ns() - t0) / Float64(iters * 64)
+    var total = 0
+    t0 = perf_counter_ns()
+    for b in range(len(c.cache_lengths)):
+        var n = Int(c.cache_lengths[b])
+        var pos = 0
+        while pos + 64 <= n:
+            rows.dequantize_rows[BF16](b, pos, 64, dst, c.key_dim)
+            pos += 64
+            total += 64
+    var streamed = Float64(perf_counter_ns() - t0) / Float64(max(total, 1))
+    return String("dequantize on ", cpu_model(), ", one thread: ", resident, " ns per row cache-resident, ", streamed,
+                  " ns per row from memory (", total, " rows of ", c.fp8_row_bytes(), " bytes)")
+
+
 def main() raises:
     var quick = len(argv()) > 1 and argv()[1] == "quick"
     if len(argv()) > 1 and argv()[1] == "overhead":
@@ -601,6 +629,10 @@ def main() raises:
             rows = String("fp8_ds_mla")
         print("overhead on", cpu_model(), ": AMX path without tile instructions, 16 heads,", rows, "rows, threads",
               num_physical_cores(), ":", time_path[NoTiles](c, PATH_AMX, 20), "ms")
+        return
+    if len(argv()) > 1 and argv()[1] == "dequantize":
+        var c = Case(99, 16, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL))
+        print(time_dequantize(c, 2000))
         return
     if len(argv()) > 4 and argv()[1] == "loop" and argv()[4] == "stages":
         var c = Case(99, atol(argv()[2]), 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
