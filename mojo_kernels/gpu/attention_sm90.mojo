@@ -86,12 +86,13 @@ from max.gpu.compute.mma import (
 )
 from max.gpu.memory import AddressSpace, external_memory
 from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
+from max.gpu.primitives.warp import shuffle_idx
 from max.gpu.sync import mbarrier_arrive, named_barrier
 
 from ..fp8 import activation_scale, e4m3_as_f16
 from .attention_block import AttentionBlock, AttentionParams, fence_async_proxy, rescale_row
 from .attention_wgmma import quad_max, quad_sum
-from .hopper import Sw128, mbar_wait, opaque, smem_u32
+from .hopper import Sw128, mbar_wait, smem_u32
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
 from .tma_smem import (
@@ -181,7 +182,10 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var masks = sm.masks()
     var keys = start_block(p, blk, sm, tid)
 
-    var wg = tid // S9_WG
+    # From lane 0 (`shuffle_idx`): ptxas then knows that every lane of the warp holds the same value, so the
+    # wgmma descriptors derived from it (and from `st` below) are built in uniform registers instead of being
+    # moved there before every wgmma (2 R2UR each: 98 of the loop's 802 instructions a block at 128 heads).
+    var wg = Int(shuffle_idx(UInt32(tid // S9_WG), 0))
     if wg == 2:
         warpgroup_reg_dealloc[S9_PRODUCER_REGS]()
         if tid == S9_MATH_THREADS:
@@ -217,7 +221,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var acc = SIMD[DType.float32, ACC_W](0)
 
     for b in range(keys.count()):
-        var st = b % STAGES
+        var st = Int(shuffle_idx(UInt32(b % STAGES), 0))  # warp-uniform for ptxas, as `wg`
         var phase = (b // STAGES) & 1
         var k0 = keys.start(b) + wg * HALF  # this warpgroup's first key
         comptime if fp8:
@@ -236,9 +240,8 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
 
         # S = Q K^T on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.
         var s = SIMD[DType.float32, NJ_S * 4](0)
-        var q_it = opaque(q_u)
-        var stage_u = opaque(stage0_u + UInt32(st * S9_BLOCK_BYTES))
-        var q_d = Sw128[dtype, 16, 1024].of(q_it)
+        var stage_u = stage0_u + UInt32(st * S9_BLOCK_BYTES)
+        var q_d = Sw128[dtype, 16, 1024].of(q_u)
         var k_d = Sw128[dtype, 16, 1024].of(stage_u + UInt32(wg * HALF * 128))
         comptime for box in range(S9_BOXES):
             comptime if not fp8 or box == S9_BOXES - 1:  # fp8: boxes 0-7 widened above
