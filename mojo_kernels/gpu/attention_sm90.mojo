@@ -91,7 +91,7 @@ from max.gpu.sync import mbarrier_arrive, named_barrier
 
 from ..fp8 import activation_scale, e4m3_as_f16
 from .attention_block import AttentionBlock, AttentionParams, fence_async_proxy, rescale_row
-from .attention_wgmma import quad_max, quad_sum
+from .attention_wgmma import quad_max, sum_rows_of_both, trade_row_max
 from .hopper import Sw128, mbar_wait, smem_u32
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
@@ -278,15 +278,9 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
                         x = neg_inf[DType.float32]()
                     mx_b = max(mx_b, x)
                 s[4 * j + e] = x
-        mx_a = quad_max(mx_a)
-        mx_b = quad_max(mx_b)
-        if t4 == 0:
-            xmax_s.unsafe_store(wg * S9_ROWS + ra, mx_a)
-            xmax_s.unsafe_store(wg * S9_ROWS + rb, mx_b)
-        named_barrier[S9_MATH_THREADS](BAR_MAX)
-        var other = (1 - wg) * S9_ROWS
-        var mn_a = max(m_a, max(mx_a, xmax_s.unsafe_load(other + ra)))
-        var mn_b = max(m_b, max(mx_b, xmax_s.unsafe_load(other + rb)))
+        var mx = trade_row_max[S9_ROWS, BAR_MAX, S9_MATH_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
+        var mn_a = max(m_a, mx[0])
+        var mn_b = max(m_b, mx[1])
         var step_a = rescale_row(m_a, mn_a)
         var step_b = rescale_row(m_b, mn_b)
         var corr_a = step_a[0]
@@ -340,15 +334,9 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     # never wait on SMs this kernel's blocks still need (the producer warpgroup has exited).
     allow_dependents()
     # Row sums: this thread's quad, then both warpgroups.
-    var xsum_s = sm.xsum()
-    l_a = quad_sum(l_a)
-    l_b = quad_sum(l_b)
-    if t4 == 0:
-        xsum_s.unsafe_store(wg * S9_ROWS + ra, l_a)
-        xsum_s.unsafe_store(wg * S9_ROWS + rb, l_b)
-    named_barrier[S9_MATH_THREADS](BAR_SUM)
-    l_a = xsum_s.unsafe_load(ra) + xsum_s.unsafe_load(S9_ROWS + ra)
-    l_b = xsum_s.unsafe_load(rb) + xsum_s.unsafe_load(S9_ROWS + rb)
+    var sums = sum_rows_of_both[S9_ROWS, BAR_SUM, S9_MATH_THREADS](sm.xsum(), wg, t4, ra, rb, l_a, l_b)
+    l_a = sums[0]
+    l_b = sums[1]
     if blk.normalized and p.quant.active != 0:
         store_quantized_rows[ACC_W, NJ_O](p, blk, acc, wg, t4, ra, l_a)
         store_quantized_rows[ACC_W, NJ_O](p, blk, acc, wg, t4, rb, l_b, second=True)
