@@ -86,12 +86,13 @@ from max.gpu.compute.mma import (
 )
 from max.gpu.memory import AddressSpace, external_memory
 from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
+from max.gpu.primitives.warp import shuffle_idx
 from max.gpu.sync import mbarrier_arrive, named_barrier
 
 from ..fp8 import activation_scale, e4m3_as_f16
 from .attention_block import AttentionBlock, AttentionParams, fence_async_proxy, rescale_row
-from .attention_wgmma import quad_max, quad_sum
-from .hopper import Sw128, mbar_wait, opaque, smem_u32
+from .attention_wgmma import quad_max, sum_rows_of_both, trade_row_max
+from .hopper import Sw128, mbar_wait, smem_u32
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
 from .tma_smem import (
@@ -181,7 +182,10 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var masks = sm.masks()
     var keys = start_block(p, blk, sm, tid)
 
-    var wg = tid // S9_WG
+    # From lane 0 (`shuffle_idx`): ptxas then knows that every lane of the warp holds the same value, so the
+    # wgmma descriptors derived from it (and from `st` below) are built in uniform registers instead of being
+    # moved there before every wgmma (2 R2UR each: 98 of the loop's 802 instructions a block at 128 heads).
+    var wg = Int(shuffle_idx(UInt32(tid // S9_WG), 0))
     if wg == 2:
         warpgroup_reg_dealloc[S9_PRODUCER_REGS]()
         if tid == S9_MATH_THREADS:
@@ -217,7 +221,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var acc = SIMD[DType.float32, ACC_W](0)
 
     for b in range(keys.count()):
-        var st = b % STAGES
+        var st = Int(shuffle_idx(UInt32(b % STAGES), 0))  # warp-uniform for ptxas, as `wg`
         var phase = (b // STAGES) & 1
         var k0 = keys.start(b) + wg * HALF  # this warpgroup's first key
         comptime if fp8:
@@ -236,9 +240,8 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
 
         # S = Q K^T on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.
         var s = SIMD[DType.float32, NJ_S * 4](0)
-        var q_it = opaque(q_u)
-        var stage_u = opaque(stage0_u + UInt32(st * S9_BLOCK_BYTES))
-        var q_d = Sw128[dtype, 16, 1024].of(q_it)
+        var stage_u = stage0_u + UInt32(st * S9_BLOCK_BYTES)
+        var q_d = Sw128[dtype, 16, 1024].of(q_u)
         var k_d = Sw128[dtype, 16, 1024].of(stage_u + UInt32(wg * HALF * 128))
         comptime for box in range(S9_BOXES):
             comptime if not fp8 or box == S9_BOXES - 1:  # fp8: boxes 0-7 widened above
@@ -275,15 +278,9 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
                         x = neg_inf[DType.float32]()
                     mx_b = max(mx_b, x)
                 s[4 * j + e] = x
-        mx_a = quad_max(mx_a)
-        mx_b = quad_max(mx_b)
-        if t4 == 0:
-            xmax_s.unsafe_store(wg * S9_ROWS + ra, mx_a)
-            xmax_s.unsafe_store(wg * S9_ROWS + rb, mx_b)
-        named_barrier[S9_MATH_THREADS](BAR_MAX)
-        var other = (1 - wg) * S9_ROWS
-        var mn_a = max(m_a, max(mx_a, xmax_s.unsafe_load(other + ra)))
-        var mn_b = max(m_b, max(mx_b, xmax_s.unsafe_load(other + rb)))
+        var mx = trade_row_max[S9_ROWS, BAR_MAX, S9_MATH_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
+        var mn_a = max(m_a, mx[0])
+        var mn_b = max(m_b, mx[1])
         var step_a = rescale_row(m_a, mn_a)
         var step_b = rescale_row(m_b, mn_b)
         var corr_a = step_a[0]
@@ -337,15 +334,9 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     # never wait on SMs this kernel's blocks still need (the producer warpgroup has exited).
     allow_dependents()
     # Row sums: this thread's quad, then both warpgroups.
-    var xsum_s = sm.xsum()
-    l_a = quad_sum(l_a)
-    l_b = quad_sum(l_b)
-    if t4 == 0:
-        xsum_s.unsafe_store(wg * S9_ROWS + ra, l_a)
-        xsum_s.unsafe_store(wg * S9_ROWS + rb, l_b)
-    named_barrier[S9_MATH_THREADS](BAR_SUM)
-    l_a = xsum_s.unsafe_load(ra) + xsum_s.unsafe_load(S9_ROWS + ra)
-    l_b = xsum_s.unsafe_load(rb) + xsum_s.unsafe_load(S9_ROWS + rb)
+    var sums = sum_rows_of_both[S9_ROWS, BAR_SUM, S9_MATH_THREADS](sm.xsum(), wg, t4, ra, rb, l_a, l_b)
+    l_a = sums[0]
+    l_b = sums[1]
     if blk.normalized and p.quant.active != 0:
         store_quantized_rows[ACC_W, NJ_O](p, blk, acc, wg, t4, ra, l_a)
         store_quantized_rows[ACC_W, NJ_O](p, blk, acc, wg, t4, rb, l_b, second=True)
