@@ -129,6 +129,7 @@ comptime BAR_MAX = 1
 comptime BAR_P = 2
 comptime BAR_SUM = 3
 comptime BAR_WIDEN = 4  # fp8, + the math warpgroup: its threads done widening its rows of a block
+comptime BAR_ZERO = 6  # + the math warpgroup: its threads done zeroing its keys' stale rows
 
 
 def sm90_supported[dtype: DType](key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Bool:
@@ -210,6 +211,10 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var pos_b = Float32(masks.pos.unsafe_load(rb))
     var slope_b = masks.slope.unsafe_load(rb)
     var scale = p.att.scale
+    # The scores start from `score_init`: 0 or -inf (the masks) plus ALiBi's term over the scale, so
+    # that after the products only the scale remains to apply.
+    var slope_sa = slope_a / scale
+    var slope_sb = slope_b / scale
     var xmax_s = sm.xmax()
     var q_u = sm.q_u32()
     var stage0_u = smem_u32(sm.stage(0))
@@ -220,10 +225,28 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var l_b = Float32(0)
     var acc = SIMD[DType.float32, ACC_W](0)
 
+    @always_inline
+    @parameter
+    def score_init(k0: Int) -> SIMD[DType.float32, NJ_S * 4]:
+        """The accumulators the scores of the warpgroup's keys from `k0` start from: `-inf` outside the
+        row's keys, else ALiBi's `-slope (pos - key)` over the scale (0 without ALiBi, exactly)."""
+        var init = SIMD[DType.float32, NJ_S * 4](0)
+        var key0 = Int32(k0) + 2 * Int32(t4)
+        comptime for j in range(NJ_S):
+            comptime for e in range(4):
+                var key = key0 + Int32(8 * j + e % 2)
+                var x: Float32
+                comptime if e < 2:
+                    x = -slope_sa * (pos_a - Float32(key)) if key >= lo_a and key < hi_a else neg_inf[DType.float32]()
+                else:
+                    x = -slope_sb * (pos_b - Float32(key)) if key >= lo_b and key < hi_b else neg_inf[DType.float32]()
+                init[4 * j + e] = x
+        return init
+
+    var s = score_init(keys.start(0) + wg * HALF)
     for b in range(keys.count()):
         var st = Int(shuffle_idx(UInt32(b % STAGES), 0))  # warp-uniform for ptxas, as `wg`
         var phase = (b // STAGES) & 1
-        var k0 = keys.start(b) + wg * HALF  # this warpgroup's first key
         comptime if fp8:
             # Its keys' rows widened into the stage once both warpgroups' P V of the block before is done.
             var slot = b % S9_RAW_SLOTS
@@ -238,8 +261,20 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
             if lane == 0:
                 _ = mbarrier_arrive(sm.raw_empty(slot))
 
-        # S = Q K^T on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.
-        var s = SIMD[DType.float32, NJ_S * 4](0)
+        if keys.partial(b):
+            # Rows outside the partition's keys may hold any bits (NaN): zeroed in every box before the
+            # scores, whose -inf start then stays -inf (and P V reads zeros there).
+            comptime for box in range(S9_BOXES):
+                comptime if not fp8 or box == S9_BOXES - 1:  # fp8: boxes 0-7 widened above
+                    mbar_wait(sm.full(st, box), phase)
+            zero_outside_values[S9_KEYS // 2, S9_BOXES](sm, keys, b, st, wg * HALF, 0, wt)
+            fence_async_proxy()
+            if wg == 0:
+                named_barrier[S9_WG](BAR_ZERO)
+            else:
+                named_barrier[S9_WG](BAR_ZERO + 1)
+
+        # S = Q K^T + init on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.
         var stage_u = stage0_u + UInt32(st * S9_BLOCK_BYTES)
         var q_d = Sw128[dtype, 16, 1024].of(q_u)
         var k_d = Sw128[dtype, 16, 1024].of(stage_u + UInt32(wg * HALF * 128))
@@ -257,25 +292,15 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
 
-        # Scale, ALiBi and masks; this warpgroup's row maxima, exchanged with the other's.
+        # The scale; this warpgroup's row maxima, exchanged with the other's.
         var mx_a = neg_inf[DType.float32]()
         var mx_b = neg_inf[DType.float32]()
-        var key0 = Int32(k0) + 2 * Int32(t4)
         comptime for j in range(NJ_S):
             comptime for e in range(4):
-                var key = key0 + Int32(8 * j + e % 2)
-                var x = s[4 * j + e]
+                var x = s[4 * j + e] * scale
                 comptime if e < 2:
-                    if key >= lo_a and key < hi_a:
-                        x = x * scale - slope_a * (pos_a - Float32(key))
-                    else:
-                        x = neg_inf[DType.float32]()
                     mx_a = max(mx_a, x)
                 else:
-                    if key >= lo_b and key < hi_b:
-                        x = x * scale - slope_b * (pos_b - Float32(key))
-                    else:
-                        x = neg_inf[DType.float32]()
                     mx_b = max(mx_b, x)
                 s[4 * j + e] = x
         var mx = trade_row_max[S9_ROWS, BAR_MAX, S9_MATH_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
@@ -307,10 +332,8 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
             p_box.unsafe_offset(at_b).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=4](0, pb.cast[dtype]())
         l_a = l_a * corr_a + ps_a
         l_b = l_b * corr_b + ps_b
-        if keys.partial(b):
-            zero_outside_values[S9_KEYS // 2, S9_BOXES - 1](sm, keys, b, st, wg * (S9_KEYS // 2), 0, wt)
         fence_async_proxy()
-        named_barrier[S9_MATH_THREADS](BAR_P)  # both halves of P (and zeroed rows) written
+        named_barrier[S9_MATH_THREADS](BAR_P)  # both halves of P written
 
         # O = O corr + P V on this warpgroup's 256 value columns (boxes 4 wg .. 4 wg + 3), all 64 keys.
         comptime for j in range(NJ_O):
@@ -326,6 +349,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
                 p_d.at(kk * 32), v_d.at(kk * 16 * 128), acc
             )
         wgmma_commit_group_sync()
+        s = score_init(keys.start(b + 1) + wg * HALF)  # the next block's, under P V
         wgmma_wait_group_sync[0]()
         if lane == 0:
             _ = mbarrier_arrive(sm.empty(st))
