@@ -47,15 +47,18 @@ This kernel takes the first three of those (the biggest expected wins):
 * Block b sits in stage b % 2, so the producer copies block b + 1 while the
   math warpgroups work on block b. Both warpgroups share the block: warpgroup
   w scores keys 32w..32w+31 (`S = Q K^T`, m64 n32 k16, started as each box
-  lands); mask, scale and ALiBi; the row max exchanged with the other
+  lands, from `score_init`); the scale; the row max exchanged with the other
   warpgroup (one named barrier); its probabilities rounded to dtype into its
   32 columns of box 8 (the rope columns, which P V does not read); a second
   named barrier; then `O_w = O_w corr + P V[:, w]` over all 64 keys
   (m64 n256 k16, V read MN-major from boxes 4w..4w+3), and the stage is
   released to the producer (`empty`).
-* Keys outside the block's span (the first and last blocks of a partition)
-  are masked in the scores and their value rows zeroed before P V (a stale
-  row could hold NaN; each warpgroup zeros the rows of its 32 keys).
+* Masks and ALiBi are in the scores' starting values (`score_init`: -inf
+  outside a row's keys, else ALiBi's term over the scale), built while the
+  block before runs P V, so only the scale follows the products. Keys outside
+  the block's span (the first and last blocks of a partition) have their rows
+  zeroed in every box before the scores (a stale row could hold NaN, and
+  `NaN - inf` is NaN; each warpgroup zeros the rows of its 32 keys).
 
 FlashMLA's "seesaw" schedule (the warpgroups own alternate blocks and trade
 the softmax rescale, one's softmax under the other's wgmmas) was written for
