@@ -94,7 +94,7 @@ from max.gpu.sync import mbarrier_arrive, named_barrier
 
 from ..fp8 import activation_scale, e4m3_as_f16
 from .attention_block import AttentionBlock, AttentionParams, fence_async_proxy, rescale_row
-from .attention_wgmma import quad_max, sum_rows_of_both, trade_row_max
+from .attention_wgmma import quad_max, rows_of_both
 from .hopper import Sw128, mbar_wait, smem_u32
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
@@ -306,7 +306,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
                 else:
                     mx_b = max(mx_b, x)
                 s[4 * j + e] = x
-        var mx = trade_row_max[S9_ROWS, BAR_MAX, S9_MATH_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
+        var mx = rows_of_both[True, S9_ROWS, BAR_MAX, S9_MATH_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
         var mn_a = max(m_a, mx[0])
         var mn_b = max(m_b, mx[1])
         var step_a = rescale_row(m_a, mn_a)
@@ -361,7 +361,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     # never wait on SMs this kernel's blocks still need (the producer warpgroup has exited).
     allow_dependents()
     # Row sums: this thread's quad, then both warpgroups.
-    var sums = sum_rows_of_both[S9_ROWS, BAR_SUM, S9_MATH_THREADS](sm.xsum(), wg, t4, ra, rb, l_a, l_b)
+    var sums = rows_of_both[False, S9_ROWS, BAR_SUM, S9_MATH_THREADS](sm.xsum(), wg, t4, ra, rb, l_a, l_b)
     l_a = sums[0]
     l_b = sums[1]
     if blk.normalized and p.quant.active != 0:

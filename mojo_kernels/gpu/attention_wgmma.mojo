@@ -150,33 +150,27 @@ def sync_math[bar: Int, threads: Int]():
 
 
 @always_inline
-def trade_row_max[
-    rows: Int, bar: Int, threads: Int
-](xs: SPtr[Float32], wg: Int, t4: Int, ra: Int, rb: Int, mx_a: Float32, mx_b: Float32) -> Tuple[Float32, Float32]:
-    """Rows `ra`, `rb`'s maxima over both warpgroups' keys: this thread's `mx_a`, `mx_b` reduced over its
-    quad, traded with the other warpgroup through `xs [2][rows]` (`sync_math[bar, threads]`)."""
-    var a = quad_max(mx_a)
-    var b = quad_max(mx_b)
+def rows_of_both[
+    maxima: Bool, rows: Int, bar: Int, threads: Int
+](xs: SPtr[Float32], wg: Int, t4: Int, ra: Int, rb: Int, x_a: Float32, x_b: Float32) -> Tuple[Float32, Float32]:
+    """Rows `ra`, `rb`'s maxima (`maxima`) or sums over both warpgroups: this thread's `x_a`, `x_b` reduced
+    over its quad, then traded with the other warpgroup through `xs [2][rows]` (`sync_math[bar, threads]`);
+    sums add warpgroup 0's and 1's in that order, so both warpgroups hold the same bits."""
+    var a: Float32
+    var b: Float32
+    comptime if maxima:
+        a = quad_max(x_a)
+        b = quad_max(x_b)
+    else:
+        a = quad_sum(x_a)
+        b = quad_sum(x_b)
     if t4 == 0:
         xs.unsafe_store(wg * rows + ra, a)
         xs.unsafe_store(wg * rows + rb, b)
     sync_math[bar, threads]()
-    var other = (1 - wg) * rows
-    return (max(a, xs.unsafe_load(other + ra)), max(b, xs.unsafe_load(other + rb)))
-
-
-@always_inline
-def sum_rows_of_both[
-    rows: Int, bar: Int, threads: Int
-](xs: SPtr[Float32], wg: Int, t4: Int, ra: Int, rb: Int, l_a: Float32, l_b: Float32) -> Tuple[Float32, Float32]:
-    """Rows `ra`, `rb`'s sums over both warpgroups: this thread's `l_a`, `l_b` summed over its quad, then
-    warpgroup 0's plus warpgroup 1's through `xs [2][rows]` (`sync_math[bar, threads]`)."""
-    var a = quad_sum(l_a)
-    var b = quad_sum(l_b)
-    if t4 == 0:
-        xs.unsafe_store(wg * rows + ra, a)
-        xs.unsafe_store(wg * rows + rb, b)
-    sync_math[bar, threads]()
+    comptime if maxima:
+        var other = (1 - wg) * rows
+        return (max(a, xs.unsafe_load(other + ra)), max(b, xs.unsafe_load(other + rb)))
     return (xs.unsafe_load(ra) + xs.unsafe_load(rows + ra), xs.unsafe_load(rb) + xs.unsafe_load(rows + rb))
 
 
@@ -355,7 +349,7 @@ def attention_wgmma_kernel[
                         x = neg_inf[DType.float32]()
                     mx_b = max(mx_b, x)
                 s[4 * j + e] = x
-        var mx = trade_row_max[WG_ROWS, 0, 2 * WG_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
+        var mx = rows_of_both[True, WG_ROWS, 0, 2 * WG_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
         var mn_a = max(m_a, mx[0])
         var mn_b = max(m_b, mx[1])
         var step_a = rescale_row(m_a, mn_a)
@@ -405,7 +399,7 @@ def attention_wgmma_kernel[
         tiles.advance()
 
     # Row sums: this thread's quad, then both warpgroups.
-    var sums = sum_rows_of_both[WG_ROWS, 0, 2 * WG_THREADS](xsum_s, wg, t4, ra, rb, l_a, l_b)
+    var sums = rows_of_both[False, WG_ROWS, 0, 2 * WG_THREADS](xsum_s, wg, t4, ra, rb, l_a, l_b)
     l_a = sums[0]
     l_b = sums[1]
     var inv_a = Float32(1) / l_a if l_a > 0 else Float32(0)
