@@ -38,11 +38,11 @@ from std.utils.numerics import neg_inf
 from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, thread_idx
 from max.gpu.compute.mma import wgmma_async, wgmma_commit_group_sync, wgmma_fence_aligned, wgmma_wait_group_sync
 from max.gpu.memory import AddressSpace, external_memory
-from max.gpu.primitives.warp import shuffle_xor
+from max.gpu.primitives.warp import shuffle_idx, shuffle_xor
 from max.gpu.sync import mbarrier_arrive, named_barrier
 
 from .attention_block import AttentionBlock, SPtr, fence_async_proxy, rescale_row
-from .hopper import Sw128, mbar_wait, opaque, smem_u32
+from .hopper import Sw128, mbar_wait, smem_u32
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
 from .tma_smem import (
@@ -202,7 +202,9 @@ def attention_narrow_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionPara
         SmemPlan[fp8, N9_ROWS](external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024]())
     )
     var keys = start_block(p, blk, ns.plan, tid)
-    var wg = tid // S9_WG
+    # From lane 0: warp-uniform for ptxas, so the wgmma descriptors derived from it live in uniform registers
+    # (attention_sm90_kernel).
+    var wg = Int(shuffle_idx(UInt32(tid // S9_WG), 0))
     if wg == 2:
         if tid == S9_MATH_THREADS:
             produce(p, blk, ns.plan, keys)
@@ -250,7 +252,7 @@ def attend_narrow[
     var acc3 = SIMD[DType.float32, N9_ACC](0)
 
     for b in range(keys.count()):
-        var st = b % STAGES
+        var st = Int(shuffle_idx(UInt32(b % STAGES), 0))  # warp-uniform for ptxas, as `wg`
         var phase = (b // STAGES) & 1
         var par = b & 1
         comptime if fp8:
@@ -266,8 +268,8 @@ def attend_narrow[
 
         # S^T over this warpgroup's value boxes and its half of the rope box, each started as it lands.
         var s = SIMD[DType.float32, N9_ACC](0)
-        var stage_u = opaque(stage0_u + UInt32(st * S9_BLOCK_BYTES))
-        var q_d = Sw128[dtype, 16, 1024].of(opaque(q_u))
+        var stage_u = stage0_u + UInt32(st * S9_BLOCK_BYTES)
+        var q_d = Sw128[dtype, 16, 1024].of(q_u)
         var k_d = Sw128[dtype, 16, 1024].of(stage_u)
         comptime for i in range(N9_TILES):
             comptime if not fp8:

@@ -47,15 +47,18 @@ This kernel takes the first three of those (the biggest expected wins):
 * Block b sits in stage b % 2, so the producer copies block b + 1 while the
   math warpgroups work on block b. Both warpgroups share the block: warpgroup
   w scores keys 32w..32w+31 (`S = Q K^T`, m64 n32 k16, started as each box
-  lands); mask, scale and ALiBi; the row max exchanged with the other
+  lands, from `score_init`); the scale; the row max exchanged with the other
   warpgroup (one named barrier); its probabilities rounded to dtype into its
   32 columns of box 8 (the rope columns, which P V does not read); a second
   named barrier; then `O_w = O_w corr + P V[:, w]` over all 64 keys
   (m64 n256 k16, V read MN-major from boxes 4w..4w+3), and the stage is
   released to the producer (`empty`).
-* Keys outside the block's span (the first and last blocks of a partition)
-  are masked in the scores and their value rows zeroed before P V (a stale
-  row could hold NaN; each warpgroup zeros the rows of its 32 keys).
+* Masks and ALiBi are in the scores' starting values (`score_init`: -inf
+  outside a row's keys, else ALiBi's term over the scale), built while the
+  block before runs P V, so only the scale follows the products. Keys outside
+  the block's span (the first and last blocks of a partition) have their rows
+  zeroed in every box before the scores (a stale row could hold NaN, and
+  `NaN - inf` is NaN; each warpgroup zeros the rows of its 32 keys).
 
 FlashMLA's "seesaw" schedule (the warpgroups own alternate blocks and trade
 the softmax rescale, one's softmax under the other's wgmmas) was written for
@@ -86,12 +89,13 @@ from max.gpu.compute.mma import (
 )
 from max.gpu.memory import AddressSpace, external_memory
 from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
+from max.gpu.primitives.warp import shuffle_idx
 from max.gpu.sync import mbarrier_arrive, named_barrier
 
 from ..fp8 import activation_scale, e4m3_as_f16
 from .attention_block import AttentionBlock, AttentionParams, fence_async_proxy, rescale_row
-from .attention_wgmma import quad_max, quad_sum
-from .hopper import Sw128, mbar_wait, opaque, smem_u32
+from .attention_wgmma import quad_max, rows_of_both
+from .hopper import Sw128, mbar_wait, smem_u32
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
 from .tma_smem import (
@@ -128,6 +132,7 @@ comptime BAR_MAX = 1
 comptime BAR_P = 2
 comptime BAR_SUM = 3
 comptime BAR_WIDEN = 4  # fp8, + the math warpgroup: its threads done widening its rows of a block
+comptime BAR_ZERO = 6  # + the math warpgroup: its threads done zeroing its keys' stale rows
 
 
 def sm90_supported[dtype: DType](key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Bool:
@@ -181,7 +186,10 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var masks = sm.masks()
     var keys = start_block(p, blk, sm, tid)
 
-    var wg = tid // S9_WG
+    # From lane 0 (`shuffle_idx`): ptxas then knows that every lane of the warp holds the same value, so the
+    # wgmma descriptors derived from it (and from `st` below) are built in uniform registers instead of being
+    # moved there before every wgmma (2 R2UR each: 98 of the loop's 802 instructions a block at 128 heads).
+    var wg = Int(shuffle_idx(UInt32(tid // S9_WG), 0))
     if wg == 2:
         warpgroup_reg_dealloc[S9_PRODUCER_REGS]()
         if tid == S9_MATH_THREADS:
@@ -206,6 +214,10 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var pos_b = Float32(masks.pos.unsafe_load(rb))
     var slope_b = masks.slope.unsafe_load(rb)
     var scale = p.att.scale
+    # The scores start from `score_init`: 0 or -inf (the masks) plus ALiBi's term over the scale, so
+    # that after the products only the scale remains to apply.
+    var slope_sa = slope_a / scale
+    var slope_sb = slope_b / scale
     var xmax_s = sm.xmax()
     var q_u = sm.q_u32()
     var stage0_u = smem_u32(sm.stage(0))
@@ -216,10 +228,28 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var l_b = Float32(0)
     var acc = SIMD[DType.float32, ACC_W](0)
 
+    @always_inline
+    @parameter
+    def score_init(k0: Int) -> SIMD[DType.float32, NJ_S * 4]:
+        """The accumulators the scores of the warpgroup's keys from `k0` start from: `-inf` outside the
+        row's keys, else ALiBi's `-slope (pos - key)` over the scale (0 without ALiBi, exactly)."""
+        var init = SIMD[DType.float32, NJ_S * 4](0)
+        var key0 = Int32(k0) + 2 * Int32(t4)
+        comptime for j in range(NJ_S):
+            comptime for e in range(4):
+                var key = key0 + Int32(8 * j + e % 2)
+                var x: Float32
+                comptime if e < 2:
+                    x = -slope_sa * (pos_a - Float32(key)) if key >= lo_a and key < hi_a else neg_inf[DType.float32]()
+                else:
+                    x = -slope_sb * (pos_b - Float32(key)) if key >= lo_b and key < hi_b else neg_inf[DType.float32]()
+                init[4 * j + e] = x
+        return init
+
+    var s = score_init(keys.start(0) + wg * HALF)
     for b in range(keys.count()):
-        var st = b % STAGES
+        var st = Int(shuffle_idx(UInt32(b % STAGES), 0))  # warp-uniform for ptxas, as `wg`
         var phase = (b // STAGES) & 1
-        var k0 = keys.start(b) + wg * HALF  # this warpgroup's first key
         comptime if fp8:
             # Its keys' rows widened into the stage once both warpgroups' P V of the block before is done.
             var slot = b % S9_RAW_SLOTS
@@ -234,11 +264,22 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
             if lane == 0:
                 _ = mbarrier_arrive(sm.raw_empty(slot))
 
-        # S = Q K^T on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.
-        var s = SIMD[DType.float32, NJ_S * 4](0)
-        var q_it = opaque(q_u)
-        var stage_u = opaque(stage0_u + UInt32(st * S9_BLOCK_BYTES))
-        var q_d = Sw128[dtype, 16, 1024].of(q_it)
+        if keys.partial(b):
+            # Rows outside the partition's keys may hold any bits (NaN): zeroed in every box before the
+            # scores, whose -inf start then stays -inf (and P V reads zeros there).
+            comptime for box in range(S9_BOXES):
+                comptime if not fp8 or box == S9_BOXES - 1:  # fp8: boxes 0-7 widened above
+                    mbar_wait(sm.full(st, box), phase)
+            zero_outside_values[S9_KEYS // 2, S9_BOXES](sm, keys, b, st, wg * HALF, 0, wt)
+            fence_async_proxy()
+            if wg == 0:
+                named_barrier[S9_WG](BAR_ZERO)
+            else:
+                named_barrier[S9_WG](BAR_ZERO + 1)
+
+        # S = Q K^T + init on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.
+        var stage_u = stage0_u + UInt32(st * S9_BLOCK_BYTES)
+        var q_d = Sw128[dtype, 16, 1024].of(q_u)
         var k_d = Sw128[dtype, 16, 1024].of(stage_u + UInt32(wg * HALF * 128))
         comptime for box in range(S9_BOXES):
             comptime if not fp8 or box == S9_BOXES - 1:  # fp8: boxes 0-7 widened above
@@ -254,36 +295,20 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
 
-        # Scale, ALiBi and masks; this warpgroup's row maxima, exchanged with the other's.
+        # The scale; this warpgroup's row maxima, exchanged with the other's.
         var mx_a = neg_inf[DType.float32]()
         var mx_b = neg_inf[DType.float32]()
-        var key0 = Int32(k0) + 2 * Int32(t4)
         comptime for j in range(NJ_S):
             comptime for e in range(4):
-                var key = key0 + Int32(8 * j + e % 2)
-                var x = s[4 * j + e]
+                var x = s[4 * j + e] * scale
                 comptime if e < 2:
-                    if key >= lo_a and key < hi_a:
-                        x = x * scale - slope_a * (pos_a - Float32(key))
-                    else:
-                        x = neg_inf[DType.float32]()
                     mx_a = max(mx_a, x)
                 else:
-                    if key >= lo_b and key < hi_b:
-                        x = x * scale - slope_b * (pos_b - Float32(key))
-                    else:
-                        x = neg_inf[DType.float32]()
                     mx_b = max(mx_b, x)
                 s[4 * j + e] = x
-        mx_a = quad_max(mx_a)
-        mx_b = quad_max(mx_b)
-        if t4 == 0:
-            xmax_s.unsafe_store(wg * S9_ROWS + ra, mx_a)
-            xmax_s.unsafe_store(wg * S9_ROWS + rb, mx_b)
-        named_barrier[S9_MATH_THREADS](BAR_MAX)
-        var other = (1 - wg) * S9_ROWS
-        var mn_a = max(m_a, max(mx_a, xmax_s.unsafe_load(other + ra)))
-        var mn_b = max(m_b, max(mx_b, xmax_s.unsafe_load(other + rb)))
+        var mx = rows_of_both[True, S9_ROWS, BAR_MAX, S9_MATH_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
+        var mn_a = max(m_a, mx[0])
+        var mn_b = max(m_b, mx[1])
         var step_a = rescale_row(m_a, mn_a)
         var step_b = rescale_row(m_b, mn_b)
         var corr_a = step_a[0]
@@ -310,10 +335,8 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
             p_box.unsafe_offset(at_b).unsafe_bitcast[Scalar[dtype]]().unsafe_store[alignment=4](0, pb.cast[dtype]())
         l_a = l_a * corr_a + ps_a
         l_b = l_b * corr_b + ps_b
-        if keys.partial(b):
-            zero_outside_values[S9_KEYS // 2, S9_BOXES - 1](sm, keys, b, st, wg * (S9_KEYS // 2), 0, wt)
         fence_async_proxy()
-        named_barrier[S9_MATH_THREADS](BAR_P)  # both halves of P (and zeroed rows) written
+        named_barrier[S9_MATH_THREADS](BAR_P)  # both halves of P written
 
         # O = O corr + P V on this warpgroup's 256 value columns (boxes 4 wg .. 4 wg + 3), all 64 keys.
         comptime for j in range(NJ_O):
@@ -329,6 +352,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
                 p_d.at(kk * 32), v_d.at(kk * 16 * 128), acc
             )
         wgmma_commit_group_sync()
+        s = score_init(keys.start(b + 1) + wg * HALF)  # the next block's, under P V
         wgmma_wait_group_sync[0]()
         if lane == 0:
             _ = mbarrier_arrive(sm.empty(st))
@@ -337,15 +361,9 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     # never wait on SMs this kernel's blocks still need (the producer warpgroup has exited).
     allow_dependents()
     # Row sums: this thread's quad, then both warpgroups.
-    var xsum_s = sm.xsum()
-    l_a = quad_sum(l_a)
-    l_b = quad_sum(l_b)
-    if t4 == 0:
-        xsum_s.unsafe_store(wg * S9_ROWS + ra, l_a)
-        xsum_s.unsafe_store(wg * S9_ROWS + rb, l_b)
-    named_barrier[S9_MATH_THREADS](BAR_SUM)
-    l_a = xsum_s.unsafe_load(ra) + xsum_s.unsafe_load(S9_ROWS + ra)
-    l_b = xsum_s.unsafe_load(rb) + xsum_s.unsafe_load(S9_ROWS + rb)
+    var sums = rows_of_both[False, S9_ROWS, BAR_SUM, S9_MATH_THREADS](sm.xsum(), wg, t4, ra, rb, l_a, l_b)
+    l_a = sums[0]
+    l_b = sums[1]
     if blk.normalized and p.quant.active != 0:
         store_quantized_rows[ACC_W, NJ_O](p, blk, acc, wg, t4, ra, l_a)
         store_quantized_rows[ACC_W, NJ_O](p, blk, acc, wg, t4, rb, l_b, second=True)

@@ -39,12 +39,14 @@ from max.gpu.compute.mma import (
 )
 from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group, external_memory
 from max.gpu.primitives.warp import shuffle_xor
+from max.gpu.sync import named_barrier
 
 from .attention_block import (
     AttentionBlock,
     AttentionParams,
     KeyTiles,
     RowMasks,
+    SPtr,
     fence_async_proxy,
     fp8_row_bytes,
     key_tile_bytes,
@@ -136,6 +138,40 @@ def quad_max(x: Float32) -> Float32:
 def quad_sum(x: Float32) -> Float32:
     var y = x + shuffle_xor(x, 1)
     return y + shuffle_xor(y, 2)
+
+
+@always_inline
+def sync_math[bar: Int, threads: Int]():
+    """The two math warpgroups meet: named barrier `bar` of `threads` threads, or (`bar` 0) the block's."""
+    comptime if bar == 0:
+        barrier()
+    else:
+        named_barrier[Int32(threads)](Int32(bar))
+
+
+@always_inline
+def rows_of_both[
+    maxima: Bool, rows: Int, bar: Int, threads: Int
+](xs: SPtr[Float32], wg: Int, t4: Int, ra: Int, rb: Int, x_a: Float32, x_b: Float32) -> Tuple[Float32, Float32]:
+    """Rows `ra`, `rb`'s maxima (`maxima`) or sums over both warpgroups: this thread's `x_a`, `x_b` reduced
+    over its quad, then traded with the other warpgroup through `xs [2][rows]` (`sync_math[bar, threads]`);
+    sums add warpgroup 0's and 1's in that order, so both warpgroups hold the same bits."""
+    var a: Float32
+    var b: Float32
+    comptime if maxima:
+        a = quad_max(x_a)
+        b = quad_max(x_b)
+    else:
+        a = quad_sum(x_a)
+        b = quad_sum(x_b)
+    if t4 == 0:
+        xs.unsafe_store(wg * rows + ra, a)
+        xs.unsafe_store(wg * rows + rb, b)
+    sync_math[bar, threads]()
+    comptime if maxima:
+        var other = (1 - wg) * rows
+        return (max(a, xs.unsafe_load(other + ra)), max(b, xs.unsafe_load(other + rb)))
+    return (xs.unsafe_load(ra) + xs.unsafe_load(rows + ra), xs.unsafe_load(rb) + xs.unsafe_load(rows + rb))
 
 
 def attention_wgmma_kernel[
@@ -313,15 +349,9 @@ def attention_wgmma_kernel[
                         x = neg_inf[DType.float32]()
                     mx_b = max(mx_b, x)
                 s[4 * j + e] = x
-        mx_a = quad_max(mx_a)
-        mx_b = quad_max(mx_b)
-        if t4 == 0:
-            xmax_s.unsafe_store(wg * WG_ROWS + ra, mx_a)
-            xmax_s.unsafe_store(wg * WG_ROWS + rb, mx_b)
-        barrier()
-        var other = (1 - wg) * WG_ROWS
-        var mn_a = max(m_a, max(mx_a, xmax_s.unsafe_load(other + ra)))
-        var mn_b = max(m_b, max(mx_b, xmax_s.unsafe_load(other + rb)))
+        var mx = rows_of_both[True, WG_ROWS, 0, 2 * WG_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
+        var mn_a = max(m_a, mx[0])
+        var mn_b = max(m_b, mx[1])
         var step_a = rescale_row(m_a, mn_a)
         var step_b = rescale_row(m_b, mn_b)
         var corr_a = step_a[0]
@@ -369,14 +399,9 @@ def attention_wgmma_kernel[
         tiles.advance()
 
     # Row sums: this thread's quad, then both warpgroups.
-    l_a = quad_sum(l_a)
-    l_b = quad_sum(l_b)
-    if t4 == 0:
-        xsum_s.unsafe_store(wg * WG_ROWS + ra, l_a)
-        xsum_s.unsafe_store(wg * WG_ROWS + rb, l_b)
-    barrier()
-    l_a = xsum_s.unsafe_load(ra) + xsum_s.unsafe_load(WG_ROWS + ra)
-    l_b = xsum_s.unsafe_load(rb) + xsum_s.unsafe_load(WG_ROWS + rb)
+    var sums = rows_of_both[False, WG_ROWS, 0, 2 * WG_THREADS](xsum_s, wg, t4, ra, rb, l_a, l_b)
+    l_a = sums[0]
+    l_b = sums[1]
     var inv_a = Float32(1) / l_a if l_a > 0 else Float32(0)
     var inv_b = Float32(1) / l_b if l_b > 0 else Float32(0)
     var gr_a = row0 + ra
