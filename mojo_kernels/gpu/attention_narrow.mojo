@@ -46,6 +46,7 @@ from .hopper import Sw128, mbar_wait, smem_u32
 from .pdl import allow_dependents, wait_for_producers
 from .tma_producer import produce, start_block, widen_raw_rows, zero_outside_values
 from .tma_smem import (
+    KeyBlocks,
     S9_BLOCK_BYTES,
     S9_BOXES,
     S9_BOX_BYTES,
@@ -53,9 +54,9 @@ from .tma_smem import (
     S9_MATH_THREADS,
     S9_THREADS,
     S9_WG,
-    KeyBlocks,
     SmemPlan,
     TmaAttentionParams,
+    wg_barrier,
 )
 
 comptime N9_ROWS = 16  # rows per block: the N of every wgmma
@@ -99,16 +100,6 @@ struct NarrowSmem[fp8: Bool](TrivialRegisterPassable):
 def attention_narrow_smem_bytes[fp8: Bool = False]() -> Int:
     """Dynamic shared memory of `attention_narrow_kernel`."""
     return NarrowSmem[fp8].END
-
-
-@always_inline
-def wg_barrier[base: Int32](wg: Int):
-    """Named barrier `base + wg` of one math warpgroup (a barrier id known at compile time: a computed
-    one reserves all 16)."""
-    if wg == 0:
-        named_barrier[S9_WG](base)
-    else:
-        named_barrier[S9_WG](base + 1)
 
 
 @always_inline

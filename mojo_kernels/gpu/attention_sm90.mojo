@@ -116,6 +116,7 @@ from .tma_smem import (
     S9_WG,
     SmemPlan,
     TmaAttentionParams,
+    wg_barrier,
 )
 
 # Registers per thread at launch: ptxas gives a kernel with `setmaxnreg` the most that `.maxntid`
@@ -131,8 +132,8 @@ comptime S9_QUANT_BLOCK = 128  # step 6's K block the epilogue quantizes rows in
 comptime BAR_MAX = 1
 comptime BAR_P = 2
 comptime BAR_SUM = 3
-comptime BAR_WIDEN = 4  # fp8, + the math warpgroup: its threads done widening its rows of a block
-comptime BAR_ZERO = 6  # + the math warpgroup: its threads done zeroing its keys' stale rows
+comptime BAR_WIDEN: Int32 = 4  # fp8, + the math warpgroup: its threads done widening its rows of a block
+comptime BAR_ZERO: Int32 = 6  # + the math warpgroup: its threads done zeroing its keys' stale rows
 
 
 def sm90_supported[dtype: DType](key_dim: Int, kv_lora_rank: Int, page_size: Int) -> Bool:
@@ -257,10 +258,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
             mbar_wait(sm.raw_full(slot), (b // S9_RAW_SLOTS) & 1)
             widen_raw_rows[dtype, S9_KEYS // 2, S9_RAW_BOXES](rebind[SmemPlan[True]](sm), slot, wg * (S9_KEYS // 2), 0, wt)
             fence_async_proxy()
-            if wg == 0:  # a barrier id known at compile time (a computed one reserves all 16)
-                named_barrier[S9_WG](BAR_WIDEN)
-            else:
-                named_barrier[S9_WG](BAR_WIDEN + 1)
+            wg_barrier[BAR_WIDEN](wg)
             if lane == 0:
                 _ = mbarrier_arrive(sm.raw_empty(slot))
 
@@ -272,10 +270,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
                     mbar_wait(sm.full(st, box), phase)
             zero_outside_values[S9_KEYS // 2, S9_BOXES](sm, keys, b, st, wg * HALF, 0, wt)
             fence_async_proxy()
-            if wg == 0:
-                named_barrier[S9_WG](BAR_ZERO)
-            else:
-                named_barrier[S9_WG](BAR_ZERO + 1)
+            wg_barrier[BAR_ZERO](wg)
 
         # S = Q K^T + init on this warpgroup's 32 keys (rows 32 wg.. of every box), each box started as it lands.
         var stage_u = stage0_u + UInt32(st * S9_BLOCK_BYTES)

@@ -44,13 +44,6 @@ def arrive_expect_tx(bar: UInt32, bytes: UInt32):
 
 
 @always_inline
-def opaque(x: UInt32) -> UInt32:
-    """`x`, opaque to the optimizer: shared addresses re-derived inside the loop, so the wgmma
-    descriptors built from them are not all hoisted out of it and held in registers."""
-    return inlined_assembly["mov.b32 $0, $1;", UInt32, constraints="=r,r", has_side_effect=True](x)
-
-
-@always_inline
 def globaltimer_ns() -> UInt64:
     """The GPU's global nanosecond timer."""
     return inlined_assembly["mov.u64 $0, %globaltimer;", UInt64, constraints="=l", has_side_effect=True]()

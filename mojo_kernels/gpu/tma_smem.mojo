@@ -9,7 +9,7 @@ from max.gpu import WARP_SIZE
 from max.gpu.host import DeviceBuffer, DeviceContext
 from max.gpu.host.nvidia.tma import TensorMapSwizzle, TMADescriptor, create_tma_descriptor
 from max.gpu.memory import fence_mbarrier_init
-from max.gpu.sync import mbarrier_init
+from max.gpu.sync import mbarrier_init, named_barrier
 
 from ..paged_cache import Fp8LatentRows, PagedLatentRows
 from .attention_block import AttentionParams, RowMasks, SPtr
@@ -264,3 +264,11 @@ struct KeyBlocks(TrivialRegisterPassable):
         return k < self.lo or k + S9_KEYS > self.hi
 
 
+@always_inline
+def wg_barrier[base: Int32](wg: Int):
+    """Named barrier `base + wg` of one math warpgroup (a barrier id known at compile time: a computed
+    one reserves all 16)."""
+    if wg == 0:
+        named_barrier[S9_WG](base)
+    else:
+        named_barrier[S9_WG](base + 1)
