@@ -642,7 +642,8 @@ def main() raises:
     if len(argv()) > 2 and argv()[1] == "loop":
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
         # `loop HEADS [ITERS [VARIANT]]` heads, VARIANT one of op (the op's tuning), packed, inplace (values
-        # always packed / read in place), score, value, pairs (the other `score_pairs`, `value_pairs`, both),
+        # always packed / read in place), nodots, notiles (the op's tuning without `tdpbf16ps` / without any tile
+        # instruction), hot (every page table entry on 4 pages: no memory traffic; bf16 rows only), score, value, pairs (the other `score_pairs`, `value_pairs`, both),
         # pairs-pf0 (both, without the next tile's prefetch), pf0, pf2, pf4 (the next tile prefetched not at all,
         # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows; `whole`: the whole
         # CPU op on the AMX path (steps 1-6; `fp8-whole` on fp8_ds_mla rows), where the rest of the op shows
@@ -673,6 +674,12 @@ def main() raises:
             ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
         elif variant == "pairs-pf0":
             ms = time_path[AmxTiles, PAIRS_PF0](c, PATH_AMX, iters)
+        elif variant == "nodots":
+            ms = time_path[AmxWithoutDots](c, PATH_AMX, iters)
+        elif variant == "notiles":
+            ms = time_path[NoTiles](c, PATH_AMX, iters)
+        elif variant == "hot":
+            ms = time_hot_cache(c, iters)
         elif variant == "pf0":
             ms = time_path[AmxTiles, prefetching(0)](c, PATH_AMX, iters)
         elif variant == "pf2":
@@ -683,7 +690,7 @@ def main() raises:
             var inputs = OpInputs(c, 16384 + 1)
             ms = time_op(c, inputs, "amx", iters)
         else:
-            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, each also with an fp8- prefix; whole)"))
+            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, nodots, notiles, hot, each also with an fp8- prefix; whole)"))
         print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
