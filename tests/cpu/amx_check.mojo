@@ -11,6 +11,8 @@
 #                               # `perf record /tmp/amx_check overhead` shows where the rest goes
 #     /tmp/amx_check dequantize  # one thread dequantizing fp8_ds_mla rows, cache-resident and from memory (any CPU)
 #     /tmp/amx_check loop 16 200  # the AMX path alone, 200 times, 16 heads (perf on an AMX host)
+#     /tmp/amx_check ab 16 10 5 op pf0 whole  # `loop` variants alternated in one process, 10 rounds of best-of-5:
+#                               # medians and per-round ratios to the first (a noisy AMX host)
 #     /tmp/amx_check loop 16 50 stages  # the whole op and each of its stages alone (AMX host)
 #
 # Each case (random bf16 caches, NaN in every slot past a request's tokens; page sizes 1/16/64/128 and one of 24, heads 1/16/128, ragged requests incl. ones with
@@ -616,6 +618,79 @@ def time_dequantize(mut c: Case, iters: Int) raises -> String:
                   " ns per row from memory (", total, " rows of ", c.fp8_row_bytes(), " bytes)")
 
 
+comptime VARIANTS = "op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, nodots, notiles, hot, whole"
+
+
+def time_variant(mut c: Case, mut inputs: OpInputs, variant: String, iters: Int) raises -> Float64:
+    """Best of `iters` of one `loop` variant (VARIANTS; `main` describes them) on `c`."""
+    if variant == "op":
+        return time_path[AmxTiles](c, PATH_AMX, iters)
+    elif variant == "packed":
+        return time_path[AmxTiles, PACKED](c, PATH_AMX, iters)
+    elif variant == "inplace":
+        return time_path[AmxTiles, IN_PLACE](c, PATH_AMX, iters)
+    elif variant == "score":
+        return time_path[AmxTiles, SCORE_PAIRS](c, PATH_AMX, iters)
+    elif variant == "value":
+        return time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, iters)
+    elif variant == "pairs":
+        return time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
+    elif variant == "pairs-pf0":
+        return time_path[AmxTiles, PAIRS_PF0](c, PATH_AMX, iters)
+    elif variant == "nodots":
+        return time_path[AmxWithoutDots](c, PATH_AMX, iters)
+    elif variant == "notiles":
+        return time_path[NoTiles](c, PATH_AMX, iters)
+    elif variant == "hot":
+        return time_hot_cache(c, iters)
+    elif variant == "pf0":
+        return time_path[AmxTiles, prefetching(0)](c, PATH_AMX, iters)
+    elif variant == "pf2":
+        return time_path[AmxTiles, prefetching(2)](c, PATH_AMX, iters)
+    elif variant == "pf4":
+        return time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
+    elif variant == "whole":
+        return time_op(c, inputs, "amx", iters)
+    raise Error(String("unknown variant ", variant, " (", VARIANTS, ", each also with an fp8- prefix)"))
+
+
+def median(var xs: List[Float64]) -> Float64:
+    sort(xs)
+    var n = len(xs)
+    return xs[n // 2] if n % 2 == 1 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def alternate_variants(heads: Int, rounds: Int, iters: Int, names: List[String]) raises -> String:
+    """`ab`: the variants `names` alternated for `rounds` rounds in one process (best of `iters` each): per variant
+    the median and the best of its rounds, and the median over the rounds of its time over the first
+    variant's in the same round. On a host whose speed drifts between rounds (the H100 machine's: 1.5-2x
+    in one call) the per-round ratio is the number to read."""
+    var fp8 = names[0].startswith("fp8-")
+    for name in names:
+        if name.startswith("fp8-") != fp8:
+            raise Error("ab: every variant or none takes the fp8- prefix")
+    var c = Case(99, heads, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+    if fp8:
+        c.quantize_to_fp8()
+    var inputs = OpInputs(c, 16384 + 1)
+    var times = List[List[Float64]](length=len(names), fill=List[Float64]())
+    for _ in range(rounds):
+        for i in range(len(names)):
+            var variant = String(names[i][byte=4:]) if fp8 else names[i]
+            times[i].append(time_variant(c, inputs, variant, iters))
+    var out = String("ab on ", cpu_model(), ", heads ", heads, ", threads ", num_physical_cores(), ", ", rounds,
+                     " rounds, best of ", iters, " each:")
+    for i in range(len(names)):
+        var ratios = List[Float64]()
+        var best = Float64(1e30)
+        for r in range(rounds):
+            ratios.append(times[i][r] / times[0][r])
+            best = min(best, times[i][r])
+        out += String("\n  ", names[i], ": median ", median(times[i].copy()), " ms, best ", best, " ms, x ", names[0],
+                      " per round (median) ", median(ratios^))
+    return out
+
+
 def main() raises:
     var quick = len(argv()) > 1 and argv()[1] == "quick"
     if len(argv()) > 1 and argv()[1] == "overhead":
@@ -639,6 +714,15 @@ def main() raises:
         var inputs = OpInputs(c, 16384 + 1)
         print("loop on", cpu_model(), ":", time_stages(c, inputs, atol(argv()[3])))
         return
+    if len(argv()) > 5 and argv()[1] == "ab":
+        # `ab HEADS ROUNDS ITERS V1 V2 ...`: `loop` variants alternated in one process (AMX host).
+        if not amx_permitted():
+            raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        var names = List[String]()
+        for i in range(5, len(argv())):
+            names.append(String(argv()[i]))
+        print(alternate_variants(atol(argv()[2]), atol(argv()[3]), atol(argv()[4]), names))
+        return
     if len(argv()) > 2 and argv()[1] == "loop":
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
         # `loop HEADS [ITERS [VARIANT]]` heads, VARIANT one of op (the op's tuning), packed, inplace (values
@@ -659,38 +743,8 @@ def main() raises:
         if which.startswith("fp8-"):
             c.quantize_to_fp8()
             variant = String(which[byte=4:])
-        var ms: Float64
-        if variant == "op":
-            ms = time_path[AmxTiles](c, PATH_AMX, iters)
-        elif variant == "packed":
-            ms = time_path[AmxTiles, PACKED](c, PATH_AMX, iters)
-        elif variant == "inplace":
-            ms = time_path[AmxTiles, IN_PLACE](c, PATH_AMX, iters)
-        elif variant == "score":
-            ms = time_path[AmxTiles, SCORE_PAIRS](c, PATH_AMX, iters)
-        elif variant == "value":
-            ms = time_path[AmxTiles, VALUE_PAIRS](c, PATH_AMX, iters)
-        elif variant == "pairs":
-            ms = time_path[AmxTiles, PAIRS](c, PATH_AMX, iters)
-        elif variant == "pairs-pf0":
-            ms = time_path[AmxTiles, PAIRS_PF0](c, PATH_AMX, iters)
-        elif variant == "nodots":
-            ms = time_path[AmxWithoutDots](c, PATH_AMX, iters)
-        elif variant == "notiles":
-            ms = time_path[NoTiles](c, PATH_AMX, iters)
-        elif variant == "hot":
-            ms = time_hot_cache(c, iters)
-        elif variant == "pf0":
-            ms = time_path[AmxTiles, prefetching(0)](c, PATH_AMX, iters)
-        elif variant == "pf2":
-            ms = time_path[AmxTiles, prefetching(2)](c, PATH_AMX, iters)
-        elif variant == "pf4":
-            ms = time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
-        elif variant == "whole":
-            var inputs = OpInputs(c, 16384 + 1)
-            ms = time_op(c, inputs, "amx", iters)
-        else:
-            raise Error(String("loop: unknown variant ", which, " (op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, nodots, notiles, hot, each also with an fp8- prefix; whole)"))
+        var inputs = OpInputs(c, 16384 + 1)
+        var ms = time_variant(c, inputs, variant, iters)
         print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
