@@ -618,6 +618,12 @@ def time_dequantize(mut c: Case, iters: Int) raises -> String:
                   " ns per row from memory (", total, " rows of ", c.fp8_row_bytes(), " bytes)")
 
 
+def timing_case(heads: Int) -> Case:
+    """The timings' case: batch 8, 16k cached keys and one new token each, page 64, causal, `heads` heads
+    (cache values that need no random draws)."""
+    return Case(99, heads, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+
+
 comptime VARIANTS = "op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, nodots, notiles, hot, whole"
 
 
@@ -669,7 +675,7 @@ def alternate_variants(heads: Int, rounds: Int, iters: Int, names: List[String])
     for name in names:
         if name.startswith("fp8-") != fp8:
             raise Error("ab: every variant or none takes the fp8- prefix")
-    var c = Case(99, heads, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+    var c = timing_case(heads)
     if fp8:
         c.quantize_to_fp8()
     var inputs = OpInputs(c, 16384 + 1)
@@ -697,7 +703,7 @@ def main() raises:
         # The AMX path's work outside the unit (no tile instruction: `NoTiles`), on any CPU: a
         # target for a profiler (`perf record`), batch 8, 16k, page 64, 16 heads.
         # `overhead fp8`: the cache as fp8_ds_mla rows (the dequantization into the staging tiles shows).
-        var c = Case(99, 16, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+        var c = timing_case(16)
         var rows = String("bf16")
         if len(argv()) > 2 and argv()[2] == "fp8":
             c.quantize_to_fp8()
@@ -710,7 +716,7 @@ def main() raises:
         print(time_dequantize(c, 2000))
         return
     if len(argv()) > 4 and argv()[1] == "loop" and argv()[4] == "stages":
-        var c = Case(99, atol(argv()[2]), 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+        var c = timing_case(atol(argv()[2]))
         var inputs = OpInputs(c, 16384 + 1)
         print("loop on", cpu_model(), ":", time_stages(c, inputs, atol(argv()[3])))
         return
@@ -727,7 +733,7 @@ def main() raises:
         # The AMX path alone, again and again (`perf record` on an AMX host): batch 8, 16k, page 64,
         # `loop HEADS [ITERS [VARIANT]]` heads, VARIANT one of op (the op's tuning), packed, inplace (values
         # always packed / read in place), nodots, notiles (the op's tuning without `tdpbf16ps` / without any tile
-        # instruction), hot (every page table entry on 4 pages: no memory traffic; bf16 rows only), score, value, pairs (the other `score_pairs`, `value_pairs`, both),
+        # instruction), hot (every page table entry on 4 pages: no memory traffic), score, value, pairs (the other `score_pairs`, `value_pairs`, both),
         # pairs-pf0 (both, without the next tile's prefetch), pf0, pf2, pf4 (the next tile prefetched not at all,
         # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows; `whole`: the whole
         # CPU op on the AMX path (steps 1-6; `fp8-whole` on fp8_ds_mla rows), where the rest of the op shows
@@ -737,7 +743,7 @@ def main() raises:
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
         var iters = atol(argv()[3]) if len(argv()) > 3 else 100
-        var c = Case(99, heads, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
+        var c = timing_case(heads)
         var which = String(argv()[4]) if len(argv()) > 4 else String("op")
         var variant = which
         if which.startswith("fp8-"):
@@ -786,9 +792,7 @@ def main() raises:
     if not quick:
         var threads = num_physical_cores()
         for heads in [16, 128]:
-            var lengths = List[Int](length=8, fill=16383)
-            var tokens = List[Int](length=8, fill=1)
-            var c = Case(99, heads, 64, lengths, tokens, mask(MASK_CAUSAL), random_values=False)
+            var c = timing_case(heads)
             var line = String("timing: batch 8, 16k, page 64, heads ", heads, ", threads ", threads, ":")
             line += String(" f32 ", time_path[AmxTiles](c, PATH_F32, 3), " ms")
             comptime if HAS_AVX512_BF16:
