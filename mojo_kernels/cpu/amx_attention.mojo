@@ -177,6 +177,16 @@ def pack_values(keys: Array[KeyRows, KEY_BLOCKS], valid: Array[Bool, AMX_KEY_TIL
             dst.unsafe_store(2 * c, va.interleave(vb))
 
 
+@fieldwise_init
+struct NextTile(Copyable, Movable):
+    """What the scores prefetch: the next key tile's stored rows (`rows`) and, where the whole tile lies in
+    one page, its bytes as one run of `lines` 64-byte lines from `start` (`lines` 0 where it does not)."""
+
+    var rows: Array[BF16Ptr, AMX_KEY_TILE]
+    var start: BytePtr
+    var lines: Int
+
+
 @always_inline
 def score_group[
     T: TileUnit, RB: Int, KB: Int, prefetch_line_stride: Int, sets: Int = 1
@@ -185,7 +195,7 @@ def score_group[
     keys: Array[KeyRows, KEY_BLOCKS],
     kb0: Int,
     rb0: Int,
-    next_keys: Array[BF16Ptr, AMX_KEY_TILE],
+    next: NextTile,
     prefetch_next: Bool,
     q_packed: BF16Ptr,
     scores: FPtr,
@@ -199,9 +209,10 @@ def score_group[
     query tile is 4 and the key blocks take 5, 6, 7, 5; with two, keys 4, 5
     and queries 6, 7; with two sets (accumulators 0, 1), depth step parity
     `e` loads the query into 2 + e and the keys into 4 + 2 e, 5 + 2 e. With `prefetch_next`, depth step `s` also prefetches
-    64-byte line `s` of the next tile's rows of these key blocks (every
-    `prefetch_line_stride`-th line, `AmxTuning`): pages are scattered, so the
-    hardware prefetcher cannot run ahead across them.
+    `KB * 16` lines of the next tile (every `prefetch_line_stride`-th step and line, `AmxTuning`): pages are
+    scattered, so the hardware prefetcher cannot run ahead across them. Where the next tile lies in one page
+    (`next.lines`) these key blocks' share of its bytes in order, `KB * 16` consecutive lines a step (one
+    address add each), else line `s` of each of their rows (`next.rows`, a row pointer loaded each).
     """
     comptime assert (sets == 1 and RB * KB == 4) or (sets == 2 and RB == 1 and KB == 2)
     comptime for a in range(RB * KB):
@@ -212,8 +223,15 @@ def score_group[
             if s < steps:
                 comptime if prefetch_line_stride > 0:
                     if prefetch_next and s % prefetch_line_stride == 0:
-                        comptime for j in range(KB * TILE_ROWS):
-                            prefetch[NEXT_TILE_PREFETCH](next_keys[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
+                        if next.lines > 0:
+                            var first = next.lines * kb0 // KEY_BLOCKS + s * KB * TILE_ROWS
+                            if first < next.lines * (kb0 + KB) // KEY_BLOCKS:
+                                var at = next.start.unsafe_offset(first * 64)
+                                comptime for j in range(KB * TILE_ROWS):
+                                    prefetch[NEXT_TILE_PREFETCH](at.unsafe_offset(j * prefetch_line_stride * 64))
+                        else:
+                            comptime for j in range(KB * TILE_ROWS):
+                                prefetch[NEXT_TILE_PREFETCH](next.rows[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
                 comptime for i in range(RB):
                     comptime q_reg = 2 + e if sets == 2 else (4 if RB == 1 else 6 + i)
                     unit.load[q_reg](as_bytes(q_packed, ((rb0 + i) * steps + s) * TILE_ELEMENTS), TILE_BYTES)
@@ -237,7 +255,7 @@ def tile_scores_amx[
 ](
     mut unit: T,
     keys: Array[KeyRows, KEY_BLOCKS],
-    next_keys: Array[BF16Ptr, AMX_KEY_TILE],
+    next: NextTile,
     q_packed: BF16Ptr,
     scores: FPtr,
     acc: FPtr,
@@ -249,24 +267,24 @@ def tile_scores_amx[
     Row blocks in pairs against pairs of key blocks; a last (or only) row
     block against four key blocks at a time (`score_pairs`: two, on two sets of
     tile registers, `AmxTuning`). The passes of the first row
-    blocks prefetch the next tile (`next_keys`).
+    blocks prefetch the next tile (`next`).
     """
     comptime assert KEY_BLOCKS % 4 == 0
     var row_blocks = padded_rows // TILE_ROWS
     var rb = 0
     while rb + 1 < row_blocks:
         comptime for kb0 in range(0, KEY_BLOCKS, 2):
-            score_group[T, 2, 2, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+            score_group[T, 2, 2, prefetch_line_stride](unit, keys, kb0, rb, next, rb == 0, q_packed, scores, acc, steps)
         rb += 2
     if rb < row_blocks:
         comptime if score_pairs:
             comptime for kb0 in range(0, KEY_BLOCKS, 2):
                 score_group[T, 1, 2, prefetch_line_stride, 2](
-                    unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps
+                    unit, keys, kb0, rb, next, rb == 0, q_packed, scores, acc, steps
                 )
         else:
             comptime for kb0 in range(0, KEY_BLOCKS, 4):
-                score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next_keys, rb == 0, q_packed, scores, acc, steps)
+                score_group[T, 1, 4, prefetch_line_stride](unit, keys, kb0, rb, next, rb == 0, q_packed, scores, acc, steps)
 
 
 @fieldwise_init

@@ -38,8 +38,9 @@ ranges, and ALiBi takes each slot's sequence position.
 """
 
 from std.math import min
+from std.sys import size_of
 
-from ..common import DPtr, FPtr
+from ..common import DPtr, FPtr, ceil_div
 from ..paged_cache import CacheShard, Fp8LatentRows, PagedLatentRows, RaggedBatch, partition_keys
 from ..spec import SCORE_MOD_ALIBI_POS, MaskSpec, alibi_slope
 from .amx import TILE_DEPTH, TILE_ROWS, AmxTiles, TileUnit
@@ -50,6 +51,7 @@ from .amx_attention import (
     AmxScratch,
     AmxTuning,
     KeyRows,
+    NextTile,
     accumulate_values_amx,
     gather_keys,
     interleave_value_columns,
@@ -95,6 +97,16 @@ struct CacheKeys[dtype: DType](TrivialRegisterPassable):
         for c in range(count):
             keys[c] = staging.unsafe_offset(c * key_dim)
         return keys^
+
+    def next_tile(self, b: Int, j1: Int, k_hi: Int) -> NextTile:
+        """What the AMX scores prefetch of the tile from key slot `j1` (a multiple of AMX_KEY_TILE): its stored
+        rows, and its bytes as one run where it lies in one page (pages a multiple of the tile)."""
+        var rows = self.stored_rows[AMX_KEY_TILE](b, min(j1, k_hi - 1), k_hi)
+        var page_size = self.fp8.page_size if self.fp8.active else self.rows.page_size
+        var row_bytes = self.fp8.row_bytes if self.fp8.active else self.rows.head_dim * size_of[Self.dtype]()
+        var whole = j1 < k_hi and page_size % AMX_KEY_TILE == 0
+        var start = rows[0].unsafe_bitcast[UInt8]()
+        return NextTile(rows^, start, ceil_div(AMX_KEY_TILE * row_bytes, 64) if whole else 0)
 
     def stored_rows[tile: Int](self, b: Int, j0: Int, k_hi: Int) -> Array[BF16Ptr, tile]:
         """Where the stored rows of keys `j0 ..` start (bf16 rows, or fp8 bytes), as `tile_rows`: what to prefetch."""
@@ -341,9 +353,8 @@ def attend_tiles_amx[
         var valid = Array[Bool, tile](fill=False)
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
-        var next_keys = keys.stored_rows[tile](b, min(j0 + tile, k_hi - 1), k_hi)
         tile_scores_amx[tiles, tuning.prefetch_line_stride, tuning.score_pairs](
-            unit, blocks, next_keys, q_packed, rows.scores_buf, buffers.acc, rows.padded, steps
+            unit, blocks, keys.next_tile(b, j0 + tile, k_hi), q_packed, rows.scores_buf, buffers.acc, rows.padded, steps
         )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
         accumulate_values_amx[tiles, tuning.value_pairs](
