@@ -75,7 +75,7 @@ Accumulator fragments (m64nN, f32): warp `v` of a warpgroup, lane `4 g + t`,
 element `4 j + e` is row `16 v + g + 8 (e / 2)`, column `8 j + 2 t + e % 2`.
 """
 
-from std.math import exp
+from std.math import exp, exp2
 from std.sys import size_of
 from std.utils import StaticTuple
 from std.utils.numerics import neg_inf
@@ -127,6 +127,7 @@ from .tma_smem import (
 comptime S9_LAUNCH_REGS = (65536 // S9_THREADS) // 8 * 8
 comptime S9_PRODUCER_REGS = 40
 comptime S9_MATH_REGS = 232
+comptime LOG2E = Float32(1.4426950408889634)
 comptime S9_QUANT_BLOCK = 128  # step 6's K block the epilogue quantizes rows in (`TmaAttentionParams.quant`)
 # Named barriers of the two math warpgroups (0 is `barrier()`).
 comptime BAR_MAX = 1
@@ -215,6 +216,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var pos_b = Float32(masks.pos.unsafe_load(rb))
     var slope_b = masks.slope.unsafe_load(rb)
     var scale = p.att.scale
+    var scale_log2e = scale * LOG2E
     # The scores start from `score_init`: 0 or -inf (the masks) plus ALiBi's term over the scale, so
     # that after the products only the scale remains to apply.
     var slope_sa = slope_a / scale
@@ -290,18 +292,19 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
 
-        # The scale; this warpgroup's row maxima, exchanged with the other's.
+        # This warpgroup's row maxima of the scaled scores (the scale > 0: the max of the scaled scores is the
+        # scaled max, rounding being monotonic), exchanged with the other's.
         var mx_a = neg_inf[DType.float32]()
         var mx_b = neg_inf[DType.float32]()
         comptime for j in range(NJ_S):
             comptime for e in range(4):
-                var x = s[4 * j + e] * scale
                 comptime if e < 2:
-                    mx_a = max(mx_a, x)
+                    mx_a = max(mx_a, s[4 * j + e])
                 else:
-                    mx_b = max(mx_b, x)
-                s[4 * j + e] = x
-        var mx = rows_of_both[True, S9_ROWS, BAR_MAX, S9_MATH_THREADS](xmax_s, wg, t4, ra, rb, mx_a, mx_b)
+                    mx_b = max(mx_b, s[4 * j + e])
+        var mx = rows_of_both[True, S9_ROWS, BAR_MAX, S9_MATH_THREADS](
+            xmax_s, wg, t4, ra, rb, mx_a * scale, mx_b * scale
+        )
         var mn_a = max(m_a, mx[0])
         var mn_b = max(m_b, mx[1])
         var step_a = rescale_row(m_a, mn_a)
@@ -318,9 +321,12 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
         var ps_a = Float32(0)
         var ps_b = Float32(0)
         var p_box = sm.stage(st).unsafe_offset((S9_BOXES - 1) * S9_BOX_BYTES)
+        # exp(s scale - m) as 2^(s (scale log2 e) - m log2 e): one fused multiply-add a score.
+        var shl_a = sh_a * LOG2E
+        var shl_b = sh_b * LOG2E
         comptime for j in range(NJ_S):
-            var pa = exp(SIMD[DType.float32, 2](s[4 * j], s[4 * j + 1]) - sh_a)
-            var pb = exp(SIMD[DType.float32, 2](s[4 * j + 2], s[4 * j + 3]) - sh_b)
+            var pa = exp2(SIMD[DType.float32, 2](s[4 * j], s[4 * j + 1]).fma(scale_log2e, -shl_a))
+            var pb = exp2(SIMD[DType.float32, 2](s[4 * j + 2], s[4 * j + 3]).fma(scale_log2e, -shl_b))
             ps_a += pa.reduce_add()
             ps_b += pb.reduce_add()
             var chunk = (HALF // 8) * wg + j
