@@ -55,7 +55,9 @@ This kernel takes the first three of those (the biggest expected wins):
   released to the producer (`empty`).
 * Masks and ALiBi are in the scores' starting values (`score_init`: -inf
   outside a row's keys, else ALiBi's term over the scale), built while the
-  block before runs P V, so only the scale follows the products. Keys outside
+  block before runs P V, so only the scale follows the products, folded into
+  each probability's one fused multiply-add (`exp2(s scale log2 e - m log2 e)`,
+  the row max taken on the unscaled scores). Keys outside
   the block's span (the first and last blocks of a partition) have their rows
   zeroed in every box before the scores (a stale row could hold NaN, and
   `NaN - inf` is NaN; each warpgroup zeros the rows of its 32 keys).
@@ -218,7 +220,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
     var scale = p.att.scale
     var scale_log2e = scale * LOG2E
     # The scores start from `score_init`: 0 or -inf (the masks) plus ALiBi's term over the scale, so
-    # that after the products only the scale remains to apply.
+    # that after the products only the scale remains to apply (in the probabilities' FFMA).
     var slope_sa = slope_a / scale
     var slope_sb = slope_b / scale
     var xmax_s = sm.xmax()
