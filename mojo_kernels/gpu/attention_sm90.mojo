@@ -77,7 +77,7 @@ Accumulator fragments (m64nN, f32): warp `v` of a warpgroup, lane `4 g + t`,
 element `4 j + e` is row `16 v + g + 8 (e / 2)`, column `8 j + 2 t + e % 2`.
 """
 
-from std.math import exp, exp2
+from std.math import exp2
 from std.sys import size_of
 from std.utils import StaticTuple
 from std.utils.numerics import neg_inf
