@@ -72,6 +72,10 @@ struct BlockShape(TrivialRegisterPassable):
 
 
 @always_inline
-def rope_pair(x0: Float32, x1: Float32, c: Float32, s: Float32) -> Tuple[Float32, Float32]:
-    """One interleaved RoPE pair rotated by `(cos, sin) = (c, s)`: `(x0 c - x1 s, x0 s + x1 c)`."""
+def rope_pair[
+    w: Int = 1
+](x0: SIMD[DType.float32, w], x1: SIMD[DType.float32, w], c: SIMD[DType.float32, w], s: SIMD[DType.float32, w]) -> Tuple[
+    SIMD[DType.float32, w], SIMD[DType.float32, w]
+]:
+    """Interleaved RoPE pairs (`w` of them, one per lane) rotated by `(cos, sin) = (c, s)`: `(x0 c - x1 s, x0 s + x1 c)`."""
     return (x0 * c - x1 * s, x0 * s + x1 * c)

@@ -1,6 +1,6 @@
 """Steps 1, 2 and the rope part of 4 on the GPU: RMSNorm + RoPE of the new cache rows, RoPE of q.
 
-The work of one token is a device function (`rope_norm_cache_row`, `rope_q_pair`)
+The work of one token is a device function (`rope_norm_cache_row`, `rope_q_pairs`)
 so that the fused q kernel (`steps_fused.mojo`) runs it as extra blocks of its
 own launch; `rope_norm_cache_kernel` and `rope_q_kernel` launch it alone.
 An `fp8_ds_mla` cache's new rows are quantized as they are stored (`rope_norm_fp8_row`).
@@ -8,6 +8,7 @@ An `fp8_ds_mla` cache's new rows are quantized as they are stored (`rope_norm_fp
 
 from std.math import sqrt
 from std.memory import stack_allocation
+from std.sys import size_of
 
 from max.gpu import WARP_SIZE, barrier, block_idx, thread_idx
 from max.gpu.memory import AddressSpace
@@ -203,17 +204,22 @@ def rope_norm_cache_kernel[dtype: DType](a: CacheRowsParams[dtype]):
 
 
 @always_inline
-def rope_q_pair[
-    dtype: DType
+def rope_q_pairs[
+    dtype: DType, w: Int
 ](q_row: GPtr[dtype], freqs_row: GPtr[dtype], q_full_row: GFPtr, nope: Int, rank: Int, j: Int):
-    """`q_full_row[R + 2j : R + 2j + 2] = rnd(rope(q_row[Dn + 2j : Dn + 2j + 2]))` (dtype values as float32)."""
-    var x0 = q_row.unsafe_load(nope + 2 * j).cast[DType.float32]()
-    var x1 = q_row.unsafe_load(nope + 2 * j + 1).cast[DType.float32]()
-    var c = freqs_row.unsafe_load(2 * j).cast[DType.float32]()
-    var s = freqs_row.unsafe_load(2 * j + 1).cast[DType.float32]()
-    var y = rope_pair(x0, x1, c, s)
-    q_full_row.unsafe_store(rank + 2 * j, y[0].cast[dtype]().cast[DType.float32]())
-    q_full_row.unsafe_store(rank + 2 * j + 1, y[1].cast[dtype]().cast[DType.float32]())
+    """`q_full_row[R + 2wj : R + 2w(j + 1)] = rnd(rope(q_row[Dn + 2wj : Dn + 2w(j + 1)]))`: pairs `wj .. wj + w - 1`
+    (dtype values as float32). `w` > 1: one vector load or store each, the offsets a multiple of `2w`
+    elements (16-byte aligned for `w` 8 of bf16 / f16)."""
+    comptime N = 2 * w
+    comptime A_IN = size_of[dtype]() if w == 1 else min(16, N * size_of[dtype]())
+    comptime A_OUT = 4 if w == 1 else 16
+    var x = q_row.unsafe_offset(nope + N * j).unsafe_load[width=N, alignment=A_IN](0).cast[DType.float32]().deinterleave()
+    var f = freqs_row.unsafe_offset(N * j).unsafe_load[width=N, alignment=A_IN](0).cast[DType.float32]().deinterleave()
+    comptime V = SIMD[DType.float32, w]
+    var y = rope_pair(rebind[V](x[0]), rebind[V](x[1]), rebind[V](f[0]), rebind[V](f[1]))
+    q_full_row.unsafe_offset(rank + N * j).unsafe_store[alignment=A_OUT](
+        0, y[0].interleave(y[1]).cast[dtype]().cast[DType.float32]()
+    )
 
 
 def rope_q_kernel[dtype: DType](p: RopeQParams[dtype]):
@@ -229,7 +235,7 @@ def rope_q_kernel[dtype: DType](p: RopeQParams[dtype]):
     var pairs = rope // 2
     for e in range(tid, heads * pairs, ELEMENTWISE_THREADS):
         var h = e // pairs
-        rope_q_pair[dtype](
+        rope_q_pairs[dtype, 1](
             p.q.unsafe_offset((t * heads + h) * (nope + rope)), freqs,
             p.q_full.unsafe_offset((t * heads + h) * (rank + rope)), nope, rank, e % pairs,
         )

@@ -39,7 +39,7 @@ from .projection_mma import (
     stage_quantized,
     stage_weights,
 )
-from .rope_norm import CacheRowsParams, rope_norm_cache_row, rope_q_pair
+from .rope_norm import CacheRowsParams, rope_norm_cache_row, rope_q_pairs
 from .schedule import ScheduleParams, build_schedule, schedule_smem_bytes
 
 
@@ -146,21 +146,39 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
         p.proj, lay, sm, g, m0, MT, p.proj.c.ptr, 0, 0, False
     )
     if tile[2] == 0:
-        # q_full[t, g, R:] = rope(q[t, g, Dn:]): THREADS / MT threads per row, one position lookup each.
-        comptime TPR = max(1, THREADS // MT)
-        var rope = Int(p.rope_dim)
-        var rows = min(MT, Int(p.proj.rows) - m0)
-        for r in range(thread_idx.x // TPR, rows, THREADS // TPR):
-            var t = m0 + r
-            var pos = p.batch.token_position(t)
-            var q_row = p.proj.a.ptr.unsafe_offset(g * Int(p.proj.a.g_stride) + t * Int(p.proj.a.m_stride))
-            var freqs = p.freqs_cis.unsafe_offset(pos * rope)
-            var out_row = p.proj.c.ptr.unsafe_offset(g * Int(p.proj.c.g_stride) + t * Int(p.proj.c.m_stride))
-            for j in range(thread_idx.x % TPR, rope // 2, TPR):
-                rope_q_pair[dtype](q_row, freqs, out_row, Int(p.nope_dim), Int(p.kv_lora_rank), j)
+        rope_q_tile[THREADS](p, g, m0, min(MT, Int(p.proj.rows) - m0))
     async_copy_wait_all()
     barrier()
     project_tile[dtype, DType.float32, dtype, warps_m, warps_n, tm, tn](p.proj, lay, sm, g, m0, n0)
+
+
+@always_inline
+def rope_q_tile[dtype: DType, //, threads: Int](p: QStepParams[dtype], g: Int, m0: Int, rows: Int):
+    """`q_full[t, g, R:] = rope(q[t, g, Dn:])` for rows `m0 .. m0 + rows`: items of 8 pairs (vector loads and
+    stores) where the offsets allow, else of one pair, spread over the block's threads; each item looks
+    its row's position up, and all of a thread's items are independent (their loads overlap)."""
+    var rope = Int(p.rope_dim)
+    var nope = Int(p.nope_dim)
+    var rank = Int(p.kv_lora_rank)
+    var a = p.proj.a
+    var c = p.proj.c
+    var vec = (
+        rope % 16 == 0 and nope % 8 == 0 and rank % 4 == 0 and Int(a.g_stride) % 8 == 0 and Int(a.m_stride) % 8 == 0
+        and Int(c.g_stride) % 4 == 0 and Int(c.m_stride) % 4 == 0
+        and Int(a.ptr) % 16 == 0 and Int(c.ptr) % 16 == 0 and Int(p.freqs_cis) % 16 == 0
+    )
+    var per_row = rope // 16 if vec else rope // 2
+    for i in range(thread_idx.x, rows * per_row, threads):
+        var r = div_u32(i, per_row)
+        var j = i - r * per_row
+        var t = m0 + r
+        var q_row = a.ptr.unsafe_offset(g * Int(a.g_stride) + t * Int(a.m_stride))
+        var freqs = p.freqs_cis.unsafe_offset(p.batch.token_position(t) * rope)
+        var out_row = c.ptr.unsafe_offset(g * Int(c.g_stride) + t * Int(c.m_stride))
+        if vec:
+            rope_q_pairs[dtype, 8](q_row, freqs, out_row, nope, rank, j)
+        else:
+            rope_q_pairs[dtype, 1](q_row, freqs, out_row, nope, rank, j)
 
 
 def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: OutStepParams[dtype]):
