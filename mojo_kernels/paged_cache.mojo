@@ -326,17 +326,20 @@ comptime MIN_KEYS_PER_PARTITION = 256
 
 
 @always_inline
-def partition_keys(part: Int, num_partitions: Int, visible: Int) -> Tuple[Int, Int]:
+def partition_keys(part: Int, num_partitions: Int, visible: Int, align: Int = 1) -> Tuple[Int, Int]:
     """Half-open key range `[k0, k1)` of partition `part` of a request's `visible` keys.
 
     The one definition of step 5's split-KV partitions, for every CPU and GPU
     attention kernel (the merge weighs a partition that saw no key by 0).
-    Partitions are consecutive runs of `ceil(visible / num_partitions)` keys;
-    when a partition count exceeds what the keys fill, the high partitions are
-    empty: `k0 == k1 == visible`, never a start past the request's last key.
-    Each request's count comes from `partitions_by_work`.
+    Partitions are consecutive runs of `ceil(visible / num_partitions)` keys,
+    rounded up to a multiple of `align` (the GPU's key block: every partition
+    but the last then starts and ends on a block boundary, so no block is
+    loaded by two partitions); when a partition count exceeds what the keys
+    fill, the high partitions are empty: `k0 == k1 == visible`, never a start
+    past the request's last key. Each request's count comes from `partitions_by_work`.
     """
     var part_len = (visible + num_partitions - 1) // num_partitions
+    part_len = (part_len + align - 1) // align * align
     var k0 = min(part * part_len, visible)
     return (k0, min(k0 + part_len, visible))
 

@@ -37,6 +37,9 @@ from .pdl import launch_attributes, wait_for_producers
 from .schedule import SplitSchedule
 
 comptime SPtr[T: AnyType] = Pointer[T, MutUntrackedOrigin, address_space=AddressSpace.SHARED]
+comptime PARTITION_ALIGN = 64
+"""Key partitions start on multiples of this many slots (`partition_keys`): the sm90 kernels' key
+block (`tma_smem.S9_KEYS`, which asserts it), so no block is copied by two partitions."""
 
 
 @fieldwise_init
@@ -124,7 +127,7 @@ struct AttentionBlock(TrivialRegisterPassable):
         var row0 = o0 * heads + slot * rows_per_block
         var cache_length = Int(p.batch.cache_lengths.unsafe_load(b))
         var visible = cache_length + o1 - o0  # positions (the mask's)
-        var keys = partition_keys(part, parts, p.batch.shard().local_count(visible))
+        var keys = partition_keys(part, parts, p.batch.shard().local_count(visible), PARTITION_ALIGN)
         return Self(
             b, o0, row0, o1 * heads, block_idx.x * rows_per_block - row0, cache_length, visible, keys[0], keys[1],
             parts == 1,

@@ -26,7 +26,7 @@ from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
-from ..common import div_u32
+from ..common import ceil_div, div_u32
 from .params import DeviceBatch, GPtr, KernelParams
 from .pdl import allow_dependents, launch_attributes, wait_for_producers
 from .projection_mma import (
@@ -154,9 +154,10 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
 
 @always_inline
 def rope_q_tile[dtype: DType, //, threads: Int](p: QStepParams[dtype], g: Int, m0: Int, rows: Int):
-    """`q_full[t, g, R:] = rope(q[t, g, Dn:])` for rows `m0 .. m0 + rows`: items of 8 pairs (vector loads and
-    stores) where the offsets allow, else of one pair, spread over the block's threads; each item looks
-    its row's position up, and all of a thread's items are independent (their loads overlap)."""
+    """`q_full[t, g, R:] = rope(q[t, g, Dn:])` for rows `m0 .. m0 + rows`: items of 8 pairs, spread over the
+    block's threads, with vector loads and stores where the offsets allow, else pair by pair (the last
+    item of a row may hold fewer); each item looks its row's position up once, and all of a thread's
+    items are independent (their loads overlap)."""
     var rope = Int(p.rope_dim)
     var nope = Int(p.nope_dim)
     var rank = Int(p.kv_lora_rank)
@@ -167,7 +168,9 @@ def rope_q_tile[dtype: DType, //, threads: Int](p: QStepParams[dtype], g: Int, m
         and Int(c.g_stride) % 4 == 0 and Int(c.m_stride) % 4 == 0
         and Int(a.ptr) % 16 == 0 and Int(c.ptr) % 16 == 0 and Int(p.freqs_cis) % 16 == 0
     )
-    var per_row = rope // 16 if vec else rope // 2
+    comptime ITEM = 8  # pairs
+    var pairs = rope // 2
+    var per_row = ceil_div(pairs, ITEM)
     for i in range(thread_idx.x, rows * per_row, threads):
         var r = div_u32(i, per_row)
         var j = i - r * per_row
@@ -176,9 +179,10 @@ def rope_q_tile[dtype: DType, //, threads: Int](p: QStepParams[dtype], g: Int, m
         var freqs = p.freqs_cis.unsafe_offset(p.batch.token_position(t) * rope)
         var out_row = c.ptr.unsafe_offset(g * Int(c.g_stride) + t * Int(c.m_stride))
         if vec:
-            rope_q_pairs[dtype, 8](q_row, freqs, out_row, nope, rank, j)
+            rope_q_pairs[dtype, ITEM](q_row, freqs, out_row, nope, rank, j)
         else:
-            rope_q_pairs[dtype, 1](q_row, freqs, out_row, nope, rank, j)
+            for k in range(ITEM * j, min(ITEM * (j + 1), pairs)):
+                rope_q_pairs[dtype, 1](q_row, freqs, out_row, nope, rank, k)
 
 
 def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: OutStepParams[dtype]):

@@ -12,7 +12,7 @@ from max.gpu.memory import fence_mbarrier_init
 from max.gpu.sync import mbarrier_init, named_barrier
 
 from ..paged_cache import Fp8LatentRows, PagedLatentRows
-from .attention_block import AttentionParams, RowMasks, SPtr
+from .attention_block import PARTITION_ALIGN, AttentionParams, RowMasks, SPtr
 from .hopper import smem_u32
 from .params import GPtr, to_global
 from .projection_mma import QuantizedRows
@@ -238,6 +238,7 @@ struct KeyBlocks(TrivialRegisterPassable):
     @staticmethod
     @always_inline
     def of(span: Tuple[Int, Int]) -> Self:
+        comptime assert PARTITION_ALIGN % S9_KEYS == 0, "a partition's keys are whole blocks"
         return Self(span[0], span[1], (span[0] // S9_KEYS) * S9_KEYS)
 
     @always_inline

@@ -559,6 +559,11 @@ def correctness(ctx: DeviceContext, only: String) raises -> Bool:
         ctx, sm90_only, "per_channel, small dims, bf16",
         Case.__init__[DType.bfloat16](13, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, gm=1, gn=1, gk=0),
     ) and ok
+    # Rope 24: the q step's rope of q pair by pair (rows not 16-byte aligned), a short last item per row.
+    ok = run_case[DType.bfloat16](
+        ctx, sm90_only, "rope 24, q rope pair by pair",
+        Case.__init__[DType.bfloat16](26, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=24, v_dim=64, gm=1, gn=1, gk=0),
+    ) and ok
     # Several row tiles of every projection tile shape (73 tokens), f16, per-channel scales.
     ok = run_case[DType.float16](
         ctx, sm90_only, "73 tokens, per_channel", Case.__init__[DType.float16](12, 4, ints(5, 60, 0), ints(33, 40, 0), gm=1, gn=1, gk=0)
