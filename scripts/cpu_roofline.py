@@ -2,10 +2,10 @@
 
     python scripts/cpu_roofline.py [--threads N] [--heads 16 128] [--batch 8] [--context 16384]
 
-Measures torch's copy bandwidth and bf16 matmul rate with `--threads` torch threads (the ceilings of
+Measures torch's copy bandwidth and matmul rate (the faster of bf16 and float32) with `--threads` torch threads (the ceilings of
 `python -m pymla bench`, measured the same way with its `time_call`: `pymla` itself needs MAX to
 import, so this file loads `pymla/tools/timing.py` alone and repeats the bench's two measurements and
-its formula for the bench's default case) and prints, per head count, the roofline of the bench's
+its formula for the bench's default case; both measurements are `timing.py`'s) and prints, per head count, the roofline of the bench's
 case (bf16 cache, page 64, one new token per request): max(cache + weight bytes / copy bandwidth,
 attention flops / matmul rate). Run it under the same `taskset` as the op it is compared with (e.g.
 `tests/cpu/amx_check.mojo`'s `loop HEADS ITERS whole`).
@@ -63,17 +63,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=16384)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    src = torch.ones(
-        512 * 2**20, dtype=torch.uint8
-    )  # bench: copy_ of 512 MiB, read + write counted
-    dst = torch.empty_like(src)
-    copy_bps = 2 * src.numel() / timing.time_call(lambda: dst.copy_(src), warmup=2, repeat=7)
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)  # bench: bf16 matmul 2048^3
-    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    flops = 2 * 2048**3 / timing.time_call(lambda: a @ b, warmup=2, repeat=5)
+    copy_bps = timing.measure_copy_bandwidth()
+    flops, mm_dtype = timing.matmul_ceiling()
     print(
         f"{cpu_name()}: {torch.get_num_threads()} torch threads, {len(os.sched_getaffinity(0))} CPUs allowed; "
-        f"copy {copy_bps / 1e9:.1f} GB/s, bf16 mm {flops / 1e9:.0f} GFLOP/s"
+        f"copy {copy_bps / 1e9:.1f} GB/s, {mm_dtype} mm {flops / 1e9:.0f} GFLOP/s"
     )
     for heads in args.heads:
         ms, bound = roofline_ms(heads, args.batch, args.context, copy_bps, flops)

@@ -286,7 +286,34 @@ def test_dcp_times_both_exchanges_and_heads_split_over_two_gloo_ranks(
 def fast_rooflines(monkeypatch):
     """Made-up copy bandwidth and matmul rate instead of the second of measuring them."""
     monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda: 30e9)
-    monkeypatch.setattr(bench, "measure_matmul_rate", lambda: 400e9)
+    monkeypatch.setattr(bench, "matmul_ceiling", lambda: (400e9, "bfloat16"))
+
+
+@pytest.mark.parametrize(
+    ("rates", "expected"),
+    [
+        # no bf16 units (AVX2): the probe is slow, the full bf16 product is never timed
+        ({"bfloat16": 1e9, "float32": 140e9}, (140e9, "float32")),
+        # AVX512-BF16 / AMX: bf16 faster
+        ({"bfloat16": 900e9, "float32": 300e9}, (900e9, "bfloat16")),
+        # bf16 units but slower than float32 at full size
+        ({"bfloat16": 200e9, "float32": 300e9}, (300e9, "float32")),
+    ],
+)
+def test_matmul_ceiling_is_the_faster_dtype(monkeypatch, rates, expected):
+    from pymla.tools import timing
+
+    timed = []
+
+    def fake(dtype=torch.bfloat16, n=2048):
+        name = str(dtype).removeprefix("torch.")
+        timed.append((name, n))
+        return rates[name]
+
+    monkeypatch.setattr(timing, "measure_matmul_rate", fake)
+    assert timing.matmul_ceiling() == expected
+    full_bf16 = ("bfloat16", 2048) in timed
+    assert full_bf16 == (rates["bfloat16"] >= rates["float32"] / 4)
 
 
 @pytest.fixture

@@ -5,11 +5,12 @@ causal mask, one new token per request, bf16 by default), over heads x batch
 x context x page size x CPU path, everything measured in the same run:
 
 - copy bandwidth: a large torch copy_ (read + write bytes per second);
-- bf16 matmul rate: a large torch bf16 mm (flops per second);
+- matmul rate: the faster of a large torch bf16 and float32 mm (flops per second; float32 where the
+  CPU has no bf16 units, `timing.matmul_ceiling`);
   both measured again right before each case, so a busy spell of a shared
   machine slows a case and its ceilings together;
 - roofline = max((cache + weight bytes) / copy bandwidth,
-  attention flops / bf16 matmul rate), where attention flops are
+  attention flops / matmul rate), where attention flops are
   2 x keys x heads x (576 + 512) (scores and P V);
 - the op's time per call and its ratio to the roofline: the one-shot call
   (``pymla.mla_decode_branch_fp8``, every input checked and wrapped per
@@ -59,7 +60,7 @@ from ..op import mla_decode_branch_fp8
 from ..plan import plan
 from .plain_torch import PlainTorchDecode
 from .scenario import Case, make_case
-from .timing import time_call
+from .timing import matmul_ceiling, measure_copy_bandwidth, time_call
 
 DEFAULT_OUTPUT_DIR = Path("pymla-bench-results")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -73,22 +74,6 @@ def cache_lengths(batch: int, context: int, requests: str) -> tuple[int, ...]:
         return (context - 1,) * batch
     short = max(context // SHORT_FRACTION, 1)
     return (context - 1,) + (short - 1,) * (batch - 1)
-
-
-def measure_copy_bandwidth(nbytes: int = 512 * 2**20) -> float:
-    """Bytes per second of a large torch copy_ (counting the read and the write)."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    seconds = time_call(lambda: dst.copy_(src), warmup=2, repeat=7)
-    return 2 * nbytes / seconds
-
-
-def measure_matmul_rate(dtype: torch.dtype = torch.bfloat16, n: int = 2048) -> float:
-    """Flops per second of a large torch matmul in ``dtype`` (the machine's practical peak)."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    seconds = time_call(lambda: a @ b, warmup=2, repeat=5)
-    return 2 * n**3 / seconds
 
 
 def visible_keys(case: Case) -> int:
@@ -150,7 +135,7 @@ def bench_one(
     cache_format: str,
     dtype: torch.dtype,
     copy_bw: float,
-    mm_rate: float,
+    mm: tuple[float, str],
     repeat: int,
     requests: str = "equal",
 ) -> dict:
@@ -217,7 +202,7 @@ def bench_one(
     nbytes = cache_and_weight_bytes(case)
     flops = attention_flops(case)
     memory_s = nbytes / copy_bw
-    compute_s = flops / mm_rate
+    compute_s = flops / mm[0]
     roofline_s = max(memory_s, compute_s)
     return {
         "heads": heads,
@@ -242,7 +227,8 @@ def bench_one(
         "memory_floor_ms": memory_s * 1e3,
         "compute_floor_ms": compute_s * 1e3,
         "copy_bandwidth_bytes_per_s": copy_bw,
-        "bf16_matmul_flops_per_s": mm_rate,
+        "matmul_flops_per_s": mm[0],
+        "matmul_dtype": mm[1],
     }
 
 
@@ -256,11 +242,13 @@ ROUND_KEYS = (
     "plain_torch_ms",
     "speedup_vs_plain_torch",
     "copy_bandwidth_bytes_per_s",
-    "bf16_matmul_flops_per_s",
+    "matmul_flops_per_s",
+    "matmul_dtype",
     "memory_floor_ms",
     "compute_floor_ms",
 )
-MEDIAN_KEYS = tuple(k for k in ROUND_KEYS if k != "roofline_bound")
+LABEL_KEYS = ("roofline_bound", "matmul_dtype")  # a round's label: the row takes the most frequent
+MEDIAN_KEYS = tuple(k for k in ROUND_KEYS if k not in LABEL_KEYS)
 
 
 def combine_rounds(rounds: list[dict]) -> dict:
@@ -272,17 +260,18 @@ def combine_rounds(rounds: list[dict]) -> dict:
     for key in MEDIAN_KEYS:
         values = [r[key] for r in rounds if r[key] is not None]
         row[key] = statistics.median(values) if values else None
-    bounds = [r["roofline_bound"] for r in rounds]
-    row["roofline_bound"] = max(set(bounds), key=bounds.count)
+    for key in LABEL_KEYS:
+        labels = [r[key] for r in rounds]
+        row[key] = max(set(labels), key=labels.count)
     runs = [r["run_ms"] for r in rounds]
     row["run_spread"] = max(runs) / min(runs)
     row["rounds"] = [{k: r[k] for k in ROUND_KEYS} for r in rounds]
     return row
 
 
-def measure_ceilings() -> tuple[float, float]:
-    """The copy bandwidth and the bf16 matmul rate, measured now."""
-    return measure_copy_bandwidth(), measure_matmul_rate()
+def measure_ceilings() -> tuple[float, tuple[float, str]]:
+    """The copy bandwidth and the matmul rate with its dtype, measured now."""
+    return measure_copy_bandwidth(), matmul_ceiling()
 
 
 def print_table(rows: list[dict]) -> None:
@@ -464,7 +453,7 @@ def run(argv: list[str], prog: str) -> int:
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
-        "ceilings": "copy bandwidth and bf16 matmul rate measured before each case (rows)",
+        "ceilings": "copy bandwidth and matmul rate (the faster of bf16 and float32) measured before each case (rows)",
         "dtype": args.dtype,
         "mask": "causal",
         "cases": len(configs),
@@ -477,11 +466,11 @@ def run(argv: list[str], prog: str) -> int:
         for i, (heads, batch, context, requests, page_size, path, cache_format) in enumerate(
             configs
         ):
-            copy_bw, mm_rate = measure_ceilings()
+            copy_bw, mm = measure_ceilings()
             print(
                 f"[round {round_}/{args.rounds}, {i + 1}/{len(configs)}] heads {heads}, batch "
                 f"{batch}, context {context} ({requests}), page {page_size}, path {path}, cache "
-                f"{cache_format}; copy {copy_bw / 1e9:.1f} GB/s, bf16 mm {mm_rate / 1e9:.0f} "
+                f"{cache_format}; copy {copy_bw / 1e9:.1f} GB/s, {mm[1]} mm {mm[0] / 1e9:.0f} "
                 "GFLOP/s ...",
                 file=sys.stderr,
                 flush=True,
@@ -496,7 +485,7 @@ def run(argv: list[str], prog: str) -> int:
                     cache_format,
                     dtype,
                     copy_bw,
-                    mm_rate,
+                    mm,
                     args.repeat,
                     requests,
                 )
@@ -505,7 +494,7 @@ def run(argv: list[str], prog: str) -> int:
             save_json(outputs[0], {"meta": meta, "rows": rows})  # a later crash keeps these rows
     print()
     print(
-        f"ceilings measured before each case (torch copy_ read + write, torch bf16 mm 2048^3); "
+        f"ceilings measured before each case (torch copy_ read + write, the faster of torch bf16 and float32 mm 2048^3); "
         f"medians of {args.rounds} round(s); spread: slowest / fastest run()"
     )
     print_table(rows)
