@@ -2,10 +2,10 @@
 
     python scripts/cpu_roofline.py [--threads N] [--heads 16 128] [--batch 8] [--context 16384]
 
-Measures torch's copy bandwidth and matmul rate (the faster of bf16 and float32) with `--threads` torch threads (the ceilings of
-`python -m pymla bench`, measured the same way with its `time_call`: `pymla` itself needs MAX to
-import, so this file loads `pymla/tools/timing.py` alone and repeats the bench's two measurements and
-its formula for the bench's default case; both measurements are `timing.py`'s) and prints, per head count, the roofline of the bench's
+Measures torch's copy bandwidth and matmul rate (the faster of bf16 and float32) with `--threads`
+torch threads: the ceilings of `python -m pymla bench`, by the same functions (`pymla` itself needs
+MAX to import, so this file loads `pymla/tools/timing.py`, where both live, alone and repeats only
+the bench's formula for its default case). Prints, per head count, the roofline of the bench's
 case (bf16 cache, page 64, one new token per request): max(cache + weight bytes / copy bandwidth,
 attention flops / matmul rate). Run it under the same `taskset` as the op it is compared with (e.g.
 `tests/cpu/amx_check.mojo`'s `loop HEADS ITERS whole`).
