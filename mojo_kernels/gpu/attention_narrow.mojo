@@ -21,9 +21,10 @@ slots, and each block waits for its widening, its 4x padded products and its sof
   shared memory (`exch`, by block parity), so both hold the whole `S^T` and run the same softmax
   (float additions commute: the two agree bit for bit) and write their own P^T; no other
   exchange between them.
-* Shared memory: Q 18 KiB, then `SmemPlan[fp8, 16]` (bf16: two stages; fp8: one stage and
-  `N9_RAW_SLOTS` raw slots of 33 KiB, where the 64-row kernel fits two), then P^T and the
-  exchange buffers (`NarrowSmem`). The producer warpgroup's first thread issues every copy
+* Shared memory: Q 18 KiB, then `SmemPlan[fp8, 16]` (bf16: two stages; fp8: one stage, whose
+  box 8 is unused, and `N9_RAW_SLOTS` raw slots of 41 KiB, each a block's fp8 bytes, scales and
+  rope box, released once both warpgroups have their scores: `SmemPlan.ROPE_IN_RAW`), then P^T
+  and the exchange buffers (`NarrowSmem`). The producer warpgroup's first thread issues every copy
   (`produce_keys`, `produce_fp8_keys`); no `setmaxnreg` (the math needs far fewer than 168).
 * Accumulator fragments (m64 n16, f32): warp `v` of a warpgroup, lane `4 g + t`, element `4 j + e`
   is M row (key, or value column) `16 v + g + 8 (e / 2)`, N column (block row) `8 j + 2 t + e % 2`:
@@ -115,13 +116,14 @@ def scores_box[
     s: SIMD[DType.float32, N9_ACC], keys: Sw128[dtype, 16, 1024], q: Sw128[dtype, 16, 1024], box: Int, col: Int = 0
 ) -> SIMD[DType.float32, N9_ACC]:
     """`s += K Q^T` over k16 steps `kk_first ..< kk_first + kk_count` of column box `box` (both K-major),
-    from byte column `col` of the box on (a multiple of 32: whole k16 steps)."""
+    from byte column `col` of the box on (a multiple of 32: whole k16 steps); `keys` starts at the key
+    block's box `box`."""
     var out = s
     comptime for kk in range(kk_first, kk_first + kk_count):
         out = wgmma_async[
             64, N9_ROWS, 16, DType.float32, N9_ACC, a_type=dtype, b_type=dtype, layout_a="row", layout_b="col"
         ](
-            keys.at(box * S9_BOX_BYTES + col + kk * 32),
+            keys.at(col + kk * 32),
             q.at(box * SmemPlan[False, N9_ROWS].Q_BOX_BYTES + col + kk * 32),
             out,
         )
@@ -246,38 +248,41 @@ def attend_narrow[
         var st = Int(shuffle_idx(UInt32(b % STAGES), 0))  # warp-uniform for ptxas, as `wg`
         var phase = (b // STAGES) & 1
         var par = b & 1
+        var slot = b % SLOTS
         comptime if fp8:
             # This warpgroup's value boxes of the one stage, widened from the block's raw slot. Only this
             # warpgroup reads them (its scores and its P V, both waited for), so it waits for no one.
-            var slot = b % SLOTS
             mbar_wait(sm.raw_full(slot), (b // SLOTS) & 1)
             widen_raw_rows[dtype, S9_KEYS, 2](rebind[SmemPlan[True, N9_ROWS]](sm), slot, 0, 2 * wg, wt)
             fence_async_proxy()
             wg_barrier[BAR_N_WIDEN](wg)
-            if lane == 0:
-                _ = mbarrier_arrive(sm.raw_empty(slot))
 
         # S^T over this warpgroup's value boxes and its half of the rope box, each started as it lands.
         var s = SIMD[DType.float32, N9_ACC](0)
         var stage_u = stage0_u + UInt32(st * S9_BLOCK_BYTES)
         var q_d = Sw128[dtype, 16, 1024].of(q_u)
-        var k_d = Sw128[dtype, 16, 1024].of(stage_u)
         comptime for i in range(N9_TILES):
             comptime if not fp8:
                 mbar_wait(sm.full(st, 4 * wg + i), phase)
             # A fence after every wait (attention_sm90_kernel: else ptxas serializes every wgmma, C7520).
             wgmma_fence_aligned()
-            s = scores_box[dtype, 0, 4](s, k_d, q_d, 4 * wg + i)
-        mbar_wait(sm.full(st, S9_BOXES - 1), phase)
+            var box = 4 * wg + i
+            s = scores_box[dtype, 0, 4](s, Sw128[dtype, 16, 1024].of(stage_u + UInt32(box * S9_BOX_BYTES)), q_d, box)
+        # The rope box: box 8 of the stage, or (fp8) the raw slot's, which came with the latent bytes.
+        var rope_u = stage_u + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
+        comptime if fp8:
+            rope_u = smem_u32(sm.rope(slot))
+        else:
+            mbar_wait(sm.full(st, S9_BOXES - 1), phase)
         wgmma_fence_aligned()
-        s = scores_box[dtype, 0, 2](s, k_d, q_d, S9_BOXES - 1, wg * 64)  # its k steps 2 wg, 2 wg + 1
+        s = scores_box[dtype, 0, 2](s, Sw128[dtype, 16, 1024].of(rope_u), q_d, S9_BOXES - 1, wg * 64)  # its k steps 2 wg, 2 wg + 1
         wgmma_commit_group_sync()
         wgmma_wait_group_sync[0]()
         comptime if fp8:
-            # The rope box is read by the scores alone: the producer may copy the next block's now (`empty`),
-            # while this block's softmax and P V and the next block's widening run.
+            # The raw slot is read no more: the producer may copy block b + SLOTS into it, while this block's
+            # softmax and P V and the next block's widening run.
             if lane == 0:
-                _ = mbarrier_arrive(sm.empty(0))
+                _ = mbarrier_arrive(sm.raw_empty(slot))
 
         # The other warpgroup's partial scores: both now hold the block's S^T.
         ns.exch(wg, par).unsafe_offset(wt * N9_ACC).unsafe_store[alignment=32](0, s)

@@ -78,7 +78,8 @@ def produce_fp8_keys[
     """The producer thread on an `fp8_ds_mla` cache (module docstring, `fp8`).
 
     It keeps the raw slots `RAW_SLOTS` blocks ahead (`copy_raw_block`): block `b + RAW_SLOTS` goes
-    into block `b`'s slot once both math warpgroups have widened it (`raw_empty`). Per block, once
+    into block `b`'s slot once both math warpgroups have widened it (`raw_empty`; `ROPE_IN_RAW`: and
+    scored its rope box, which came in the slot, so there is nothing else to copy). Else, per block, once
     the math warps release box 8 of the one stage (`empty`: the 64-row kernel after P V of the block
     before, which also read P from box 8; the narrow kernel after its scores), it copies the rope
     part into box 8 by TMA (`descs[0]`: the 128-byte boxes; the rows' bytes land in the layout of
@@ -92,6 +93,11 @@ def produce_fp8_keys[
     comptime SLOTS = SmemPlan[True, rows_].RAW_SLOTS
     for b in range(min(count, SLOTS)):
         copy_raw_block(descs, sm, b, lookup, page_size, rows, keys)
+    comptime if SmemPlan[True, rows_].ROPE_IN_RAW:
+        for b in range(count - SLOTS):
+            mbar_wait(sm.raw_empty(b % SLOTS), (b // SLOTS) & 1)
+            copy_raw_block(descs, sm, b + SLOTS, lookup, page_size, rows, keys)
+        return
     var rope_box = smem_u32(sm.stage(0)) + UInt32((S9_BOXES - 1) * S9_BOX_BYTES)
     var rope_full = smem_u32(sm.full(0, S9_BOXES - 1))
     for b in range(count):
@@ -117,13 +123,16 @@ def copy_raw_block[
     keys: KeyBlocks,
 ):
     """One thread: block `b`'s `fp8_ds_mla` bytes into raw slot `b % RAW_SLOTS` by TMA (its latent boxes
-    with `descs[0]`, its scales with `descs[1]`), all on the slot's one transaction barrier."""
+    with `descs[0]`, its scales with `descs[1]`; `ROPE_IN_RAW`: its rope box too, with `descs[0]`), all on
+    the slot's one transaction barrier."""
+    comptime ROPE = SmemPlan[True, rows_].ROPE_IN_RAW
     var slot = b % SmemPlan[True, rows_].RAW_SLOTS
     var bar = smem_u32(sm.raw_full(slot))
     var dst = smem_u32(sm.raw(slot))
     var k = UInt32(keys.start(b))
     var parts = keys.copies(b, rows)
-    arrive_expect_tx(bar, parts * rows * (S9_RAW_BOXES * 128 + 16))
+    comptime ROW_BYTES = S9_RAW_BOXES * 128 + 16 + (128 if ROPE else 0)  # TMA bytes a key brings
+    arrive_expect_tx(bar, parts * rows * UInt32(ROW_BYTES))
     for q in range(parts):
         var key = k + q * rows
         var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
@@ -133,6 +142,8 @@ def copy_raw_block[
         tma_load_box(
             dst + UInt32(S9_RAW_BOXES * S9_RAW_BOX_BYTES) + q * rows * 16, descs[1], bar, UInt32(S9_RAW_BOXES * 128), row, page
         )
+        comptime if ROPE:
+            tma_load_box(smem_u32(sm.rope(slot)) + q * rows * 128, descs[0], bar, UInt32(S9_ROPE_COL), row, page)
 
 
 @always_inline

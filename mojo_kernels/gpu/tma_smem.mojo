@@ -43,7 +43,13 @@ comptime S9_RAW_BOX_BYTES = S9_KEYS * 128
 comptime S9_SCALE_BYTES = S9_KEYS * 16  # 4 float32 scales per key
 comptime S9_RAW_BYTES = S9_RAW_BOXES * S9_RAW_BOX_BYTES + S9_SCALE_BYTES  # 33 KiB: 1024-byte aligned
 comptime S9_RAW_SLOTS = 2
-comptime N9_RAW_SLOTS = 3  # the narrow kernel's (attention_narrow.mojo): its Q is a quarter of this one's
+# The narrow kernel's (attention_narrow.mojo) raw slots also hold the block's rope box (`SmemPlan.ROPE_IN_RAW`):
+# it lands with the block's bytes instead of on a copy issued once the scores before released the stage's box 8
+# (H100, 16 h b8 8k, 3 slots without the rope: the math warps' second-longest wait, 6% of the stall samples,
+# was that copy). Two such slots fit beside its exchange buffers, not three (1 KiB over). Whole op on fp8 rows,
+# H100, alternated with three slots without the rope: 16 h b8 8k 56.0 -> 53.5 us, b64 8k 190.1 -> 181.9 us
+# (benchmarks/results/h100-2026-12-07b-rope-in-raw).
+comptime N9_RAW_SLOTS = 2
 comptime S9_ROPE_COL = S9_RAW_BOXES * 128 + 16  # byte column of the rope part in a 656-byte row
 
 
@@ -145,11 +151,15 @@ struct SmemPlan[fp8: Bool, rows: Int = S9_ROWS](TrivialRegisterPassable):
 
     comptime STAGES = S9_FP8_STAGES if Self.fp8 else S9_STAGES
     comptime RAW_SLOTS = S9_RAW_SLOTS if Self.rows == S9_ROWS else N9_RAW_SLOTS
+    # fp8, narrow: each raw slot holds its block's rope box after the scales (`rope`; the stage's box 8 is
+    # unused); the 64-row kernel keeps the rope in box 8, where its P goes after the scores.
+    comptime ROPE_IN_RAW = Self.fp8 and Self.rows != S9_ROWS
+    comptime RAW_BYTES = S9_RAW_BYTES + (S9_BOX_BYTES if Self.ROPE_IN_RAW else 0)
     comptime Q_BOX_BYTES = Self.rows * 128  # one Q box: the block's rows x 64 columns
     comptime Q = 0
     comptime K = S9_BOXES * Self.Q_BOX_BYTES
     comptime RAW = Self.K + Self.STAGES * S9_BLOCK_BYTES
-    comptime BARS = Self.RAW + (Self.RAW_SLOTS * S9_RAW_BYTES if Self.fp8 else 0)
+    comptime BARS = Self.RAW + (Self.RAW_SLOTS * Self.RAW_BYTES if Self.fp8 else 0)
     comptime N_FULL = Self.STAGES * S9_BOXES
     comptime RAW_FULL = Self.BARS + 8 * (Self.N_FULL + Self.STAGES)
     comptime RAW_EMPTY = Self.RAW_FULL + 8 * Self.RAW_SLOTS
@@ -171,8 +181,14 @@ struct SmemPlan[fp8: Bool, rows: Int = S9_ROWS](TrivialRegisterPassable):
 
     @always_inline
     def raw(self, slot: Int) -> SPtr[UInt8]:
-        """`fp8`: raw slot `slot`, a block's latent boxes (64 keys x 128 bytes each), then its scales."""
-        return self.base.unsafe_offset(Self.RAW + slot * S9_RAW_BYTES)
+        """`fp8`: raw slot `slot`, a block's latent boxes (64 keys x 128 bytes each), then its scales
+        (`ROPE_IN_RAW`: then its rope box, `rope`)."""
+        return self.base.unsafe_offset(Self.RAW + slot * Self.RAW_BYTES)
+
+    @always_inline
+    def rope(self, slot: Int) -> SPtr[UInt8]:
+        """`ROPE_IN_RAW`: the rope box of raw slot `slot`'s block (64 keys x 64 bf16, as a stage's box 8)."""
+        return self.raw(slot).unsafe_offset(S9_RAW_BYTES)
 
     @always_inline
     def full(self, s: Int, box: Int) -> SPtr[Int64]:
@@ -193,7 +209,8 @@ struct SmemPlan[fp8: Bool, rows: Int = S9_ROWS](TrivialRegisterPassable):
 
     @always_inline
     def raw_empty(self, slot: Int) -> SPtr[Int64]:
-        """`fp8`: release barrier of raw slot `slot`: one arrival per math warp once its warpgroup has widened it."""
+        """`fp8`: release barrier of raw slot `slot`: one arrival per math warp once its warpgroup has widened it
+        (`ROPE_IN_RAW`: and scored its rope box)."""
         return self.base.unsafe_offset(Self.RAW_EMPTY + 8 * slot).unsafe_bitcast[Int64]()
 
     @always_inline
