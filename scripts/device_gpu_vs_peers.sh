@@ -7,6 +7,8 @@
 #
 #   calls 1 and 2 (optional, FlashInfer's wheel in halves: scripts/device_stage_flashinfer.sh),
 #       carry [".whl/fi/a1"]: bash scripts/device_stage_flashinfer.sh 1
+#       (FlashMLA's build may start here already, `bash .peers/flashmla_start.sh` with ".peers" carried:
+#       call 3 then reuses it)
 #       carry [".whl/fi/a2"]: bash scripts/device_stage_flashinfer.sh 2
 #   call 3, carry [".devbin", ".peers"] (+ ".whl/fi/b" after calls 1-2), timeout_s 600:
 #       bash scripts/device_gpu_vs_peers.sh
@@ -25,7 +27,12 @@ SHAPES=(--heads 16,128 --batches 8,64,128 --contexts 8192,32768)
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start )) s] $*"; }
 
-bash .peers/flashmla_start.sh
+# A build started by an earlier call on this warm machine (e.g. beside FlashInfer's staging) is kept.
+if [ "$(cat /tmp/fmla_build.rc 2> /dev/null)" = 0 ] || pgrep -f flashmla_build.py > /dev/null; then
+  echo "FlashMLA: the build of an earlier call on this machine (finished or running) is reused"
+else
+  bash .peers/flashmla_start.sh
+fi
 if [ -d .whl/fi/b ] && ls /tmp/fi_stage/flashinfer_python-*.whl > /dev/null 2>&1; then
   cp .whl/fi/b/*.whl /tmp/fi_stage/
   pip install -q --no-index --no-deps --no-compile --target /tmp/fi /tmp/fi_stage/*.whl
