@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pymla.tools.gpu_bench_json import parse_bench_line
+from pymla.tools.gpu_bench_json import parse_bench_lines
 from pymla.tools.peers import fp8_table, own_attention_us, parse
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 def parsed(path: Path) -> list[dict]:
-    return [r for line in path.read_text().splitlines() if (r := parse_bench_line(line))]
+    return parse_bench_lines(path.read_text().splitlines())
 
 
 def test_plain_lines():
@@ -64,13 +64,19 @@ def test_the_ops_step_5_line_in_both_formats():
     )
 
 
-def test_a_plan_with_the_schedule_alone_is_not_the_default():
-    line = (
-        "bench bfloat16 B 8 H 16 L 8192 ( PDL off, quantize in merge, schedule {}, split by work ) : 70.5 us"
-        " per call, 1000.0 GB/s of cache+weights, 30.0 TFLOP/s attention"
+def test_the_ops_plan_is_a_cases_first_plan_whatever_the_defaults():
+    """PDL has been on in the op's plan since the eleventh session: the plan gpu_bench prints first
+    of a case's four (06s: PDL on, 362.028 us at 128 h b64 8k, against 366.394 with PDL off)."""
+    rows = parsed(RESULTS / "h100-2026-12-06s-peers-branches" / "gpu" / "gpu_both.log")
+    default = [r for r in rows if r["default_plan"]]
+    assert default and all(
+        "PDL on" in r["plan"] and "merge" in r["plan"] and "in q step" in r["plan"] for r in default
     )
-    assert parse_bench_line(line.format("in q step"))["default_plan"]
-    assert not parse_bench_line(line.format("alone"))["default_plan"]
+    case = [r for r in default if (r["heads"], r["batch"], r["cache"]) == (128, 64, "dtype")]
+    assert min(r["us"] for r in case) == 362.028
+    turned = [r for r in rows if not r["default_plan"]]
+    assert {r["plan"].split(" , ")[0] for r in turned} >= {"PDL off"}
+    assert len(turned) == 3 * len(default)
 
 
 def test_one_log_of_both_timings_keeps_the_cases_apart(tmp_path):

@@ -26,7 +26,7 @@ import json
 import re
 from pathlib import Path
 
-from pymla.tools.gpu_bench_json import parse_bench_line
+from pymla.tools.gpu_bench_json import parse_bench_lines
 
 # `variants [CACHE cache ][one-long ]B b H h L l` (the cache label since 2026-12-05g)
 VARIANTS = re.compile(r"^variants (.*)B (\d+) H (\d+) L (\d+)")
@@ -67,8 +67,8 @@ def parse(folder: Path) -> dict:
     for line in lines:
         if m := COPY.match(line):
             copy = float(m[1])
-        r = parse_bench_line(line)
-        if r and r["default_plan"]:  # the op's own plan, best of its rounds
+    for r in parse_bench_lines(lines):
+        if r["default_plan"]:  # the op's own plan, best of its rounds
             key = (r["cache"], (r["heads"], r["batch"], r["context"]))
             op[key] = min(op.get(key, float("inf")), r["us"] / 1e3)
     shape = None
