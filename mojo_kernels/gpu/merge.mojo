@@ -28,6 +28,11 @@ from .schedule import MAX_PARTITIONS, SplitSchedule
 
 comptime MERGE_THREADS = 128
 comptime MERGE_UNROLL = 4  # partitions whose rows are loaded before they are summed
+# `merge_kernel[.., ahead=True]` (`GpuPlan.merge_ahead`: every row's block alone on its SM): a row's first
+# MERGE_AHEAD_UNROLL partitions loaded before the weights, and as many at once after (224 registers at 16,
+# 80 at 4; H100, 2026-12-07b: 1.2-1.5 us faster at 16 h b8 8k, 128 rows, but 4-9% slower where the rows
+# take more than one wave, 128 h b8 and 16 h b64, 1024 rows: fewer blocks an SM).
+comptime MERGE_AHEAD_UNROLL = 16
 comptime MERGE_QUANT_RANK = 2048  # kv_lora_rank up to which the merge can quantize rows (shared memory)
 comptime MERGE_QUANT_K_BLOCKS = MERGE_QUANT_RANK // 64  # K blocks of at least 64
 
@@ -60,7 +65,7 @@ struct StoreParams[dtype: DType](KernelParams):
     var count: Int64
 
 
-def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
+def merge_kernel[dtype: DType, quantize: Bool, ahead: Bool](p: MergeParams[dtype]):
     """One block per row: `raw = rnd(sum_p exp(m_p - M) o_p / sum_p exp(m_p - M) l_p)`; with `quantize`
     (`p.quant` active) the row quantized for step 6 instead (`quantize_row`).
 
@@ -69,6 +74,9 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     `has_lse`, the row's LSE `M + log(sum_p exp(m_p - M) l_p)` (-inf without
     keys); then each thread adds four columns
     of the partitions' outputs, `MERGE_UNROLL` partitions at a time; `kv_lora_rank % 4 == 0`.
+    With `ahead` (`MERGE_AHEAD_UNROLL` at a time) the first of them, of a thread's first columns,
+    are loaded before the weights are known (`load_partials`), so the two loads' latencies overlap:
+    the kernel is a chain of dependent loads (H100, 16 h b8 8k: about one warp per scheduler, 10 us).
     A row of one partition is already in `raw`, normalized by the attention kernel
     (`AttentionBlock.normalized`): only its LSE and, with `quantize`, its quantization remain
     (none with `one_partition_quantized`: the TMA kernel's epilogue quantized it).
@@ -87,14 +95,23 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
     # to quantize (the whole block agrees: one row).
     if parts == 1 and p.has_lse == 0 and (not quantize or p.one_partition_quantized != 0):
         return
+    comptime UNROLL = MERGE_AHEAD_UNROLL if ahead else MERGE_UNROLL
+    var c0 = 4 * tid
+    var early = Array[SIMD[DType.float32, 4], UNROLL](fill=0)
+    comptime if ahead:
+        if parts > 1 and c0 < rank:
+            early = load_partials[UNROLL](p, first, parts, 0, c0)
     if tid < WARP_SIZE:
+        # Every partial row of the request's tasks holds its statistics: the sums load beside the maxima.
         var m0 = p.part_max.unsafe_load(p.split.partial_row(first, tid)) if tid < parts else neg_inf[DType.float32]()
         var m1 = p.part_max.unsafe_load(p.split.partial_row(first, tid + WARP_SIZE)) if tid + WARP_SIZE < parts else neg_inf[DType.float32]()
+        var l0 = p.part_sum.unsafe_load(p.split.partial_row(first, tid)) if tid < parts else Float32(0)
+        var l1 = p.part_sum.unsafe_load(p.split.partial_row(first, tid + WARP_SIZE)) if tid + WARP_SIZE < parts else Float32(0)
         var top = warp.max(max(m0, m1))
         var e0 = exp(m0 - top) if m0 != neg_inf[DType.float32]() else Float32(0)
         var e1 = exp(m1 - top) if m1 != neg_inf[DType.float32]() else Float32(0)
-        var l0 = p.part_sum.unsafe_load(p.split.partial_row(first, tid)) if e0 != 0 else Float32(0)
-        var l1 = p.part_sum.unsafe_load(p.split.partial_row(first, tid + WARP_SIZE)) if e1 != 0 else Float32(0)
+        l0 = l0 if e0 != 0 else Float32(0)
+        l1 = l1 if e1 != 0 else Float32(0)
         var total = warp.sum(e0 * l0 + e1 * l1)
         var inv = Float32(1) / total if total > 0 else Float32(0)  # no key at all: the row is 0
         weights.unsafe_store(tid, e0 * inv)
@@ -112,14 +129,12 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
                 )
             quantize_row[dtype](p, row_s, row)
         return
-    for c in range(4 * tid, rank, 4 * MERGE_THREADS):
+    for c in range(c0, rank, 4 * MERGE_THREADS):
         var acc = SIMD[DType.float32, 4](0)
-        for p0 in range(0, parts, MERGE_UNROLL):
-            var v = Array[SIMD[DType.float32, 4], MERGE_UNROLL](fill=0)
-            comptime for u in range(MERGE_UNROLL):
-                if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
-                    v[u] = p.part_out.unsafe_offset(p.split.partial_row(first, p0 + u) * rank + c).unsafe_load[width=4, alignment=16](0)
-            comptime for u in range(MERGE_UNROLL):
+        for p0 in range(0, parts, UNROLL):
+            var v = early.copy() if ahead and p0 == 0 and c == c0 else load_partials[UNROLL](p, first, parts, p0, c)
+            comptime for u in range(UNROLL):
+                # A partition that saw no key (weight 0) may hold anything: skipped, not multiplied.
                 if p0 + u < parts and weights.unsafe_load(p0 + u) != 0:
                     acc += weights.unsafe_load(p0 + u) * v[u]
         var value = acc.cast[dtype]().cast[DType.float32]()
@@ -129,6 +144,20 @@ def merge_kernel[dtype: DType, quantize: Bool](p: MergeParams[dtype]):
             p.raw.unsafe_offset(row * rank + c).unsafe_store[alignment=16](0, value)
     comptime if quantize:
         quantize_row[dtype](p, row_s, row)
+
+
+@always_inline
+def load_partials[
+    dtype: DType, //, unroll: Int
+](p: MergeParams[dtype], first: Int, parts: Int, p0: Int, c: Int) -> Array[SIMD[DType.float32, 4], unroll]:
+    """Columns `c ..< c + 4` of partitions `p0 ..< p0 + unroll` (those below `parts`) of a row whose
+    partition 0 is partial row `first`: independent loads, all in flight at once."""
+    var v = Array[SIMD[DType.float32, 4], unroll](fill=0)
+    var rank = Int(p.kv_lora_rank)
+    comptime for u in range(unroll):
+        if p0 + u < parts:
+            v[u] = p.part_out.unsafe_offset(p.split.partial_row(first, p0 + u) * rank + c).unsafe_load[width=4, alignment=16](0)
+    return v^
 
 
 @always_inline

@@ -340,7 +340,7 @@ def gpu_attention_into[
     quantizes the rows for step 6 (`merge_quantizes`) instead of writing `raw`."""
     comptime for i in range(len(ATTENTION_VARIANTS)):
         if plan.attention == i:
-            gpu_attention_with[dtype, ATTENTION_VARIANTS[i]](ctx, p, q_full, raw, ws, plan.pdl, quant)
+            gpu_attention_with[dtype, ATTENTION_VARIANTS[i]](ctx, p, q_full, raw, ws, plan.pdl, plan.merge_ahead, quant)
 
 
 def gpu_attention_with[
@@ -352,6 +352,7 @@ def gpu_attention_with[
     raw: FPtr,
     ws: AttentionWorkspace,
     pdl: Bool,
+    merge_ahead: Bool,
     quant: QuantizedRows,
 ) raises:
     """Step 5 with attention kernel `variant` (see `ATTENTION_VARIANTS`) in workspace `ws` (made for a
@@ -360,7 +361,8 @@ def gpu_attention_with[
     With a split (`ws.split()`) every partition's output and row statistics
     go to `ws`, merged by log-sum-exp (`merge_kernel`). The LSE (`has_lse`)
     comes from that merge: the plan splits when it is asked for. With `pdl` the
-    attention kernel and the merge start early (programmatic dependent launch, pdl.mojo).
+    attention kernel and the merge start early (programmatic dependent launch, pdl.mojo); `merge_ahead`
+    takes the merge's instance for rows that fit one wave (`GpuPlan.merge_ahead`).
     With `quant` active (only with a merge) the merge writes step 6's quantized rows and the
     attention output (`has_attention_output`), not `raw`.
     An `fp8_ds_mla` cache (bfloat16) takes the tensor-core kernels' fp8 instances.
@@ -402,13 +404,24 @@ def gpu_attention_with[
                 Int32(1 if epilogue_quantizes else 0),
             )
             if quant.active != 0:
-                ctx.enqueue_function[merge_kernel[dtype, True]](
-                    merge, grid_dim=rows, block_dim=MERGE_THREADS, attributes=launch_attributes(pdl)
-                )
+                enqueue_merge[dtype, True](ctx, merge, rows, pdl, merge_ahead)
             else:
-                ctx.enqueue_function[merge_kernel[dtype, False]](
-                    merge, grid_dim=rows, block_dim=MERGE_THREADS, attributes=launch_attributes(pdl)
-                )
+                enqueue_merge[dtype, False](ctx, merge, rows, pdl, merge_ahead)
+
+
+def enqueue_merge[
+    dtype: DType, quantize: Bool
+](ctx: DeviceContext, merge: MergeParams[dtype], rows: Int, pdl: Bool, ahead: Bool) raises:
+    """Launches `merge_kernel` over `rows` rows, one block each (`pdl`: after the attention kernel; `ahead`:
+    its instance loading the partitions ahead of the weights, `GpuPlan.merge_ahead`)."""
+    if ahead:
+        ctx.enqueue_function[merge_kernel[dtype, quantize, True]](
+            merge, grid_dim=rows, block_dim=MERGE_THREADS, attributes=launch_attributes(pdl)
+        )
+    else:
+        ctx.enqueue_function[merge_kernel[dtype, quantize, False]](
+            merge, grid_dim=rows, block_dim=MERGE_THREADS, attributes=launch_attributes(pdl)
+        )
 
 
 def enqueue_attention_variant[

@@ -245,6 +245,9 @@ struct GpuPlan(TrivialRegisterPassable):
     var pdl: Bool  # launch step 5, the merge and step 6 with programmatic dependent launch (pdl.mojo)
     var quantize_in_merge: Bool  # the merge quantizes step 6's activations, where the sizes allow
     var schedule_in_q_step: Bool  # the split's schedule built in the q step's launch (bf16 / f16)
+    # The merge's instance that loads a row's partitions ahead of their weights (merge.mojo): where each
+    # row's block has an SM to itself (rows <= SMs), so its registers cost no blocks.
+    var merge_ahead: Bool
 
     @staticmethod
     def create[dtype: DType](p: DecodeProblem[dtype], limits: DeviceLimits) -> Self:
@@ -275,6 +278,7 @@ struct GpuPlan(TrivialRegisterPassable):
             PDL_DEFAULT,
             QUANTIZE_IN_MERGE_DEFAULT,
             SCHEDULE_IN_Q_STEP_DEFAULT,
+            p.num_tokens * p.num_heads <= limits.sm_count,
         )
 
 

@@ -198,7 +198,7 @@ def bench_attention[
         comptime if v[0] < 0:
             gpu_attention_into[dtype](ctx, problem, plan, untracked(q_full), untracked(raw), ws, QuantizedRows.none(to_global(untracked(raw))))
         else:
-            gpu_attention_with[dtype, v](ctx, problem, untracked(q_full), untracked(raw), ws, False, QuantizedRows.none(to_global(untracked(raw))))
+            gpu_attention_with[dtype, v](ctx, problem, untracked(q_full), untracked(raw), ws, False, False, QuantizedRows.none(to_global(untracked(raw))))
     var us = time_us(ctx, t0) / Float64(iters)
     var cache_bytes = Float64(visible_keys(c) * cache_row_bytes[dtype](c))
     var line = String(

@@ -449,7 +449,8 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
     # too), each with programmatic dependent launch
     # (PDL) on and off and the quantization in the merge on and off (`GpuPlan.pdl`,
     # `quantize_in_merge`), the schedule built in the q step's launch or its own (with and without
-    # PDL, `schedule_in_q_step`). Per partition count the four agree bit for bit: PDL changes only when a
+    # PDL, `schedule_in_q_step`), the merge's two instances (`merge_ahead`, turned in modes 1 and 3). Per
+    # partition count the four agree bit for bit: PDL changes only when a
     # kernel starts (a misplaced wait is a race that reads stale q_full, cache rows or raw), and the
     # merge quantizes by the output step's rule. The first run (PDL on) gets poisoned workspaces.
     var ref_raw = cpu_attention[dtype](c, ref_q_full, ref_blocks)
@@ -472,6 +473,8 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
             op_plan.pdl = pdl
             op_plan.quantize_in_merge = in_merge
             op_plan.schedule_in_q_step = in_q_step
+            if mode % 2 == 1:  # the merge's other instance (`merge_ahead`): the same bits
+                op_plan.merge_ahead = not op_plan.merge_ahead
             if mode == 0:
                 poison_workspaces(ctx, c, d2, op_plan)
             ctx.enqueue_memset(op_att, nan[dtype]())
@@ -481,7 +484,8 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
             var cache_after = cache_state[dtype](ctx, c, d2)  # fp8: the rows' bytes
             var tag = String(
                 " (", parts_label(parts), ", PDL ", "on" if pdl else "off",
-                ", quantized in the merge" if in_merge else "", ", schedule in the q step" if in_q_step else "", ")",
+                ", quantized in the merge" if in_merge else "", ", schedule in the q step" if in_q_step else "",
+                ", merge ahead" if op_plan.merge_ahead else "", ")",
             )
             if mode == 0:
                 comptime if dtype == DType.float32:
