@@ -8,7 +8,8 @@ it) and how many blocks that split aims at (a wave), and
 which tile shape the fused q and output steps take (`PROJ_TILES`,
 `choose_proj_tile`; `FMA_PATH` for the float32 FMA path), and whether the
 kernels after the q step start early (`pdl`, programmatic dependent launch) and
-whether the partition merge quantizes step 6's activations (`quantize_in_merge`). The device's
+whether the partition merge quantizes step 6's activations (`quantize_in_merge`) and which of its
+instances runs (`merge_ahead`). The device's
 multiprocessor count, shared memory and registers come from its
 `DeviceContext` (`DeviceLimits.read`; an H200 reads 132 SMs, 228 KiB per SM,
 227 KiB per block). Tests pin a kernel or tile by building a plan.
