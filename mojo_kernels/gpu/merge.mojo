@@ -29,8 +29,8 @@ from .schedule import MAX_PARTITIONS, SplitSchedule
 comptime MERGE_THREADS = 128
 comptime MERGE_UNROLL = 4  # partitions whose rows are loaded before they are summed
 # `merge_kernel[.., ahead=True]` (`GpuPlan.merge_ahead`: every row's block alone on its SM): a row's first
-# MERGE_AHEAD_UNROLL partitions loaded before the weights, and as many at once after (224 registers at 16,
-# 80 at 4). H100: taken everywhere it was 1.2-1.5 us faster at 16 h b8 8k (128 rows) but 4-9% slower where
+# MERGE_AHEAD_UNROLL partitions loaded before the weights, and as many at once after (224-232 registers;
+# the plain instance 56-64, ptxas). H100: taken everywhere it was 1.2-1.5 us faster at 16 h b8 8k (128 rows) but 4-9% slower where
 # the rows take more than one wave (128 h b8 and 16 h b64, 1024 rows: fewer blocks an SM; 2026-12-07b);
 # taken where the rows fit one wave, 16 h b8 8k 64.1 -> 62.8 us on bf16 rows, 54.5 -> 52.6 us on fp8 rows,
 # the other shapes level (2026-12-07c).

@@ -131,8 +131,9 @@ def copy_raw_block[
     var dst = smem_u32(sm.raw(slot))
     var k = UInt32(keys.start(b))
     var parts = keys.copies(b, rows)
-    comptime ROW_BYTES = S9_RAW_BOXES * 128 + 16 + (128 if ROPE else 0)  # TMA bytes a key brings
+    comptime ROW_BYTES = S9_ROPE_COL + (128 if ROPE else 0)  # TMA bytes a key brings: latent, scales (rope)
     arrive_expect_tx(bar, parts * rows * UInt32(ROW_BYTES))
+    var rope_dst = smem_u32(sm.rope(slot))
     for q in range(parts):
         var key = k + q * rows
         var page = UInt32(lookup.unsafe_load(Int(key // page_size)))
@@ -143,7 +144,7 @@ def copy_raw_block[
             dst + UInt32(S9_RAW_BOXES * S9_RAW_BOX_BYTES) + q * rows * 16, descs[1], bar, UInt32(S9_RAW_BOXES * 128), row, page
         )
         comptime if ROPE:
-            tma_load_box(smem_u32(sm.rope(slot)) + q * rows * 128, descs[0], bar, UInt32(S9_ROPE_COL), row, page)
+            tma_load_box(rope_dst + q * rows * 128, descs[0], bar, UInt32(S9_ROPE_COL), row, page)
 
 
 @always_inline
