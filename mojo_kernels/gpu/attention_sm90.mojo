@@ -94,7 +94,7 @@ from max.gpu.intrinsics import warpgroup_reg_alloc, warpgroup_reg_dealloc
 from max.gpu.primitives.warp import shuffle_idx
 from max.gpu.sync import mbarrier_arrive, named_barrier
 
-from ..fp8 import activation_scale, e4m3_as_f16
+from ..fp8 import Divisor, activation_scale, e4m3_as_f16
 from .attention_block import AttentionBlock, AttentionParams, fence_async_proxy, rescale_row
 from .attention_wgmma import quad_max, rows_of_both
 from .hopper import Sw128, mbar_wait, smem_u32
@@ -424,6 +424,7 @@ def store_quantized_rows[
             vals[2 * jj] = v[0]
             vals[2 * jj + 1] = v[1]
         var scale = activation_scale(quad_max(abs(vals).reduce_max()))
+        var div = Divisor.of(scale)
         if live:
             var block = (wg * S9_VALUE_COLS) // S9_QUANT_BLOCK + kb
             if t4 == 0:
@@ -431,7 +432,7 @@ def store_quantized_rows[
             comptime for jj in range(J_PER_BLOCK):
                 var col = wg * S9_VALUE_COLS + 8 * (kb * J_PER_BLOCK + jj) + 2 * t4
                 var v = SIMD[DType.float32, 2](vals[2 * jj], vals[2 * jj + 1])
-                p.quant.values.unsafe_offset(row * rank + col).unsafe_store[alignment=4](0, e4m3_as_f16[2](v, scale))
+                p.quant.values.unsafe_offset(row * rank + col).unsafe_store[alignment=4](0, e4m3_as_f16[2](v, div))
                 if p.has_attention_output != 0:
                     p.attention_output.unsafe_offset(row * rank + col).unsafe_store[alignment=2 * size_of[dtype]()](
                         0, v.cast[dtype]()

@@ -42,7 +42,7 @@ from max.gpu.memory import AddressSpace, async_copy, async_copy_commit_group
 from max.gpu.primitives import warp
 
 from ..common import ceil_div, ceil_div_u32, div_u32
-from ..fp8 import activation_scale, e4m3_as_f16
+from ..fp8 import Divisor, activation_scale, e4m3_as_f16
 from ..spec import BlockShape
 from .params import GFPtr, GlobalPtr, GPtr
 
@@ -329,11 +329,12 @@ def stage_activations[
             amax = warp.max(amax)
             scale = activation_scale(amax)
         var src = act.a_g.unsafe_offset(m * act.ms + k0)
+        var div = Divisor.of(scale)
         for kk in range(lane, lay.block_kp, WARP_SIZE):
             var x = SIMD[DType.float16, 1](0)
             if m < act.rows and kk < width:
                 var xv = src.unsafe_load(kk)
-                x = e4m3_as_f16[1](xv.cast[DType.float32](), scale)
+                x = e4m3_as_f16[1](xv.cast[DType.float32](), div)
                 if do_copy:
                     act.copy_g.unsafe_store(m * copy_m_stride + k0 + kk, xv.cast[copy_dtype]())
             dst.unsafe_store(kk, x[0])
@@ -388,17 +389,20 @@ def quantize_rows_in_registers[
         comptime for s in range(SEG_VECS):
             item_max[s // VPI] = max(item_max[s // VPI], slot_max[s])
         # (`warp.max` of a SIMD value reduces its elements too: one scalar reduction per item.)
+        var scales = SIMD[DType.float32, IPG](0)
+        var divs = Array[Divisor, IPG](fill=Divisor(1, 1, 1))
         comptime for q in range(IPG):
-            item_max[q] = warp.max(item_max[q])
+            scales[q] = activation_scale(warp.max(item_max[q]))
+            divs[q] = Divisor.of(scales[q])
         comptime for s in range(SEG_VECS):
             var rr = Int(r_of[s // VPI])
             var kbb = Int(kb_of[s // VPI])
             var kk = 4 * lane + SLOT * (s % VPI)
-            var amax = item_max[s // VPI]
-            var scale = activation_scale(amax)
+            var div = divs[s // VPI]
+            var scale = scales[s // VPI]
             if rr < mt and kk < lay.block_kp:
                 sm.a_s.unsafe_offset(rr * lay.a_stride + kbb * lay.block_kp + kk).unsafe_store[alignment=8](
-                    0, e4m3_as_f16[4](v[s], scale)
+                    0, e4m3_as_f16[4](v[s], div)
                 )
                 if lane == 0 and s % VPI == 0:
                     sm.sa_s.unsafe_store(rr * kb_count + kbb, scale)
