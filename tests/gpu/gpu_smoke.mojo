@@ -23,13 +23,18 @@
 #           off (`GpuPlan.pdl`) and step 6's quantization in the partition merge on and off
 #           (`GpuPlan.quantize_in_merge`), the four bit for bit equal (output, attention output and
 #           the cache: its values, or an fp8_ds_mla cache's bytes)
+# Then, once: `fp8.Divisor` (the GPU quantizations' division) against `x / d` on the GPU, e4m3 bytes
+# and float32 quotients from 2^-12 up, every bfloat16 `x` and 65536 float32 `x` for 1020 scales.
 # Exit status 1 if any check fails.
 
 from std.memory import bitcast
 from std.sys import argv, has_accelerator
 from std.utils.numerics import nan
 
+from max.gpu import block_idx, thread_idx
 from max.gpu.host import DeviceContext
+
+from mojo_kernels.fp8 import FP8_MAX, Divisor, activation_scale
 
 from mojo_kernels.gpu.pipeline import AttentionWorkspace, cache_rows_params, gpu_rotate_and_normalize_new_rows
 from mojo_kernels.gpu.plan import (
@@ -46,6 +51,7 @@ from mojo_kernels.gpu.plan import (
     attention_supported,
     tile_fits,
 )
+from mojo_kernels.gpu.params import GFPtr, GlobalPtr, to_global
 from mojo_kernels.spec import Granularity
 
 from gpu_case import Case, DeviceCase, download, download_u8, round_to, untracked, upload, upload_u8, variant_index
@@ -605,6 +611,66 @@ def fp8_cases(ctx: DeviceContext) raises -> Bool:
     return ok
 
 
+comptime DIVISOR_THREADS = 256
+comptime DIVISOR_EXACT_FROM = Float32(2.0**-12)  # quotients below it round to a zero e4m3: Divisor may differ there in the last bit
+
+
+def divisor_check_kernel(scales: GFPtr, bad: GlobalPtr[UInt32]):
+    """Block `b`: `Divisor.of(d)` with `d = scales[b]` against `x / d`, for every bfloat16 `x` and 65536
+    float32 `x` (hashed mantissas, magnitudes 2^-31 .. 1 of 448 d) with `|x| <= 448 d`. A thread counts
+    the `x` whose e4m3 bytes differ, or whose float32 quotients differ from 2^-12 up, into `bad`."""
+    var d = scales.unsafe_load(block_idx.x)
+    var div = Divisor.of(d)
+    var count = UInt32(0)
+    for i in range(thread_idx.x, 2 * 65536, DIVISOR_THREADS):
+        var x: Float32
+        if i < 65536:
+            x = bitcast[DType.bfloat16](UInt16(i)).cast[DType.float32]()
+        else:
+            var h = (UInt32(i) * 2654435761) ^ (UInt32(block_idx.x) * 40503)
+            h ^= h >> 15
+            h *= 2246822519
+            var unit = bitcast[DType.float32]((h & 0x007FFFFF) | 0x3F800000) - 1  # [0, 1), 23 bits
+            var sign = Float32(-1) if (h >> 31) != 0 else Float32(1)
+            x = sign * unit * (FP8_MAX * d) * bitcast[DType.float32](UInt32(127 - Int((h >> 23) & 31)) << 23)
+        if abs(x) <= FP8_MAX * d:
+            var want = x / d
+            var got = div.quotient[1](x)[0]
+            var want8 = min(max(want, -FP8_MAX), FP8_MAX).cast[DType.float8_e4m3fn]()
+            var got8 = min(max(got, -FP8_MAX), FP8_MAX).cast[DType.float8_e4m3fn]()
+            var f32_differs = bitcast[DType.uint32](got) != bitcast[DType.uint32](want) and abs(want) >= DIVISOR_EXACT_FROM
+            if bitcast[DType.uint8](got8) != bitcast[DType.uint8](want8) or f32_differs:
+                count += 1
+    bad.unsafe_store(block_idx.x * DIVISOR_THREADS + thread_idx.x, count)
+
+
+def divisor_check(ctx: DeviceContext) raises -> Bool:
+    """`divisor_check_kernel` over the scales of 1020 amax values: every float32 exponent field (0: zero and
+    subnormals) with four mantissas (0 and three hashed), `activation_scale` as the quantizations take it."""
+    var scales = List[Float32]()
+    for e in range(255):
+        for j in range(4):
+            var m = UInt32(0) if j == 0 else ((UInt32(e * 4 + j) * 2654435761) >> 9) & 0x007FFFFF
+            scales.append(activation_scale(bitcast[DType.float32]((UInt32(e) << 23) | m)))
+    var scales_d = upload[DType.float32](ctx, scales)
+    var bad_d = ctx.enqueue_create_buffer[DType.uint32](len(scales) * DIVISOR_THREADS)
+    ctx.enqueue_function[divisor_check_kernel](
+        to_global(scales_d.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()),
+        to_global(bad_d.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()),
+        grid_dim=len(scales), block_dim=DIVISOR_THREADS,
+    )
+    var bad = List[UInt32](length=len(scales) * DIVISOR_THREADS, fill=0)
+    ctx.enqueue_copy(dst_ptr=bad.unsafe_ptr(), src_buf=bad_d)
+    ctx.synchronize()
+    var total = 0
+    for c in bad:
+        total += Int(c)
+    return report(
+        "Divisor against x / d (e4m3 bytes, float32 quotients from 2^-12 up)", total == 0,
+        String(len(scales), " scales x (65536 bfloat16 + 65536 float32 x): ", total, " differ"),
+    )
+
+
 def main() raises:
     comptime if not has_accelerator():
         print("gpu_smoke: no GPU in this build (compile with --target-accelerator=sm_90 on a GPU machine)")
@@ -614,7 +680,9 @@ def main() raises:
         var only = String(args[1]) if len(args) > 1 else String("")
         if only != "" and only != "sm90" and only != "fp8":
             raise Error(String("gpu_smoke: unknown argument '", only, "' (none: every check; sm90: the sm90 kernel's alone; fp8: the fp8 cache's cases alone)"))
-        var ok = correctness(DeviceContext(), only)
+        var ctx = DeviceContext()
+        var ok = correctness(ctx, only)
+        ok = divisor_check(ctx) and ok
         print("ALL PASS" if ok else "SOME CHECKS FAILED")
         if not ok:
             raise Error("gpu_smoke failed")
