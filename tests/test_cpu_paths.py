@@ -202,6 +202,7 @@ def test_amx_tile_layouts(tmp_path):
     assert sum(line.startswith("PASS amx-emulated packed") for line in lines) >= 30
     assert sum(line.startswith("PASS amx-emulated in-place") for line in lines) >= 30
     assert sum(line.startswith("PASS amx-emulated projection") for line in lines) >= 9  # steps 3, 6
+    assert any(line.startswith("PASS divisor") for line in lines)  # the GPU quantizations' division
     if "amx" in kernel_cpu_paths() and "amx_tile" in cpu_flags():
         assert sum(line.startswith("PASS amx packed") for line in lines) >= 30
         assert sum(line.startswith("PASS amx in-place") for line in lines) >= 30

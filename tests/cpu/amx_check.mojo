@@ -52,7 +52,7 @@ from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
 
 from check_common import AmxWithoutDots, EmulatedTiles, NoTiles, Rng, amx_runs, cpu_has_amx, cpu_model, huge_page_list
-from projection_check import check_projections, time_projections
+from projection_check import check_divisor, check_projections, time_projections
 
 comptime TOLERANCE: Float32 = 0.02
 """Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
@@ -788,6 +788,7 @@ def main() raises:
     check_fp8_widening(failures)
     check_scratch(failures)
     check_projections(failures)
+    check_divisor(failures)
     print("amx_check:", failures, "failed")
     if not quick:
         var threads = num_physical_cores()

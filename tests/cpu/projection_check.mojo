@@ -14,6 +14,7 @@
 # thread count and the largest difference between the paths' bf16 outputs; also the tile matmul
 # with no tile instruction (`NoTiles`, wrong results: what it costs besides the unit, on any CPU).
 
+from std.memory import bitcast
 from std.sys import num_physical_cores
 from std.time import perf_counter_ns
 
@@ -23,7 +24,7 @@ from mojo_kernels.cpu.amx_matmul import NoPrologue, fp8_projection, projection_o
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.fp8_matmul import StridedMatrices
-from mojo_kernels.fp8 import e4m3_bytes, round_to_e4m3
+from mojo_kernels.fp8 import FP8_MAX, Divisor, activation_scale, e4m3_bytes, round_to_e4m3
 from mojo_kernels.cpu.pipeline import project_output, project_q_nope
 from mojo_kernels.spec import BlockShape, Granularity
 
@@ -156,6 +157,38 @@ def check_projections(mut failures: Int) raises:
             compare(p, "avx512bf16", p.run[AmxTiles](False, bf16_dots=True), expected, mags, failures)
         if amx_runs():
             compare(p, "amx", p.run[AmxTiles](True), expected, mags, failures)
+
+
+comptime DIVISOR_EXACT_FROM = Float32(2.0**-12)  # quotients below it round to a zero e4m3: Divisor may differ there in the last bit
+
+
+def check_divisor(mut failures: Int):
+    """`fp8.Divisor` (the GPU quantizations' division) against `x / d` on this CPU (IEEE fused
+    multiply-adds, as on the GPU): for the scale of an amax in every float32 exponent field (0: zero and
+    subnormals; a hashed mantissa), every bfloat16 `x` with `|x| <= 448 d`: the e4m3 bytes, and the
+    float32 quotients from 2^-12 up. (tests/gpu/gpu_smoke.mojo runs the same on the GPU.)"""
+    var checked = 0
+    var differ = 0
+    for e in range(255):
+        var m = ((UInt32(e) * 2654435761) >> 9) & 0x007FFFFF
+        var d = activation_scale(bitcast[DType.float32]((UInt32(e) << 23) | m))
+        var div = Divisor.of(d)
+        for b in range(65536):
+            var x = bitcast[DType.bfloat16](UInt16(b)).cast[DType.float32]()
+            if not (abs(x) <= FP8_MAX * d):
+                continue
+            var want = x / d
+            var got = div.quotient[1](x)[0]
+            var want8 = round_to_e4m3[1](min(max(want, -FP8_MAX), FP8_MAX))
+            var got8 = round_to_e4m3[1](min(max(got, -FP8_MAX), FP8_MAX))
+            var f32_differs = bitcast[DType.uint32](got) != bitcast[DType.uint32](want) and abs(want) >= DIVISOR_EXACT_FROM
+            checked += 1
+            if bitcast[DType.uint32](got8) != bitcast[DType.uint32](want8) or f32_differs:
+                differ += 1
+    var ok = differ == 0 and checked > 0
+    if not ok:
+        failures += 1
+    print("PASS" if ok else "FAIL", "divisor: Divisor against x / d,", checked, "bfloat16 quotients over 255 scales,", differ, "differ")
 
 
 def model_weight_byte(mut rng: Rng) -> UInt8:
