@@ -4,7 +4,9 @@ The rule of `pymla/quant.py`, written once for both targets: a block of
 activations whose largest magnitude is `amax` gets the scale `amax / 448`
 (1 for an all-zero block); each value is divided by it, clamped to
 `[-448, 448]` and rounded to the nearest e4m3 value (ties to even). The GPU
-kernels round with the hardware conversion; the CPU with `round_to_e4m3`.
+kernels divide by a `Divisor` (one reciprocal per scale, the same e4m3 values)
+and round with the hardware conversion; the CPU divides and rounds with
+`round_to_e4m3`.
 """
 
 from std.memory import bitcast
