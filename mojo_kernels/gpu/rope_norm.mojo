@@ -79,19 +79,58 @@ def block_sum[threads: Int](x: Float32, sums: SPtr[Float32]) -> Float32:
     return total
 
 
+comptime KEPT = 4
+"""Latent values a thread keeps in registers between the RMSNorm's two passes: `KEPT` values `tid + k
+threads` of a row of dtype values (fp8 rows: one vector of 4, `rope_norm_fp8_row`, whose second pass (quantization,
+with its divisions and warp reductions) is then one copy of the code, not four: the q step's kernel is
+large (about 7,200 SASS instructions) and four copies made it 19% larger and slower (H100, 2026-12-07c,
+16 h b8 8k on fp8 rows: the q step 11.5 -> 12.5 us)). The second pass reads the row again past them."""
+
+
+@always_inline
+def load_rope_pair[
+    src_dtype: DType, freq_dtype: DType
+](src: DPtr[src_dtype], freqs: DPtr[freq_dtype], j: Int) -> SIMD[DType.float32, 4]:
+    """Rope pair `j` of `src` and its `(cos, sin)`: `(x0, x1, c, s)` as float32."""
+    return SIMD[DType.float32, 4](
+        src.unsafe_load(2 * j).cast[DType.float32](),
+        src.unsafe_load(2 * j + 1).cast[DType.float32](),
+        freqs.unsafe_load(2 * j).cast[DType.float32](),
+        freqs.unsafe_load(2 * j + 1).cast[DType.float32](),
+    )
+
+
+@always_inline
+def store_rope_pair[dst_dtype: DType](dst: DPtr[dst_dtype], j: Int, v: SIMD[DType.float32, 4]):
+    """`dst[2j : 2j + 2] = rope(x0, x1)` of `v = (x0, x1, c, s)` (`load_rope_pair`)."""
+    var y = rope_pair(v[0], v[1], v[2], v[3])
+    dst.unsafe_store(2 * j, y[0].cast[dst_dtype]())
+    dst.unsafe_store(2 * j + 1, y[1].cast[dst_dtype]())
+
+
 @always_inline
 def rotate_rope_part[
     src_dtype: DType, dst_dtype: DType, freq_dtype: DType, threads: Int
-](src: DPtr[src_dtype], dst: DPtr[dst_dtype], freqs: DPtr[freq_dtype], rope: Int):
-    """`dst[:rope] = rope(src[:rope])` in pairs, by the block's threads (`dst` may be `src`)."""
-    for j in range(thread_idx.x, rope // 2, threads):
-        var x0 = src.unsafe_load(2 * j).cast[DType.float32]()
-        var x1 = src.unsafe_load(2 * j + 1).cast[DType.float32]()
-        var c = freqs.unsafe_load(2 * j).cast[DType.float32]()
-        var s = freqs.unsafe_load(2 * j + 1).cast[DType.float32]()
-        var y = rope_pair(x0, x1, c, s)
-        dst.unsafe_store(2 * j, y[0].cast[dst_dtype]())
-        dst.unsafe_store(2 * j + 1, y[1].cast[dst_dtype]())
+](src: DPtr[src_dtype], dst: DPtr[dst_dtype], freqs: DPtr[freq_dtype], rope: Int, first: SIMD[DType.float32, 4]):
+    """`dst[:rope] = rope(src[:rope])` in pairs, by the block's threads (`dst` may be `src`). `first`: this
+    thread's pair `tid` (`load_rope_pair`), loaded at the start of the row's work so that its latency
+    overlaps the RMSNorm's loads instead of following its stores."""
+    var tid = thread_idx.x
+    if tid < rope // 2:
+        store_rope_pair(dst, tid, first)
+    for j in range(tid + threads, rope // 2, threads):
+        store_rope_pair(dst, j, load_rope_pair(src, freqs, j))
+
+
+@always_inline
+def first_rope_pair[
+    src_dtype: DType, freq_dtype: DType
+](src: DPtr[src_dtype], freqs: DPtr[freq_dtype], rope: Int) -> SIMD[DType.float32, 4]:
+    """This thread's pair `tid` of the rope part (`load_rope_pair`; zeros past the part)."""
+    var tid = thread_idx.x
+    if tid < rope // 2:
+        return load_rope_pair(src, freqs, tid)
+    return SIMD[DType.float32, 4](0)
 
 
 @always_inline
@@ -118,19 +157,30 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t
     var row = a.cache.blocks.unsafe_offset(a.cache.row_offset(b, shard.local_count(pos)))
 
     var src = a.new_rows.unsafe_offset(t * Int(a.cache.key_dim)) if a.has_new_rows != 0 else row
+    var freqs = a.freqs_cis.unsafe_offset(pos * rope)
+    var first = first_rope_pair(src.unsafe_offset(rank), freqs, rope)
+    # Values `tid + k threads`, k < KEPT, stay in registers for the second pass.
+    var kept = SIMD[DType.float32, KEPT](0)
     var sum_sq = Float32(0)
-    for i in range(tid, rank, threads):
+    comptime for k in range(KEPT):
+        var i = tid + k * threads
+        if i < rank:
+            kept[k] = src.unsafe_load(i).cast[DType.float32]()
+            sum_sq += kept[k] * kept[k]
+    for i in range(tid + KEPT * threads, rank, threads):
         var x = src.unsafe_load(i).cast[DType.float32]()
         sum_sq += x * x
-    var total = block_sum[threads](sum_sq, sums)
+    var total = block_sum[threads](sum_sq, sums)  # its barrier: every read of the first pass is done
     var inv = Float32(1.0) / sqrt(total / Float32(rank) + a.epsilon)
-    for i in range(tid, rank, threads):
+    comptime for k in range(KEPT):
+        var i = tid + k * threads
+        if i < rank:
+            row.unsafe_store(i, (kept[k] * inv * a.gamma.unsafe_load(i).cast[DType.float32]()).cast[dtype]())
+    for i in range(tid + KEPT * threads, rank, threads):
         var x = src.unsafe_load(i).cast[DType.float32]()
         var g = a.gamma.unsafe_load(i).cast[DType.float32]()
         row.unsafe_store(i, (x * inv * g).cast[dtype]())
-    rotate_rope_part[dtype, dtype, dtype, threads](
-        src.unsafe_offset(rank), row.unsafe_offset(rank), a.freqs_cis.unsafe_offset(pos * rope), rope
-    )
+    rotate_rope_part[dtype, dtype, dtype, threads](src.unsafe_offset(rank), row.unsafe_offset(rank), freqs, rope, first)
 
 
 @always_inline
@@ -144,11 +194,10 @@ def rope_norm_fp8_row[
     stores it; then warp `w` quantizes the 128-value blocks `w, w + warps, ..`
     (4 values per lane): scale `cache_block_scale(amax)`, bytes
     `e4m3_rne(x / scale)`; the rope part rotated into the row as bfloat16.
-    Each warp reads a block before it writes it (in place, the warp's
-    reduction orders the reads of the old scale before lane 0 writes the new one).
+    The loads of the rope pair and of the first pass are the row's only trip to memory (but past
+    one vector a thread, read again in the second pass).
     """
     var tid = thread_idx.x
-    var lane = tid % WARP_SIZE
     var rank = Int(a.kv_lora_rank)
     var rope = Int(a.rope_dim)
     var has_new = a.has_new_rows != 0
@@ -156,29 +205,45 @@ def rope_norm_fp8_row[
     var scales = a.fp8.scales(row)
     var rope_row = a.fp8.rope(row)
 
-    var sum_sq = SIMD[DType.float32, 4](0)
-    for i in range(4 * tid, rank, 4 * threads):
+    var freqs = a.freqs_cis.unsafe_offset(pos * rope)
+    var first = first_rope_pair(src.unsafe_offset(rank), freqs, rope) if has_new else first_rope_pair(rope_row, freqs, rope)
+
+    # Values `4 tid ..` lie in 128-value block `warp`, the block the thread's warp quantizes first in the
+    # second pass (block `warp + k warps` holds `4 (tid + k threads) ..`): they stay in registers for it.
+    var i0 = 4 * tid
+    var kept = SIMD[DType.float32, 4](0)
+    if i0 < rank:
+        kept = fp8_row_source(src, row, scales, has_new, i0)
+    var sum_sq = kept * kept
+    for i in range(i0 + 4 * threads, rank, 4 * threads):
         var x = fp8_row_source(src, row, scales, has_new, i)
         sum_sq += x * x
     var total = block_sum[threads](sum_sq.reduce_add(), sums)  # its barrier: every read of pass 1 is done
     var inv = Float32(1.0) / sqrt(total / Float32(rank) + a.epsilon)
-    for blk in range(tid // WARP_SIZE, rank // FP8_SCALE_BLOCK, threads // WARP_SIZE):
-        var i = blk * FP8_SCALE_BLOCK + 4 * lane
-        var x = fp8_row_source(src, row, scales, has_new, i)
-        var g = a.gamma.unsafe_load[width=4](i).cast[DType.float32]()
-        var y = (x * inv * g).cast[dtype]().cast[DType.float32]()
-        var s = cache_block_scale(warp.max(abs(y).reduce_max()))
-        row.unsafe_offset(i).unsafe_store[alignment=4](0, e4m3_bytes[4](round_to_e4m3[4](y / s)))
-        if lane == 0:
-            scales.unsafe_store(blk, s)
+    # The warp's lanes agree on `i < rank`: a 128-value block is whole (rank % 128 == 0). Past the kept
+    # vector the warp reads its block again before writing it (in place, the warp's reduction orders
+    # the reads of the old scale before lane 0 writes the new one).
+    for i in range(i0, rank, 4 * threads):
+        store_fp8_values(a, row, scales, kept if i == i0 else fp8_row_source(src, row, scales, has_new, i), inv, i)
     if has_new:
-        rotate_rope_part[dtype, DType.bfloat16, dtype, threads](
-            src.unsafe_offset(rank), rope_row, a.freqs_cis.unsafe_offset(pos * rope), rope
-        )
+        rotate_rope_part[dtype, DType.bfloat16, dtype, threads](src.unsafe_offset(rank), rope_row, freqs, rope, first)
     else:
-        rotate_rope_part[DType.bfloat16, DType.bfloat16, dtype, threads](
-            rope_row, rope_row, a.freqs_cis.unsafe_offset(pos * rope), rope
-        )
+        rotate_rope_part[DType.bfloat16, DType.bfloat16, dtype, threads](rope_row, rope_row, freqs, rope, first)
+
+
+@always_inline
+def store_fp8_values[
+    dtype: DType
+](a: CacheRowsParams[dtype], row: U8Ptr, scales: FPtr, x: SIMD[DType.float32, 4], inv: Float32, i: Int):
+    """One warp, lane `l` holding latent values `x` = `i .. i + 3` of a 128-value block (`i = 128 blk + 4 l`):
+    RMSNorm rounded to `dtype`, the block's scale `cache_block_scale(amax)` (lane 0 stores it), the
+    bytes `e4m3_rne(y / scale)`."""
+    var g = a.gamma.unsafe_load[width=4](i).cast[DType.float32]()
+    var y = (x * inv * g).cast[dtype]().cast[DType.float32]()
+    var s = cache_block_scale(warp.max(abs(y).reduce_max()))
+    row.unsafe_offset(i).unsafe_store[alignment=4](0, e4m3_bytes[4](round_to_e4m3[4](y / s)))
+    if thread_idx.x % WARP_SIZE == 0:
+        scales.unsafe_store(i // FP8_SCALE_BLOCK, s)
 
 
 @always_inline
