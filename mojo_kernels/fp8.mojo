@@ -21,9 +21,15 @@ def activation_scale(amax: Float32) -> Float32:
 
 
 @always_inline
+def into_e4m3_range[w: Int](q: SIMD[DType.float32, w]) -> SIMD[DType.float32, w]:
+    """`q` clamped to e4m3's range `[-448, 448]`."""
+    return min(max(q, -FP8_MAX), FP8_MAX)
+
+
+@always_inline
 def scaled_into_range[w: Int](x: SIMD[DType.float32, w], scale: Float32) -> SIMD[DType.float32, w]:
     """`x / scale`, clamped to e4m3's range: the value that is then rounded to e4m3."""
-    return min(max(x / scale, -FP8_MAX), FP8_MAX)
+    return into_e4m3_range[w](x / scale)
 
 
 comptime DIVISOR_MIN = Float32(2.0**-92)  # `Divisor`: the range where one reciprocal serves (see there)
@@ -77,7 +83,7 @@ def e4m3_as_f16[w: Int](x: SIMD[DType.float32, w], scale: Divisor) -> SIMD[DType
     """`x` quantized with `scale` (`scaled_into_range`, its division by `Divisor`, then the hardware's
     rounding to e4m3), held in float16, where every e4m3 value is exact: the activations the GPU's
     tensor-core projections read."""
-    return min(max(scale.quotient[w](x), -FP8_MAX), FP8_MAX).cast[DType.float8_e4m3fn]().cast[DType.float16]()
+    return into_e4m3_range[w](scale.quotient[w](x)).cast[DType.float8_e4m3fn]().cast[DType.float16]()
 
 
 def round_to_e4m3[w: Int](x: SIMD[DType.float32, w]) -> SIMD[DType.float32, w]:

@@ -169,8 +169,7 @@ def quantize_row[
     """Merged row `row` (in `row_s`, dtype values) quantized into `p.quant` per K block of `block_k`:
     `s = amax / 448` (1 when 0), `fp8(clamp(x / s))`, as `quantize_rows_in_registers` does; with
     `has_attention_output` the row as dtype too. `block_k % 4 == 0`, `kv_lora_rank % block_k == 0`."""
-    # Each K block's `Divisor` as (d, r, k, 0).
-    var div_s = stack_allocation[4 * MERGE_QUANT_K_BLOCKS, Float32, address_space=AddressSpace.SHARED, alignment=16]()
+    var div_s = stack_allocation[MERGE_QUANT_K_BLOCKS, Divisor, address_space=AddressSpace.SHARED]()  # each K block's
     var tid = thread_idx.x
     var lane = tid % WARP_SIZE
     var rank = Int(p.kv_lora_rank)
@@ -184,15 +183,13 @@ def quantize_row[
         amax = warp.max(amax)
         if lane == 0:
             var scale = activation_scale(amax)
-            var div = Divisor.of(scale)
-            div_s.unsafe_offset(4 * kb).unsafe_store[alignment=16](0, SIMD[DType.float32, 4](div.d, div.r, div.k, 0))
+            div_s.unsafe_offset(kb)[] = Divisor.of(scale)
             p.quant.scales.unsafe_store(row * k_blocks + kb, scale)
     barrier()
     for c in range(4 * tid, rank, 4 * MERGE_THREADS):
         var value = row_s.unsafe_offset(c).unsafe_load[width=4, alignment=16](0)
-        var div = div_s.unsafe_offset(4 * (c // bk)).unsafe_load[width=4, alignment=16](0)
         p.quant.values.unsafe_offset(row * rank + c).unsafe_store[alignment=8](
-            0, e4m3_as_f16[4](value, Divisor(div[0], div[1], div[2]))
+            0, e4m3_as_f16[4](value, div_s.unsafe_offset(c // bk)[])
         )
         if p.has_attention_output != 0:
             p.attention_output.unsafe_offset(row * rank + c).unsafe_store[alignment=4 * size_of[dtype]()](

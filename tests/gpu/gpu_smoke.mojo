@@ -34,7 +34,7 @@ from std.utils.numerics import nan
 from max.gpu import block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
-from mojo_kernels.fp8 import FP8_MAX, Divisor, activation_scale
+from mojo_kernels.fp8 import FP8_MAX, Divisor, activation_scale, into_e4m3_range
 
 from mojo_kernels.gpu.pipeline import AttentionWorkspace, cache_rows_params, gpu_rotate_and_normalize_new_rows
 from mojo_kernels.gpu.plan import (
@@ -636,8 +636,8 @@ def divisor_check_kernel(scales: GFPtr, bad: GlobalPtr[UInt32]):
         if abs(x) <= FP8_MAX * d:
             var want = x / d
             var got = div.quotient[1](x)[0]
-            var want8 = min(max(want, -FP8_MAX), FP8_MAX).cast[DType.float8_e4m3fn]()
-            var got8 = min(max(got, -FP8_MAX), FP8_MAX).cast[DType.float8_e4m3fn]()
+            var want8 = into_e4m3_range[1](want).cast[DType.float8_e4m3fn]()
+            var got8 = into_e4m3_range[1](got).cast[DType.float8_e4m3fn]()
             var f32_differs = bitcast[DType.uint32](got) != bitcast[DType.uint32](want) and abs(want) >= DIVISOR_EXACT_FROM
             if bitcast[DType.uint8](got8) != bitcast[DType.uint8](want8) or f32_differs:
                 count += 1
