@@ -161,11 +161,13 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t
     var first = first_rope_pair(src.unsafe_offset(rank), freqs, rope)
     # Values `tid + k threads`, k < KEPT, stay in registers for the second pass.
     var kept = SIMD[DType.float32, KEPT](0)
+    var kept_gamma = SIMD[DType.float32, KEPT](0)  # loaded beside the values, not after the reduction
     var sum_sq = Float32(0)
     comptime for k in range(KEPT):
         var i = tid + k * threads
         if i < rank:
             kept[k] = src.unsafe_load(i).cast[DType.float32]()
+            kept_gamma[k] = a.gamma.unsafe_load(i).cast[DType.float32]()
             sum_sq += kept[k] * kept[k]
     for i in range(tid + KEPT * threads, rank, threads):
         var x = src.unsafe_load(i).cast[DType.float32]()
@@ -175,7 +177,7 @@ def rope_norm_cache_row[dtype: DType, threads: Int](a: CacheRowsParams[dtype], t
     comptime for k in range(KEPT):
         var i = tid + k * threads
         if i < rank:
-            row.unsafe_store(i, (kept[k] * inv * a.gamma.unsafe_load(i).cast[DType.float32]()).cast[dtype]())
+            row.unsafe_store(i, (kept[k] * inv * kept_gamma[k]).cast[dtype]())
     for i in range(tid + KEPT * threads, rank, threads):
         var x = src.unsafe_load(i).cast[DType.float32]()
         var g = a.gamma.unsafe_load(i).cast[DType.float32]()
@@ -212,8 +214,10 @@ def rope_norm_fp8_row[
     # second pass (block `warp + k warps` holds `4 (tid + k threads) ..`): they stay in registers for it.
     var i0 = 4 * tid
     var kept = SIMD[DType.float32, 4](0)
+    var kept_gamma = SIMD[DType.float32, 4](0)  # loaded beside the values, not after the reduction
     if i0 < rank:
         kept = fp8_row_source(src, row, scales, has_new, i0)
+        kept_gamma = a.gamma.unsafe_load[width=4](i0).cast[DType.float32]()
     var sum_sq = kept * kept
     for i in range(i0 + 4 * threads, rank, 4 * threads):
         var x = fp8_row_source(src, row, scales, has_new, i)
@@ -224,7 +228,12 @@ def rope_norm_fp8_row[
     # vector the warp reads its block again before writing it (in place, the warp's reduction orders
     # the reads of the old scale before lane 0 writes the new one).
     for i in range(i0, rank, 4 * threads):
-        store_fp8_values(a, row, scales, kept if i == i0 else fp8_row_source(src, row, scales, has_new, i), inv, i)
+        var x = kept
+        var g = kept_gamma
+        if i != i0:
+            x = fp8_row_source(src, row, scales, has_new, i)
+            g = a.gamma.unsafe_load[width=4](i).cast[DType.float32]()
+        store_fp8_values[dtype](row, scales, x, g, inv, i)
     if has_new:
         rotate_rope_part[dtype, DType.bfloat16, dtype, threads](src.unsafe_offset(rank), rope_row, freqs, rope, first)
     else:
@@ -234,11 +243,10 @@ def rope_norm_fp8_row[
 @always_inline
 def store_fp8_values[
     dtype: DType
-](a: CacheRowsParams[dtype], row: U8Ptr, scales: FPtr, x: SIMD[DType.float32, 4], inv: Float32, i: Int):
-    """One warp, lane `l` holding latent values `x` = `i .. i + 3` of a 128-value block (`i = 128 blk + 4 l`):
-    RMSNorm rounded to `dtype`, the block's scale `cache_block_scale(amax)` (lane 0 stores it), the
-    bytes `e4m3_rne(y / scale)`."""
-    var g = a.gamma.unsafe_load[width=4](i).cast[DType.float32]()
+](row: U8Ptr, scales: FPtr, x: SIMD[DType.float32, 4], g: SIMD[DType.float32, 4], inv: Float32, i: Int):
+    """One warp, lane `l` holding latent values `x` = `i .. i + 3` of a 128-value block (`i = 128 blk + 4 l`)
+    and their RMSNorm weights `g`: RMSNorm rounded to `dtype`, the block's scale `cache_block_scale(amax)`
+    (lane 0 stores it), the bytes `e4m3_rne(y / scale)`."""
     var y = (x * inv * g).cast[dtype]().cast[DType.float32]()
     var s = cache_block_scale(warp.max(abs(y).reduce_max()))
     row.unsafe_offset(i).unsafe_store[alignment=4](0, e4m3_bytes[4](round_to_e4m3[4](y / s)))
