@@ -55,8 +55,12 @@ from .amx import (
 from .bf16 import NEXT_TILE_PREFETCH, BF16Ptr
 from .scratch import Scratch
 
-comptime KEY_BLOCKS = 4
-"""16-key blocks per key tile: the softmax bookkeeping and each `O` tile's load and store once per tile."""
+comptime KEY_BLOCKS = 8
+"""16-key blocks per key tile: the softmax bookkeeping and each `O` tile's load and store once per tile.
+8 rather than 4 (2026-12-07, step 5 alone, batch 8, 16k, page 64, `amx_check loop`): on a 2-core AMX
+guest 128 heads 27.3-29.3 -> 22.3-25.6 ms (with 8 row blocks `O` is 256 KiB, in L2, and each tile
+loads and stores it once), 16 heads 7.4-8.6 -> 6.4-8.1 ms; on the H100 machine's 16-core host, five
+alternated rounds, medians of the per-round ratios 0.93 (128 heads, whole op) and 0.97 (16 heads)."""
 comptime AMX_KEY_TILE = KEY_BLOCKS * TILE_ROWS
 comptime PACKED_PIECES = AMX_KEY_TILE // TILE_DEPTH
 """Depth steps of P V per key tile with values packed (32 keys each)."""
@@ -86,8 +90,8 @@ comptime AMX_TUNING = AmxTuning(
     values_in_place_max_row_blocks=2, prefetch_line_stride=1, score_pairs=True, value_pairs=True
 )
 """The op's AMX tuning. Measured on the H100 machine's 16-core Xeon host (2026-12-05k, `amx_check loop
-16 20`, step 5 alone, batch 8, 16k, 16 heads, best of 20): one register set 3.50 ms, `score_pairs`
-2.22, `value_pairs` 1.71, both 1.65 ms; KEY_BLOCKS 8 slower (both 2.63 ms), 16 the same (1.70 ms).
+16 20`, step 5 alone, batch 8, 16k, 16 heads, best of 20, then with 4 key blocks a tile): one register
+set 3.50 ms, `score_pairs` 2.22, `value_pairs` 1.71, both 1.65 ms.
 With one set a tile load waits for the dots that read its register before (the unit does not
 rename tile registers)."""
 
@@ -179,12 +183,36 @@ def pack_values(keys: Array[KeyRows, KEY_BLOCKS], valid: Array[Bool, AMX_KEY_TIL
 
 @fieldwise_init
 struct NextTile(Copyable, Movable):
-    """What the scores prefetch: the next key tile's stored rows (`rows`) and, where the whole tile lies in
-    one page, its bytes as one run of `lines` 64-byte lines from `start` (`lines` 0 where it does not)."""
+    """What a key tile's passes prefetch of the next one: its stored rows (`rows`) and, where each of its 16-key
+    blocks lies in one page, the `lines` 64-byte lines of each block as one run from its first row (`lines` 0
+    where they do not).
+
+    With runs, the scores prefetch the first half of the next tile's key blocks and P V the second half, so
+    memory stays busy through both passes (2-core AMX guest, 16 heads: 3-8% faster than the scores prefetching
+    it all); without, the scores prefetch every row, line by line.
+    """
 
     var rows: Array[BF16Ptr, AMX_KEY_TILE]
-    var start: BytePtr
     var lines: Int
+
+    @always_inline
+    def block_start(self, kb: Int) -> BytePtr:
+        return self.rows[kb * TILE_ROWS].unsafe_bitcast[UInt8]()
+
+    @always_inline
+    def in_scores(self, kb: Int) -> Bool:
+        """Whether the scores prefetch key block `kb` of the next tile (else P V does)."""
+        return self.lines == 0 or kb < KEY_BLOCKS // 2
+
+    @always_inline
+    def prefetch_share(self, i: Int, n: Int):
+        """P V's share `i` of `n`: lines `[i p, (i + 1) p)` of each key block the scores leave (`p = ceil(lines / n)`)."""
+        var per = ceil_div(self.lines, n)
+        var count = min(per, self.lines - i * per)
+        comptime for kb in range(KEY_BLOCKS // 2, KEY_BLOCKS):
+            var at = self.block_start(kb).unsafe_offset(i * per * 64)
+            for j in range(count):
+                prefetch[NEXT_TILE_PREFETCH](at.unsafe_offset(j * 64))
 
 
 @always_inline
@@ -208,11 +236,11 @@ def score_group[
     Registers: accumulator `i KB + k` (tiles 0-3); with one row block the
     query tile is 4 and the key blocks take 5, 6, 7, 5; with two, keys 4, 5
     and queries 6, 7; with two sets (accumulators 0, 1), depth step parity
-    `e` loads the query into 2 + e and the keys into 4 + 2 e, 5 + 2 e. With `prefetch_next`, depth step `s` also prefetches
-    `KB * 16` lines of the next tile (every `prefetch_line_stride`-th step and line, `AmxTuning`): pages are
-    scattered, so the hardware prefetcher cannot run ahead across them. Where the next tile lies in one page
-    (`next.lines`) these key blocks' share of its bytes in order, `KB * 16` consecutive lines a step (one
-    address add each), else line `s` of each of their rows (`next.rows`, a row pointer loaded each).
+    `e` loads the query into 2 + e and the keys into 4 + 2 e, 5 + 2 e. With `prefetch_next` (and `next.in_scores`),
+    depth step `s` also prefetches `KB * 16` lines of the next tile (every `prefetch_line_stride`-th step and line, `AmxTuning`): pages are
+    scattered, so the hardware prefetcher cannot run ahead across them. Where each key block lies in one page
+    (`next.lines`) the next tile's blocks `kb0 ..< kb0 + KB` in order, 16 consecutive lines of each a step
+    (one address add each), else line `s` of each of their rows (`next.rows`, a row pointer loaded each).
     """
     comptime assert (sets == 1 and RB * KB == 4) or (sets == 2 and RB == 1 and KB == 2)
     comptime for a in range(RB * KB):
@@ -222,13 +250,13 @@ def score_group[
             var s = s0 + e
             if s < steps:
                 comptime if prefetch_line_stride > 0:
-                    if prefetch_next and s % prefetch_line_stride == 0:
+                    if prefetch_next and next.in_scores(kb0) and s % prefetch_line_stride == 0:
                         if next.lines > 0:
-                            var first = next.lines * kb0 // KEY_BLOCKS + s * KB * TILE_ROWS
-                            if first < next.lines * (kb0 + KB) // KEY_BLOCKS:
-                                var at = next.start.unsafe_offset(first * 64)
-                                comptime for j in range(KB * TILE_ROWS):
-                                    prefetch[NEXT_TILE_PREFETCH](at.unsafe_offset(j * prefetch_line_stride * 64))
+                            if s * TILE_ROWS < next.lines:
+                                comptime for k in range(KB):
+                                    var at = next.block_start(kb0 + k).unsafe_offset(s * TILE_ROWS * 64)
+                                    comptime for j in range(TILE_ROWS):
+                                        prefetch[NEXT_TILE_PREFETCH](at.unsafe_offset(j * prefetch_line_stride * 64))
                         else:
                             comptime for j in range(KB * TILE_ROWS):
                                 prefetch[NEXT_TILE_PREFETCH](next.rows[kb0 * TILE_ROWS + j].unsafe_offset(s * TILE_DEPTH))
@@ -267,7 +295,7 @@ def tile_scores_amx[
     Row blocks in pairs against pairs of key blocks; a last (or only) row
     block against four key blocks at a time (`score_pairs`: two, on two sets of
     tile registers, `AmxTuning`). The passes of the first row
-    blocks prefetch the next tile (`next`).
+    blocks prefetch the next tile's blocks that `next.in_scores` names.
     """
     comptime assert KEY_BLOCKS % 4 == 0
     var row_blocks = padded_rows // TILE_ROWS
@@ -374,14 +402,20 @@ def move_accumulators[
 @always_inline
 def value_blocks[
     T: TileUnit, //, value_pairs: Bool
-](mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], blocks: Int):
+](
+    mut unit: T, layout: ValueLayout, values: Array[KeyRows, KEY_BLOCKS], blocks: Int, next: NextTile, prefetch_next: Bool
+):
     """`values_2x2` over the `blocks` right tiles: two at a time on one register set, or (`value_pairs`) one at
-    a time on two."""
+    a time on two. With `prefetch_next`, each takes its share of P V's part of the next tile (`NextTile`)."""
     comptime if value_pairs:
         for c in range(blocks):
+            if prefetch_next:
+                next.prefetch_share(c, blocks)
             values_2x2[T, 2](unit, layout, values, c, 1)
     else:
         for c in range(0, blocks, 2):
+            if prefetch_next:
+                next.prefetch_share(c // 2, ceil_div(blocks, 2))
             values_2x2(unit, layout, values, c, min(2, blocks - c))
 
 
@@ -416,7 +450,7 @@ def interleave_value_columns(rows: FPtr, num_rows: Int, row_stride: Int, rank: I
 
 
 def accumulate_values_amx[
-    T: TileUnit, value_pairs: Bool = False
+    T: TileUnit, value_pairs: Bool = False, prefetch: Bool = True
 ](
     mut unit: T,
     probs: FPtr,
@@ -430,13 +464,15 @@ def accumulate_values_amx[
     padded_rows: Int,
     rank: Int,
     in_place: Bool,
+    next: NextTile,
 ):
     """`acc_out[r] = acc_out[r] * correction[r] + sum_j probs[r, j] V[j, :rank]` over the tile's keys.
 
     `acc_out` rows are `out_stride` floats apart (`AmxScratch.out_stride`);
     with `in_place` the columns of each 32-column block are kept as 16 even
     then 16 odd (`interleave_value_columns` restores them once per task), and
-    `value_pairs` puts the right tiles on two register sets (`AmxTuning`).
+    `value_pairs` puts the right tiles on two register sets (`AmxTuning`); with `prefetch`, the first row
+    blocks' products prefetch P V's part of the next tile (`next`).
     `probs [rows, AMX_KEY_TILE]` hold bf16 values in float32 (the probabilities
     rounded for P V); `scratch` (`AmxScratch.probs`) and `v_packed` are scratch.
     With `in_place` the key blocks must hold zeros for keys not `valid`.
@@ -468,7 +504,7 @@ def accumulate_values_amx[
                 4 * SPLIT_ROW_WORDS, f32_bytes(acc_out, rb * TILE_ROWS * out_stride), TILE_BYTES,
                 TILE_DEPTH * 4, out_bytes, 2, KEY_BLOCKS,
             )
-            value_blocks[value_pairs](unit, layout, values, blocks)
+            value_blocks[value_pairs](unit, layout, values, blocks, next, prefetch and rb == 0)
     else:
         for r in range(padded_rows):
             scratch.unsafe_store(
@@ -484,7 +520,7 @@ def accumulate_values_amx[
                 AMX_KEY_TILE * 2, f32_bytes(acc_out, rb * TILE_ROWS * out_stride), TILE_ROWS * out_bytes,
                 TILE_PAIRS * 4, out_bytes, min(2, row_blocks - rb), PACKED_PIECES,
             )
-            value_blocks[False](unit, layout, values, blocks)
+            value_blocks[False](unit, layout, values, blocks, next, prefetch and rb == 0)
     # Columns past the last whole right tile (a kv_lora_rank that is not a multiple of 16 or 32).
     for r in range(padded_rows):
         for c in range(rank_main, rank):

@@ -22,7 +22,7 @@ the last, shorter one) still sums only its own products.
 from std.math import min
 
 from ..common import DPtr, FPtr, U8Ptr, ceil_div
-from ..fp8 import widen_e4m3
+from ..fp8 import widen_e4m3, widen_e4m3_bf16
 from ..spec import BlockShape
 from .amx import (
     ACC,
@@ -40,21 +40,19 @@ from .amx import (
     transpose_into_scores,
 )
 from .attention import PATH_AMX
-from .bf16 import BF16Ptr
+from .bf16 import STEP, BF16Ptr
 from .fp8_matmul import QuantizedMatmul, StridedMatrices
 from .scratch import Scratch
 from .simd import F32_WIDTH, run_tasks
 
-comptime AMX_PROJECTION_MIN_TOKENS = 16
+comptime AMX_PROJECTION_MIN_TOKENS = 8
 """Tokens from which steps 3 and 6 take the tiles: a tile's 16 rows are one head's tokens, so below 16
-every `tdpbf16ps` multiplies padding. Measured on the H100 machine's 16-core Xeon host
-(`tests/cpu/projection_check.mojo`, 2026-12-05j, two runs), the AVX512-BF16 dots were as fast or
-faster where the tiles were taken before (8 tokens, or 128 heads at any count): 8 tokens 16 heads
-0.37 + 0.41 ms against 0.38 + 0.42 ms, 8 tokens 128 heads 0.91-0.98 + 1.58-1.65 against 1.01-1.16 +
-1.68-1.75 ms, 1 token 128 heads 0.51-0.55 + 0.49-0.52 against 0.90-0.93 + 0.95-0.98 ms (steps 3 + 6):
-the widened weights' tile loads and the packing cost more than the dots save. The head count no longer
-counts: each head's rows are its own matmul. Where the tiles start to win is measured by the same
-check's 16- and 64-token lines."""
+some of every `tdpbf16ps` multiplies padding, and the widened weights' tile loads are paid whatever the
+tokens. Steps 3 + 6 alone (`tests/cpu/projection_check.mojo`, 2026-12-07, after the weights widened 32
+bytes at a time), tiles against the AVX512-BF16 dots: on a 2-core AMX guest 8 tokens 128 heads 1.59-1.64
+against 2.65-2.76 ms, 4 tokens 1.31 against 1.60, 2 tokens 1.21 against 1.36, 1 token 1.13 against 0.91,
+8 tokens 16 heads 0.19 against 0.35; on the H100 machine's 16-core host 8 tokens 128 heads 1.12 against
+1.13 ms, 16 heads level, 1 token 0.44 against 0.29. So from 8 tokens (level or faster on both)."""
 comptime AMX_WEIGHT_ROWS_PER_SLICE = 64
 """Weight rows a head's task widens at a time (four 16-row tiles): 64 KiB of bf16 at K = 512, in L2."""
 
@@ -104,6 +102,11 @@ def to_padded_bf16[src_dtype: DType](src: DPtr[src_dtype], dst: BF16Ptr, kb: KBl
         var n = min(kb.size, kb.depth - k0)
         var d = dst.unsafe_offset(b * kb.padded)
         var i = 0
+        comptime if src_dtype == DType.uint8:  # e4m3 bytes: 32 at a time in integer arithmetic
+            while i + STEP <= n:
+                var bytes = rebind[SIMD[DType.uint8, STEP]](src.unsafe_load[width=STEP](k0 + i))
+                d.unsafe_store(i, widen_e4m3_bf16[STEP](bytes, 0))
+                i += STEP
         while i + W <= n:
             d.unsafe_store(i, exact_f32[src_dtype, W](src, k0 + i).cast[DType.bfloat16]())
             i += W

@@ -100,13 +100,12 @@ struct CacheKeys[dtype: DType](TrivialRegisterPassable):
 
     def next_tile(self, b: Int, j1: Int, k_hi: Int) -> NextTile:
         """What the AMX scores prefetch of the tile from key slot `j1` (a multiple of AMX_KEY_TILE): its stored
-        rows, and its bytes as one run where it lies in one page (pages a multiple of the tile)."""
+        rows, and each 16-key block's bytes as one run where every block lies in one page (pages a multiple of 16)."""
         var rows = self.stored_rows[AMX_KEY_TILE](b, min(j1, k_hi - 1), k_hi)
         var page_size = self.fp8.page_size if self.fp8.active else self.rows.page_size
         var row_bytes = self.fp8.row_bytes if self.fp8.active else self.rows.head_dim * size_of[Self.dtype]()
-        var whole = j1 < k_hi and page_size % AMX_KEY_TILE == 0
-        var start = rows[0].unsafe_bitcast[UInt8]()
-        return NextTile(rows^, start, ceil_div(AMX_KEY_TILE * row_bytes, 64) if whole else 0)
+        var runs = j1 < k_hi and page_size % TILE_ROWS == 0
+        return NextTile(rows^, ceil_div(TILE_ROWS * row_bytes, 64) if runs else 0)
 
     def stored_rows[tile: Int](self, b: Int, j0: Int, k_hi: Int) -> Array[BF16Ptr, tile]:
         """Where the stored rows of keys `j0 ..` start (bf16 rows, or fp8 bytes), as `tile_rows`: what to prefetch."""
@@ -353,13 +352,14 @@ def attend_tiles_amx[
         var valid = Array[Bool, tile](fill=False)
         comptime for j in range(tile):
             valid[j] = j0 + j >= k_lo and j0 + j < k_hi
+        var next = keys.next_tile(b, j0 + tile, k_hi)
         tile_scores_amx[tiles, tuning.prefetch_line_stride, tuning.score_pairs](
-            unit, blocks, keys.next_tile(b, j0 + tile, k_hi), q_packed, rows.scores_buf, buffers.acc, rows.padded, steps
+            unit, blocks, next, q_packed, rows.scores_buf, buffers.acc, rows.padded, steps
         )
         softmax_update[dtype, tile](rows, j0, min(tile, k_hi - j0), scale, shard)
-        accumulate_values_amx[tiles, tuning.value_pairs](
+        accumulate_values_amx[tiles, tuning.value_pairs, tuning.prefetch_line_stride > 0](
             unit, rows.scores_buf, buffers.probs, blocks, valid,
-            buffers.v_packed, out, buffers.out_stride, rows.correction(), rows.padded, rank, in_place,
+            buffers.v_packed, out, buffers.out_stride, rows.correction(), rows.padded, rank, in_place, next,
         )
         j0 += tile
     unit.stop()

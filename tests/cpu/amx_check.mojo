@@ -52,7 +52,7 @@ from mojo_kernels.problem import DecodeProblem
 from mojo_kernels.spec import MASK_CAUSAL, MASK_NULL, MASK_SLIDING_WINDOW_CAUSAL, Granularity, MaskSpec
 
 from check_common import AmxWithoutDots, EmulatedTiles, NoTiles, Rng, amx_runs, cpu_has_amx, cpu_model, huge_page_list
-from projection_check import check_divisor, check_projections, time_projections
+from projection_check import check_divisor, check_projections, model_weight_byte, time_projections
 
 comptime TOLERANCE: Float32 = 0.02
 """Largest |path - f32| allowed on outputs of magnitude <= 1 (values uniform in [-1, 1]); a bf16 ulp there is 2^-8."""
@@ -472,8 +472,8 @@ struct OpInputs(Movable):
         self.w_uk = List[UInt8](length=h * c.rank * 128, fill=0)
         self.w_uv = List[UInt8](length=h * 128 * c.rank, fill=0)
         for i in range(len(self.w_uk)):
-            self.w_uk[i] = UInt8(rng.next() % 256) & 0xF7  # never 0x7F / 0xFF (NaN)
-            self.w_uv[i] = UInt8(rng.next() % 256) & 0xF7
+            self.w_uk[i] = model_weight_byte(rng)  # as block quantization makes them (few zero or subnormal bytes)
+            self.w_uv[i] = model_weight_byte(rng)
         self.w_uk_scale = List[Float32](length=h * (c.rank // 128), fill=0.01)
         self.w_uv_scale = List[Float32](length=h * (c.rank // 128), fill=0.01)
         self.output = List[BFloat16](length=t * h * 128, fill=0)

@@ -295,7 +295,7 @@ def bf16_diff(a: List[BFloat16], b: List[BFloat16]) -> Float32:
 def time_projections(iters: Int, mut failures: Int) raises:
     """One line per shape: steps 3 and 6 alone on each path the CPU runs, with the thread count."""
     var threads = num_physical_cores()
-    var shapes: List[Int] = [8, 16, 8, 128, 1, 128, 16, 16, 16, 128, 64, 128]  # (tokens, heads)
+    var shapes: List[Int] = [8, 16, 8, 128, 1, 128, 2, 128, 4, 128, 4, 16, 16, 16, 16, 128, 64, 128]  # (tokens, heads)
     for i in range(len(shapes) // 2):
         var tokens = shapes[2 * i]
         var heads = shapes[2 * i + 1]
