@@ -213,6 +213,15 @@ def tile_fits(tile: Tuple[Int, Int, Int, Int], depth: Int, block_k: Int, smem_pe
     return TileLayout.create(depth, block_k).smem_bytes(tile_rows(tile), tile_cols(tile)) <= smem_per_block
 
 
+comptime PROJ_FILL_SIXTEENTHS = 15
+"""A projection's tile is the one with the fewest blocks that still give this many sixteenths of the SMs a
+block (the first tile that fits where none does). 15 rather than 16 (all of them): at 16 h b8 the q step's
+16 x 64 tile (128 blocks on 132 SMs) instead of 16 x 32 (256), at 16 h b64 32 x 128 (128) instead of 16 x
+128 (256). H100, 2026-12-07 (benchmarks/results/h100-2026-12-07e-rl3/, call 13), whole op alternated, two
+rounds: 16 h b8 8k on fp8 rows 52.7 / 52.9 -> 51.6 / 51.2 us, bf16 rows and 16 h b64 level, 128 heads
+unchanged (the same tiles)."""
+
+
 def choose_proj_tile[
     dtype: DType
 ](groups: Int, rows: Int, n_out: Int, depth: Int, block_k: Int, limits: DeviceLimits) -> Int:
@@ -221,11 +230,12 @@ def choose_proj_tile[
         return FMA_PATH
     var best = FMA_PATH
     var best_blocks = 0
+    var enough = limits.sm_count * PROJ_FILL_SIXTEENTHS // 16
     comptime for i in range(len(PROJ_TILES)):
         comptime t = PROJ_TILES[i]
         if tile_fits(t, depth, block_k, limits.smem_per_block):
             var blocks = groups * ceil_div(rows, tile_rows(t)) * ceil_div(n_out, tile_cols(t))
-            if best < 0 or (blocks >= limits.sm_count and blocks < best_blocks):
+            if best < 0 or (blocks >= enough and blocks < best_blocks):
                 best = i
                 best_blocks = blocks
     return best
