@@ -73,9 +73,9 @@ struct AmxTuning(TrivialRegisterPassable):
     var values_in_place_max_row_blocks: Int
     """Up to this many 16-row blocks a task reads the values in place; more share one packed copy."""
     var prefetch_line_stride: Int
-    """The score passes prefetch every this-many-th 64-byte line of the next tile's rows (1: every
-    line, 2: every other, the L2's adjacent-line prefetcher fetching the pair; 0: none, the
-    hardware prefetchers alone)."""
+    """The score passes prefetch every this-many-th 64-byte line of their share of the next tile's rows
+    (1: every line, 2: every other, the L2's adjacent-line prefetcher fetching the pair; 0: none, the
+    hardware prefetchers alone, and P V prefetches nothing either; P V's share, `NextTile`, every line)."""
     var score_pairs: Bool
     """A last (or only) row block scores two key blocks at a time on two sets of tile registers, one
     per depth step parity (`score_group`'s `sets`), instead of four key blocks on one set: the tile
