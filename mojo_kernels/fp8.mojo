@@ -36,6 +36,9 @@ comptime DIVISOR_MIN = Float32(2.0**-92)  # `Divisor`: the range where one recip
 comptime DIVISOR_MAX = Float32(2.0**120)
 comptime DIVISOR_UP = Float32(2.0**72)  # k below DIVISOR_MIN: the least float32 scale, 2^-149 / 448 = 2^-157.8, to 2^-85.8
 comptime DIVISOR_DOWN = Float32(2.0**-64)  # k above DIVISOR_MAX: the greatest, 2^128 / 448 = 2^119.2, to 2^55.2
+comptime DIVISOR_EXACT_FROM = Float32(2.0**-12)
+"""`Divisor.quotient` equals `x / d` bit for bit for quotients of this magnitude and up (below, where a last-bit
+difference can remain, every quotient rounds to a zero e4m3)."""
 
 
 @fieldwise_init

@@ -169,7 +169,7 @@ def quantize_row[
     """Merged row `row` (in `row_s`, dtype values) quantized into `p.quant` per K block of `block_k`:
     `s = amax / 448` (1 when 0), `fp8(clamp(x / s))`, as `quantize_rows_in_registers` does; with
     `has_attention_output` the row as dtype too. `block_k % 4 == 0`, `kv_lora_rank % block_k == 0`."""
-    var div_s = stack_allocation[MERGE_QUANT_K_BLOCKS, Divisor, address_space=AddressSpace.SHARED]()  # each K block's
+    var div_s = stack_allocation[MERGE_QUANT_K_BLOCKS, Divisor, address_space=AddressSpace.SHARED]()  # each K block's divisor
     var tid = thread_idx.x
     var lane = tid % WARP_SIZE
     var rank = Int(p.kv_lora_rank)

@@ -24,7 +24,7 @@ from mojo_kernels.cpu.amx_matmul import NoPrologue, fp8_projection, projection_o
 from mojo_kernels.cpu.attention import PATH_AMX, PATH_AVX512BF16, PATH_F32
 from mojo_kernels.cpu.bf16 import HAS_AVX512_BF16
 from mojo_kernels.cpu.fp8_matmul import StridedMatrices
-from mojo_kernels.fp8 import FP8_MAX, Divisor, activation_scale, e4m3_bytes, into_e4m3_range, round_to_e4m3
+from mojo_kernels.fp8 import DIVISOR_EXACT_FROM, FP8_MAX, Divisor, activation_scale, e4m3_bytes, into_e4m3_range, round_to_e4m3
 from mojo_kernels.cpu.pipeline import project_output, project_q_nope
 from mojo_kernels.spec import BlockShape, Granularity
 
@@ -157,9 +157,6 @@ def check_projections(mut failures: Int) raises:
             compare(p, "avx512bf16", p.run[AmxTiles](False, bf16_dots=True), expected, mags, failures)
         if amx_runs():
             compare(p, "amx", p.run[AmxTiles](True), expected, mags, failures)
-
-
-comptime DIVISOR_EXACT_FROM = Float32(2.0**-12)  # quotients below it round to a zero e4m3: Divisor may differ there in the last bit
 
 
 def check_divisor(mut failures: Int):

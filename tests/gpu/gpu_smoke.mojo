@@ -34,7 +34,7 @@ from std.utils.numerics import nan
 from max.gpu import block_idx, thread_idx
 from max.gpu.host import DeviceContext
 
-from mojo_kernels.fp8 import FP8_MAX, Divisor, activation_scale, into_e4m3_range
+from mojo_kernels.fp8 import DIVISOR_EXACT_FROM, FP8_MAX, Divisor, activation_scale, into_e4m3_range
 
 from mojo_kernels.gpu.pipeline import AttentionWorkspace, cache_rows_params, gpu_rotate_and_normalize_new_rows
 from mojo_kernels.gpu.plan import (
@@ -612,7 +612,6 @@ def fp8_cases(ctx: DeviceContext) raises -> Bool:
 
 
 comptime DIVISOR_THREADS = 256
-comptime DIVISOR_EXACT_FROM = Float32(2.0**-12)  # quotients below it round to a zero e4m3: Divisor may differ there in the last bit
 
 
 def divisor_check_kernel(scales: GFPtr, bad: GlobalPtr[UInt32]):
