@@ -122,6 +122,42 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     return "unknown"
 
 
+BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
+"""The ``/proc/cpuinfo`` flags of the bf16 units the CPU paths use (:func:`cpu_signature` lists them)."""
+
+
+def _cpuinfo_field(cpuinfo: str, name: str) -> str | None:
+    """The first CPU's ``name`` field of ``cpuinfo``."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
+
+
+def cpu_signature(cpuinfo: str | None = None) -> str:
+    """What tells apart CPUs of one model name: ``family F model M stepping S`` from /proc/cpuinfo
+    and its bf16 units (:data:`BF16_UNIT_FLAGS`), e.g. ``family 25 model 17 stepping 1, avx512_bf16``.
+
+    Guests often report a bare model name ("AMD EPYC" for Zen 3 and Zen 4 alike; "Intel(R) Xeon(R)
+    Processor" with CPUID model 143, 167 or 207): benchmarks print and record this beside it.
+    ``unknown`` without /proc/cpuinfo.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "unknown"
+    fields = [
+        f"{label} {value}"
+        for label, name in (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
+        if (value := _cpuinfo_field(cpuinfo, name)) is not None
+    ]
+    flags = cpu_flags(cpuinfo)
+    units = [f for f in BF16_UNIT_FLAGS if f in flags] or ["no bf16 unit"]
+    return ", ".join([" ".join(fields) or "unknown", *units])
+
+
 # ---------------------------------------------------------------- the compile target
 
 

@@ -30,6 +30,7 @@ from pymla.cpu_paths import (
     compile_target_name,
     cpu_flags,
     cpu_model,
+    cpu_signature,
     kernel_cpu_paths,
     llvm_target,
     missing_codegen_features,
@@ -61,6 +62,19 @@ def test_cpuinfo_parsing():
     assert cpu_model(ZEN4_LIKE) == "AMD EPYC 9R14"
     assert "avx512_bf16" in cpu_flags(ZEN4_LIKE)
     assert cpu_flags("") == set()
+
+
+def test_cpu_signature_tells_apart_cpus_of_one_model_name():
+    """Zen 3 and Zen 4 guests both report "AMD EPYC"; the signature names the family, model, stepping
+    and the bf16 units the CPU paths use."""
+    zen3 = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nstepping\t: 1\nflags\t\t: avx2 fma\n"
+    zen4 = zen3.replace("model\t\t: 1\n", "model\t\t: 17\n").replace("avx2 fma", "avx2 avx512_bf16")
+    assert cpu_model(zen3) == cpu_model(zen4) == "AMD EPYC"
+    assert cpu_signature(zen3) == "family 25 model 1 stepping 1, no bf16 unit"
+    assert cpu_signature(zen4) == "family 25 model 17 stepping 1, avx512_bf16"
+    spr = "cpu family\t: 6\nmodel\t\t: 143\nstepping\t: 8\n" + SPR_GUEST_CPUINFO
+    assert cpu_signature(spr) == "family 6 model 143 stepping 8, avx512_bf16, amx_bf16, amx_tile"
+    assert cpu_signature("") == "unknown, no bf16 unit"
 
 
 def test_a_guest_taken_for_rocketlake_compiles_for_sapphirerapids():

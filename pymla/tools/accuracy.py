@@ -30,7 +30,7 @@ import torch
 from .. import mla_decode_branch_fp8
 from ..__main__ import CommandParser, int_at_least, json_file
 from ..cache_format import dequantize_rows, quantize_rows
-from ..cpu_paths import cpu_model, resolve_cpu_path
+from ..cpu_paths import cpu_model, cpu_signature, resolve_cpu_path
 from ..reference import KVCacheTensors, mla_decode_branch_fp8_stages, rms_norm
 from .bench import file_stem, save_json
 from .scenario import make_case
@@ -152,7 +152,9 @@ def run(argv: list[str], prog: str) -> int:
     if cpu_path == "amx":  # the AMX tiles read bf16 rows in place: fp8 rows take the other unit
         cpu_path = "avx512bf16 (fp8 cache; amx for steps 3 and 6)"
     path = args.json or RESULTS / f"accuracy-fp8-cache-{file_stem(model)}.json"
-    print(f"CPU: {model} ({os.cpu_count()} logical cores), step 5 path {cpu_path}")
+    print(
+        f"CPU: {model} ({cpu_signature()}; {os.cpu_count()} logical cores), step 5 path {cpu_path}"
+    )
     print(
         f"batch {args.batch} x {args.new_tokens} new token(s), bfloat16 op; relative L2 error "
         "||x - ref|| / ||ref||"
@@ -177,6 +179,7 @@ def run(argv: list[str], prog: str) -> int:
             )
     meta = {
         "cpu_model": model,
+        "cpu_signature": cpu_signature(),
         "cpu_count": os.cpu_count(),
         "cpu_path": cpu_path,
         "batch": args.batch,

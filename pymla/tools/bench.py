@@ -55,7 +55,7 @@ import torch
 
 from ..__main__ import CommandParser, int_at_least
 from ..cache_format import CACHE_FORMATS, DTYPE_FORMAT, FP8_DS_MLA, FP8_VALUE_DTYPE
-from ..cpu_paths import REQUESTS, cpu_model, kernel_cpu_paths, resolve_cpu_path
+from ..cpu_paths import REQUESTS, cpu_model, cpu_signature, kernel_cpu_paths, resolve_cpu_path
 from ..op import mla_decode_branch_fp8
 from ..plan import plan
 from .plain_torch import PlainTorchDecode
@@ -428,8 +428,9 @@ def run(argv: list[str], prog: str) -> int:
             f"argument --path: the kernel has none of {' '.join(args.path)} "
             f"(it has {' '.join(kernel_paths)})"
         )
+    signature = cpu_signature()
     print(
-        f"pymla bench on {model} ({os.cpu_count()} cores; kernel CPU paths "
+        f"pymla bench on {model} ({signature}; {os.cpu_count()} cores; kernel CPU paths "
         f"{', '.join(kernel_paths)}), torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), {args.dtype}",
         flush=True,
@@ -448,6 +449,7 @@ def run(argv: list[str], prog: str) -> int:
     meta = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu_model": model,
+        "cpu_signature": signature,
         "cpu_paths": list(kernel_paths),
         "machine": platform.platform(),
         "cores": os.cpu_count(),

@@ -27,7 +27,7 @@ import torch
 
 from .. import runtime
 from ..__main__ import CommandParser, int_at_least, json_file, torch_device
-from ..cpu_paths import cpu_model
+from ..cpu_paths import cpu_model, cpu_signature
 from ..plan import plan
 from .scenario import make_case
 from .timing import time_call
@@ -146,6 +146,7 @@ def _print_table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None
 def _machine() -> dict:
     info = {
         "cpu": cpu_model(),
+        "cpu_signature": cpu_signature(),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "load_average_1min": round(os.getloadavg()[0], 2),
@@ -198,7 +199,7 @@ def run_overhead(argv: list[str], prog: str) -> int:
     machine = _machine()
     us = 1e6
     _print_table(
-        f"pymla host overhead per call ({machine['cpu']}, {machine['threads']} threads"
+        f"pymla host overhead per call ({machine['cpu']}, {machine['cpu_signature']}, {machine['threads']} threads"
         + (f", {machine['gpu']}" if "gpu" in machine else "")
         + f", load {machine['load_average_1min']}), microseconds, best of 3 rounds",
         (
