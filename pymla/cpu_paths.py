@@ -94,45 +94,39 @@ def _norm(name: str) -> str:
 # ---------------------------------------------------------------- the machine
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The feature flags of the first CPU in ``cpuinfo`` (default: read /proc/cpuinfo; empty if absent)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
+def _read_cpuinfo(cpuinfo: str | None) -> str:
+    """``cpuinfo``, or the text of /proc/cpuinfo when it is None (empty where there is none)."""
+    if cpuinfo is not None:
+        return cpuinfo
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _cpuinfo_field(cpuinfo: str, *names: str) -> str | None:
+    """The value of the first CPU's first field named one of ``names`` in ``cpuinfo`` (None: no such field)."""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
+        if key.strip() in names:
+            return value.strip()
+    return None
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The feature flags of the first CPU in ``cpuinfo`` (default: read /proc/cpuinfo; empty if absent)."""
+    flags = _cpuinfo_field(_read_cpuinfo(cpuinfo), "flags", "Features")
+    return set() if flags is None else set(flags.split())
 
 
 def cpu_model(cpuinfo: str | None = None) -> str:
     """The CPU's model name from /proc/cpuinfo (``unknown`` if not found)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return "unknown"
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return " ".join(value.split())
-    return "unknown"
+    model = _cpuinfo_field(_read_cpuinfo(cpuinfo), "model name")
+    return "unknown" if model is None else " ".join(model.split())
 
 
 BF16_UNIT_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 """The ``/proc/cpuinfo`` flags of the bf16 units the CPU paths use (:func:`cpu_signature` lists them)."""
-
-
-def _cpuinfo_field(cpuinfo: str, name: str) -> str | None:
-    """The first CPU's ``name`` field of ``cpuinfo``."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == name:
-            return value.strip()
-    return None
 
 
 def cpu_signature(cpuinfo: str | None = None) -> str:
@@ -141,19 +135,15 @@ def cpu_signature(cpuinfo: str | None = None) -> str:
 
     Guests often report a bare model name ("AMD EPYC" for Zen 3 and Zen 4 alike; "Intel(R) Xeon(R)
     Processor" with CPUID model 143, 167 or 207): benchmarks print and record this beside it.
-    ``unknown`` without /proc/cpuinfo.
+    Without /proc/cpuinfo: ``unknown, no bf16 unit``.
     """
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return "unknown"
+    text = _read_cpuinfo(cpuinfo)
     fields = [
         f"{label} {value}"
         for label, name in (("family", "cpu family"), ("model", "model"), ("stepping", "stepping"))
-        if (value := _cpuinfo_field(cpuinfo, name)) is not None
+        if (value := _cpuinfo_field(text, name)) is not None
     ]
-    flags = cpu_flags(cpuinfo)
+    flags = cpu_flags(text)
     units = [f for f in BF16_UNIT_FLAGS if f in flags] or ["no bf16 unit"]
     return ", ".join([" ".join(fields) or "unknown", *units])
 

@@ -148,13 +148,12 @@ def run(argv: list[str], prog: str) -> int:
     )
     args = parser.parse_args(argv)
     model = cpu_model()
+    signature = cpu_signature()
     cpu_path = resolve_cpu_path(os.environ.get("PYMLA_CPU_PATH"), torch.bfloat16)
     if cpu_path == "amx":  # the AMX tiles read bf16 rows in place: fp8 rows take the other unit
         cpu_path = "avx512bf16 (fp8 cache; amx for steps 3 and 6)"
     path = args.json or RESULTS / f"accuracy-fp8-cache-{file_stem(model)}.json"
-    print(
-        f"CPU: {model} ({cpu_signature()}; {os.cpu_count()} logical cores), step 5 path {cpu_path}"
-    )
+    print(f"CPU: {model} ({signature}; {os.cpu_count()} logical cores), step 5 path {cpu_path}")
     print(
         f"batch {args.batch} x {args.new_tokens} new token(s), bfloat16 op; relative L2 error "
         "||x - ref|| / ||ref||"
@@ -179,7 +178,7 @@ def run(argv: list[str], prog: str) -> int:
             )
     meta = {
         "cpu_model": model,
-        "cpu_signature": cpu_signature(),
+        "cpu_signature": signature,
         "cpu_count": os.cpu_count(),
         "cpu_path": cpu_path,
         "batch": args.batch,
