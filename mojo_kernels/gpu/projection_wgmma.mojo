@@ -48,12 +48,16 @@ def wg_tile_supported(rows_per_block: Int, cols_per_block: Int, n_out: Int, dept
 
 
 @always_inline
-def weight_fragment(sm: TileSmem, lay: TileLayout, row: Int, chunk: Int, t4: Int) -> SIMD[DType.bfloat16, 16]:
-    """Row `row` of the staged fp8 weights, bytes `16 t4 ..< 16 t4 + 16` of 64-wide chunk `chunk`, widened
-    to bf16 (exact)."""
-    var bits = (
-        sm.w_s.unsafe_offset(row * lay.w_stride + chunk * KCHUNK + 16 * t4).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
-    )
+def weight_bytes(sm: TileSmem, lay: TileLayout, row: Int, chunk: Int, t4: Int) -> SIMD[DType.uint32, 4]:
+    """Bytes `16 t4 ..< 16 t4 + 16` of 64-wide chunk `chunk` of row `row` of the staged fp8 weights."""
+    return sm.w_s.unsafe_offset(row * lay.w_stride + chunk * KCHUNK + 16 * t4).unsafe_bitcast[UInt32]().unsafe_load[
+        width=4, alignment=16
+    ](0)
+
+
+@always_inline
+def widened(bits: SIMD[DType.uint32, 4]) -> SIMD[DType.bfloat16, 16]:
+    """16 e4m3 bytes as bf16 (exact)."""
     return bitcast[DType.float8_e4m3fn, 16](bits).cast[DType.float16]().cast[DType.bfloat16]()
 
 
@@ -75,22 +79,29 @@ def project_tile_wg[
     var acts = Sw128[DType.bfloat16, 16, 1024].of(smem_u32(sm.a_s))
 
     var acc = StaticTuple[SIMD[DType.float32, ACC], tpw]()
-    wgmma_fence_aligned()
     comptime for t in range(tpw):
-        var col0 = (wg * tpw + t) * WG_TILE_COLS  # the tile's first column within the block
+        var row = (wg * tpw + t) * WG_TILE_COLS + 16 * w + gq  # the fragment's first weight row in the block
         var out = SIMD[DType.float32, ACC](0)
+        var lo_bits = weight_bytes(sm, lay, row, 0, t4)
+        var hi_bits = weight_bytes(sm, lay, row + 8, 0, t4)
         for ch in range(chunks):
-            var lo = weight_fragment(sm, lay, col0 + 16 * w + gq, ch, t4)
-            var hi = weight_fragment(sm, lay, col0 + 16 * w + gq + 8, ch, t4)
+            var lo = widened(lo_bits)
+            var hi = widened(hi_bits)
+            if ch + 1 < chunks:  # the next chunk's bytes load under this chunk's products
+                lo_bits = weight_bytes(sm, lay, row, ch + 1, t4)
+                hi_bits = weight_bytes(sm, lay, row + 8, ch + 1, t4)
+            wgmma_fence_aligned()
             comptime for step in range(KCHUNK // 16):
                 var x = lo.slice[4, offset = 4 * step]().join(hi.slice[4, offset = 4 * step]())
                 out = wgmma_async[
                     64, nr, 16, DType.bfloat16, DType.float32, 8, ACC,
                     a_type=DType.bfloat16, b_type=DType.bfloat16, layout_b="col",
                 ](x.shuffle[0, 1, 4, 5, 2, 3, 6, 7](), acts.at(ch * nr * 128 + 32 * step), out)
+            # A's registers are read until the products complete, and the next chunk's widening may reuse
+            # them (ptxas orders register writes before a wgmma, not after it): wait before going on.
+            wgmma_commit_group_sync()
+            wgmma_wait_group_sync[0]()
         acc[t] = out
-    wgmma_commit_group_sync()
-    wgmma_wait_group_sync[0]()
 
     var rows = Int(p.rows)
     var cms = Int(p.c.m_stride)
