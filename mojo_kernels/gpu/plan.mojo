@@ -88,11 +88,11 @@ comptime SPLIT_BY_WORK = 0  # GpuPlan.num_partitions: each request's share of th
 # benchmarks/results/h200-2026-12-05g/): where it ties 32 x 128 on blocks (128 heads, 8 tokens:
 # 16 rows hold them) the q step takes 12.6 us against 20.9 (H100) and the whole op 101 -> 93 us;
 # 16 heads b8 unchanged (64.5 -> 64.5 us, its grid is too small for this tile).
-# wgmma tiles (warpgroups, m64 tiles per warpgroup, rows, 0; `is_wg_tile`; projection_wgmma.mojo): where they
-# handle the projection (`wg_tile_supported`: per-row scales, K blocks of whole 64-wide chunks; DeepSeek's q
-# and output projections) the step takes one of them, of 16 rows up to 16 tokens a head, else of 64, by the
-# same rule of blocks. Their weights take their fp8 bytes of shared memory alone (widened in registers), so
-# the q step's blocks of 256 columns take 67 KiB and its cache rows' blocks still find room beside them.
+# wgmma tiles of the q step (warpgroups, m64 tiles per warpgroup, rows, 0; `is_wg_tile`; projection_wgmma.mojo):
+# where they handle the projection (`wg_tile_supported`: DeepSeek's q projection, one K block, per-row
+# scales) the q step takes one of them, of 16 rows up to 16 tokens a head, else of 64, by the same rule
+# of blocks. Their weights take their fp8 bytes of shared memory alone (widened in registers), so a block of
+# 256 columns takes 67 KiB and the cache rows' blocks of the same launch still find room beside them.
 comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (1, 4, 1, 4), (2, 4, 1, 4), (1, 1, 16, 0), (2, 2, 16, 0), (1, 1, 64, 0), (2, 2, 64, 0))
 comptime WG_SMALL_ROWS = 16  # the rows of the wgmma tiles for up to this many tokens a head; 64 above
 comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile fits in shared memory
@@ -222,11 +222,11 @@ def tile_fits(tile: Tuple[Int, Int, Int, Int], depth: Int, block_k: Int, smem_pe
 
 
 def proj_tile_supported(
-    tile: Tuple[Int, Int, Int, Int], n_out: Int, depth: Int, blocks: BlockShape, smem_per_block: Int
+    tile: Tuple[Int, Int, Int, Int], rows: Int, n_out: Int, depth: Int, blocks: BlockShape, smem_per_block: Int, wgmma: Bool
 ) -> Bool:
-    """Whether a projection (`n_out` x `depth` weights, scale `blocks`) can take `tile`: it fits in shared memory
-    and, a wgmma tile, `wg_tile_supported` holds."""
-    if is_wg_tile(tile) and not wg_tile_supported(tile_rows(tile), tile_cols(tile), n_out, depth, blocks.m, blocks.k):
+    """Whether a projection (`rows` per group, `n_out` x `depth` weights, scale `blocks`) can take `tile`: it fits in
+    shared memory and, a wgmma tile, `wgmma` allows one (the q step on sm_90a) and `wg_tile_supported` holds."""
+    if is_wg_tile(tile) and not (wgmma and wg_tile_supported(tile_rows(tile), tile_cols(tile), n_out, depth, blocks.m, blocks.k)):
         return False
     return tile_fits(tile, depth, blocks.k, smem_per_block)
 
@@ -247,22 +247,22 @@ unchanged (the same tiles)."""
 
 def choose_proj_tile[
     dtype: DType
-](groups: Int, rows: Int, n_out: Int, depth: Int, blocks: BlockShape, limits: DeviceLimits) -> Int:
+](groups: Int, rows: Int, n_out: Int, depth: Int, blocks: BlockShape, limits: DeviceLimits, wgmma: Bool) -> Int:
     """Index in PROJ_TILES of the tile for a projection, or FMA_PATH (float32, or no tile fits): a wgmma tile of
-    `wg_rows_for(rows)` rows where one handles the projection, else an mma.sync tile."""
+    `wg_rows_for(rows)` rows where `wgmma` allows one and it handles the projection, else an mma.sync tile."""
     comptime if dtype == DType.float32:
         return FMA_PATH
     var smem = limits.smem_per_block
     var wg = False
     comptime for i in range(len(PROJ_TILES)):
-        wg = wg or proj_tile_supported(PROJ_TILES[i], n_out, depth, blocks, smem)
+        wg = wg or proj_tile_supported(PROJ_TILES[i], rows, n_out, depth, blocks, smem, wgmma)
     var best = FMA_PATH
     var best_blocks = 0
     var enough = limits.sm_count * PROJ_FILL_SIXTEENTHS // 16
     comptime for i in range(len(PROJ_TILES)):
         comptime t = PROJ_TILES[i]
         var kind_ok = is_wg_tile(t) == wg and (not wg or tile_rows(t) == wg_rows_for(rows))
-        if kind_ok and proj_tile_supported(t, n_out, depth, blocks, smem):
+        if kind_ok and proj_tile_supported(t, rows, n_out, depth, blocks, smem, wgmma):
             var blocks = groups * ceil_div(rows, tile_rows(t)) * ceil_div(n_out, tile_cols(t))
             if best < 0 or (blocks >= enough and blocks < best_blocks):
                 best = i
@@ -313,8 +313,8 @@ struct GpuPlan(TrivialRegisterPassable):
             rows_per_block,
             split[0],
             split[1],
-            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.kv_lora_rank, p.nope_dim, q_blocks, limits),
-            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.v_head_dim, p.kv_lora_rank, out_blocks, limits),
+            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.kv_lora_rank, p.nope_dim, q_blocks, limits, True),
+            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.v_head_dim, p.kv_lora_rank, out_blocks, limits, False),
             PDL_DEFAULT,
             QUANTIZE_IN_MERGE_DEFAULT,
             SCHEDULE_IN_Q_STEP_DEFAULT,

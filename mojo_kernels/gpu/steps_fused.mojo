@@ -18,14 +18,11 @@ q step lets the attention kernel launch early.
 Each launch takes one parameter struct (`QStepParams`, `OutStepParams`; `params.mojo`).
 
 The tile shape is a compile-time `(warps_m, warps_n, tm, tn)`: a block of
-`warps_m x warps_n` warps, each owning `16 tm` rows x `8 tn` columns (`project_tile`), or a wgmma
-tile `(warpgroups, m64 tiles per warpgroup, rows, 0)` (`project_tile_wg`, projection_wgmma.mojo);
-the plan picks it from `PROJ_TILES` (`plan.mojo`).
+`warps_m x warps_n` warps, each owning `16 tm` rows x `8 tn` columns; the plan
+picks it from `PROJ_TILES` (`plan.mojo`).
 """
 
-from std.utils import StaticTuple
-
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
+from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
@@ -43,14 +40,14 @@ from .projection_mma import (
     stage_quantized,
     stage_weights,
 )
-from .projection_wgmma import WG_THREADS, WG_TILE_COLS, project_tile_wg, stage_quantized_swizzled
+from .projection_wgmma import WG_THREADS, WG_TILE_COLS, project_tile_wg
 from .rope_norm import CacheRowsParams, rope_norm_cache_row, rope_q_pairs
 from .schedule import ScheduleParams, build_schedule, schedule_smem_bytes
 
 
 def is_wg_tile(tile: Tuple[Int, Int, Int, Int]) -> Bool:
-    """Whether `tile` is a wgmma tile `(warpgroups, m64 tiles per warpgroup, rows, 0)` (projection_wgmma.mojo)
-    rather than an mma.sync tile `(warps_m, warps_n, tm, tn)`."""
+    """Whether `tile` is a wgmma tile `(warpgroups, m64 tiles per warpgroup, rows, 0)` (projection_wgmma.mojo, the
+    q step alone) rather than an mma.sync tile `(warps_m, warps_n, tm, tn)`."""
     return tile[3] == 0
 
 
@@ -64,13 +61,6 @@ def tile_cols(tile: Tuple[Int, Int, Int, Int]) -> Int:
 
 def tile_threads(tile: Tuple[Int, Int, Int, Int]) -> Int:
     return WG_THREADS * tile[0] if is_wg_tile(tile) else tile[0] * tile[1] * WARP_SIZE
-
-
-def min_blocks_per_sm(tile: Tuple[Int, Int, Int, Int]) -> Int:
-    """Blocks of `tile` ptxas keeps room for on one SM (its register cap): two of the wgmma tiles' (left to
-    itself, ptxas gave the 2-warpgroup tile 158 registers, one block an SM), one of the mma.sync tiles' (94-126
-    registers: no cap)."""
-    return 2 if is_wg_tile(tile) else 1
 
 
 @fieldwise_init
@@ -134,10 +124,6 @@ def tile_of_block(blk: Int, tiles: TileGrid) -> Tuple[Int, Int, Int]:
     return (group, rest - col * m_tiles, col)
 
 
-@__llvm_metadata(
-    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(tile_threads((warps_m, warps_n, tm, tn)))),
-    `nvvm.minctasm`=SIMDLength(min_blocks_per_sm((warps_m, warps_n, tm, tn))),
-)
 def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: QStepParams[dtype]):
     """Grid `H m_tiles n_tiles + cache_rows.count (+ 1 with a schedule)`, `tile_threads` threads,
     `smem_bytes` dynamic (at least `schedule_smem_bytes`). A wgmma tile (`is_wg_tile`: `tn` 0) projects
@@ -173,7 +159,14 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
     )
     if tile[2] == 0:
         rope_q_tile[THREADS](p, g, m0, min(MT, Int(p.proj.rows) - m0))
-    project_staged[dtype, TILE](p.proj, lay, sm, g, m0, n0)
+    async_copy_wait_all()
+    comptime if WG:
+        fence_async_proxy()  # the activations' stores, before wgmma reads them
+    barrier()
+    comptime if WG:
+        project_tile_wg[dtype, warps_n, tm](p.proj, lay, sm, g, m0, n0)
+    else:
+        project_tile[dtype, DType.float32, dtype, warps_m, warps_n, tm, tn](p.proj, lay, sm, g, m0, n0)
 
 
 @always_inline
@@ -209,56 +202,33 @@ def rope_q_tile[dtype: DType, //, threads: Int](p: QStepParams[dtype], g: Int, m
                 rope_q_pairs[dtype, 1](q_row, freqs, out_row, nope, rank, k)
 
 
-@__llvm_metadata(
-    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(tile_threads((warps_m, warps_n, tm, tn)))),
-    `nvvm.minctasm`=SIMDLength(min_blocks_per_sm((warps_m, warps_n, tm, tn))),
-)
 def out_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: OutStepParams[dtype]):
-    """Grid `H m_tiles n_tiles`, `tile_threads` threads, `smem_bytes` dynamic; a wgmma tile as in `q_step_kernel`."""
-    comptime TILE = (warps_m, warps_n, tm, tn)
-    comptime WG = is_wg_tile(TILE)
-    comptime THREADS = tile_threads(TILE)
-    comptime MT = tile_rows(TILE)
-    comptime NT = tile_cols(TILE)
+    """Grid `H m_tiles n_tiles`, `32 warps_m warps_n` threads, `smem_bytes` dynamic."""
+    comptime THREADS = warps_m * warps_n * WARP_SIZE
+    comptime MT = warps_m * tm * 16
+    comptime NT = warps_n * tn * 8
     var tile = tile_of_block(block_idx.x, p.tiles)
     var g = tile[0]
     var m0 = tile[1] * MT
     var n0 = tile[2] * NT
     var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.blocks.k))
-    var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024](), lay, MT, NT)
+    var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16](), lay, MT, NT)
 
     stage_weights[DType.float32, dtype, THREADS](p.proj, lay, sm, g, n0, NT)
     # The weights are the op's inputs; raw comes from the attention kernel or the merge (pdl.mojo).
     wait_for_producers()
     allow_dependents()
     if p.quant.active != 0:
-        comptime if WG:
-            stage_quantized_swizzled[THREADS](p.quant, lay, sm, g, m0, MT, Int(p.proj.rows))
-        else:
-            stage_quantized[THREADS](p.quant, lay, sm, g, m0, MT, Int(p.proj.rows))
+        stage_quantized[THREADS](p.quant, lay, sm, g, m0, MT, Int(p.proj.rows))
     else:
         # raw and the attention output share their layout [T, H, R].
-        stage_activations[DType.float32, dtype, dtype, THREADS // WARP_SIZE, swizzled=WG](
+        stage_activations[DType.float32, dtype, dtype, THREADS // WARP_SIZE](
             p.proj, lay, sm, g, m0, MT, p.attention_output, Int(p.proj.a.g_stride), Int(p.proj.a.m_stride),
             p.has_attention_output != 0 and tile[2] == 0,
         )
-    project_staged[dtype, TILE](p.proj, lay, sm, g, m0, n0)
-
-
-@always_inline
-def project_staged[
-    in_dtype: DType, out_dtype: DType, //, dtype: DType, tile: Tuple[Int, Int, Int, Int]
-](proj: Fp8Projection[in_dtype, out_dtype], lay: TileLayout, sm: TileSmem, g: Int, m0: Int, n0: Int):
-    """Waits for the block's staged tiles (and, a wgmma tile, orders the activations' stores before wgmma's reads),
-    then projects them: `project_tile_wg` or `project_tile`."""
     async_copy_wait_all()
-    comptime if is_wg_tile(tile):
-        fence_async_proxy()
-        barrier()
-        project_tile_wg[dtype, tile[1], tile[2]](proj, lay, sm, g, m0, n0)
-    else:
-        barrier()
-        project_tile[in_dtype, out_dtype, dtype, tile[0], tile[1], tile[2], tile[3]](proj, lay, sm, g, m0, n0)
+    barrier()
+    project_tile[DType.float32, dtype, dtype, warps_m, warps_n, tm, tn](p.proj, lay, sm, g, m0, n0)
 
 
 # ---------------------------------------------------------------------------
