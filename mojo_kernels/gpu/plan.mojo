@@ -88,13 +88,15 @@ comptime SPLIT_BY_WORK = 0  # GpuPlan.num_partitions: each request's share of th
 # benchmarks/results/h200-2026-12-05g/): where it ties 32 x 128 on blocks (128 heads, 8 tokens:
 # 16 rows hold them) the q step takes 12.6 us against 20.9 (H100) and the whole op 101 -> 93 us;
 # 16 heads b8 unchanged (64.5 -> 64.5 us, its grid is too small for this tile).
-# wgmma tiles of the q step (warpgroups, m64 tiles per warpgroup, rows, 0; `is_wg_tile`; projection_wgmma.mojo):
-# where they handle the projection (`wg_tile_supported`: DeepSeek's q projection, one K block, per-row
-# scales) the q step takes one of them, of 16 rows up to 16 tokens a head, else of 64, by the same rule
-# of blocks. Their weights take their fp8 bytes of shared memory alone (widened in registers), so a block of
-# 256 columns takes 67 KiB and the cache rows' blocks of the same launch still find room beside them.
-comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (1, 4, 1, 4), (2, 4, 1, 4), (1, 1, 16, 0), (2, 2, 16, 0), (1, 1, 64, 0), (2, 2, 64, 0))
-comptime WG_SMALL_ROWS = 16  # the rows of the wgmma tiles for up to this many tokens a head; 64 above
+# The q step's wgmma tile (warpgroups, m64 tiles per warpgroup, rows, 0; `is_wg_tile`; projection_wgmma.mojo):
+# two warpgroups of two m64 tiles over 64 rows, where it handles the projection (`wg_tile_supported`:
+# DeepSeek's q projection, one K block, per-row scales) and a head has at least WG_MIN_ROWS tokens, by the
+# same rule of blocks. H100, 2026-12-07 (benchmarks/results/h100-2026-12-07g-wgmma-q/, `gpu_bench proj`, the
+# step alone, two rounds): 128 h b64 8k 29.1 -> 22.4-22.9 us; at 16 h b8 the mma.sync tiles stay faster
+# (6.5 us against 7.2-13.9 for wgmma tiles of 16 or 64 rows), and step 6 on wgmma (tried: its quantized
+# rows copied into the swizzled operand by loads and stores) took 47 against 16 us at 128 h b64.
+comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (1, 4, 1, 4), (2, 4, 1, 4), (2, 2, 64, 0))
+comptime WG_MIN_ROWS = 32
 comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile fits in shared memory
 
 # Programmatic dependent launch (pdl.mojo) of the attention kernel, the merge and the output step,
@@ -222,18 +224,13 @@ def tile_fits(tile: Tuple[Int, Int, Int, Int], depth: Int, block_k: Int, smem_pe
 
 
 def proj_tile_supported(
-    tile: Tuple[Int, Int, Int, Int], rows: Int, n_out: Int, depth: Int, blocks: BlockShape, smem_per_block: Int, wgmma: Bool
+    tile: Tuple[Int, Int, Int, Int], n_out: Int, depth: Int, blocks: BlockShape, smem_per_block: Int, wgmma: Bool
 ) -> Bool:
-    """Whether a projection (`rows` per group, `n_out` x `depth` weights, scale `blocks`) can take `tile`: it fits in
-    shared memory and, a wgmma tile, `wgmma` allows one (the q step on sm_90a) and `wg_tile_supported` holds."""
+    """Whether a projection (`n_out` x `depth` weights, scale `blocks`) can take `tile`: it fits in shared memory
+    and, a wgmma tile, `wgmma` allows one (the q step) and `wg_tile_supported` holds."""
     if is_wg_tile(tile) and not (wgmma and wg_tile_supported(tile_rows(tile), tile_cols(tile), n_out, depth, blocks.m, blocks.k)):
         return False
     return tile_fits(tile, depth, blocks.k, smem_per_block)
-
-
-def wg_rows_for(rows: Int) -> Int:
-    """The rows of the wgmma tiles a projection of `rows` rows per group takes."""
-    return WG_SMALL_ROWS if rows <= WG_SMALL_ROWS else 64
 
 
 comptime PROJ_FILL_SIXTEENTHS = 15
@@ -248,21 +245,19 @@ unchanged (the same tiles)."""
 def choose_proj_tile[
     dtype: DType
 ](groups: Int, rows: Int, n_out: Int, depth: Int, blocks: BlockShape, limits: DeviceLimits, wgmma: Bool) -> Int:
-    """Index in PROJ_TILES of the tile for a projection, or FMA_PATH (float32, or no tile fits): a wgmma tile of
-    `wg_rows_for(rows)` rows where `wgmma` allows one and it handles the projection, else an mma.sync tile."""
+    """Index in PROJ_TILES of the tile for a projection, or FMA_PATH (float32, or no tile fits): the wgmma tile
+    where `wgmma` allows it (the q step), `rows` (tokens a head) reach WG_MIN_ROWS and it handles the
+    projection and its grid has the fewest blocks that still fill the SMs, else an mma.sync tile."""
     comptime if dtype == DType.float32:
         return FMA_PATH
     var smem = limits.smem_per_block
-    var wg = False
-    comptime for i in range(len(PROJ_TILES)):
-        wg = wg or proj_tile_supported(PROJ_TILES[i], rows, n_out, depth, blocks, smem, wgmma)
     var best = FMA_PATH
     var best_blocks = 0
     var enough = limits.sm_count * PROJ_FILL_SIXTEENTHS // 16
     comptime for i in range(len(PROJ_TILES)):
         comptime t = PROJ_TILES[i]
-        var kind_ok = is_wg_tile(t) == wg and (not wg or tile_rows(t) == wg_rows_for(rows))
-        if kind_ok and proj_tile_supported(t, rows, n_out, depth, blocks, smem, wgmma):
+        var rows_ok = not is_wg_tile(t) or rows >= WG_MIN_ROWS
+        if rows_ok and proj_tile_supported(t, n_out, depth, blocks, smem, wgmma):
             var blocks = groups * ceil_div(rows, tile_rows(t)) * ceil_div(n_out, tile_cols(t))
             if best < 0 or (blocks >= enough and blocks < best_blocks):
                 best = i

@@ -334,7 +334,7 @@ def bench_candidate_tile[
     var q_blocks = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim)
     var out_blocks = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank)
     var line = String("   tile ", tile[0], "x", tile[1], "x", tile[2], "x", tile[3], " (candidate) :")
-    if proj_tile_supported(tile, p.num_tokens, p.kv_lora_rank, p.nope_dim, q_blocks, limits.smem_per_block, True):
+    if proj_tile_supported(tile, p.kv_lora_rank, p.nope_dim, q_blocks, limits.smem_per_block, True):
         var params = q_step_params(p, untracked(q_full), cache_rows_params(p, 0), ScheduleParams.nothing(DeviceBatch.of(p.batch)))
         enqueue_q_step[dtype, tile](ctx, params, p.num_heads)
         ctx.synchronize()
@@ -350,7 +350,7 @@ def bench_candidate_tile[
         print(line)
         return
     if tile_cols(tile) <= p.v_head_dim and proj_tile_supported(
-        tile, p.num_tokens, p.v_head_dim, p.kv_lora_rank, out_blocks, limits.smem_per_block, False
+        tile, p.v_head_dim, p.kv_lora_rank, out_blocks, limits.smem_per_block, False
     ):
         p.attention_output = untracked(att_out)
         p.has_attention_output = True

@@ -327,7 +327,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
     comptime if dtype != DType.float32:
         var q_blocks = Granularity(c.gm, c.gn, c.gk).resolve(c.num_tokens, c.rank, c.nope)
         comptime for i in range(len(PROJ_TILES)):
-            if proj_tile_supported(PROJ_TILES[i], c.num_tokens, c.rank, c.nope, q_blocks, limits.smem_per_block, True):
+            if proj_tile_supported(PROJ_TILES[i], c.rank, c.nope, q_blocks, limits.smem_per_block, True):
                 var tiled = plan
                 tiled.q_tile = i
                 d.build_q_full(ctx, c, tiled, q_full_buf)
@@ -425,7 +425,7 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
     comptime if dtype != DType.float32:
         var o_blocks = Granularity(c.gm, c.gn, c.gk).resolve(c.num_tokens, c.v_dim, c.rank)
         comptime for i in range(len(PROJ_TILES)):
-            if proj_tile_supported(PROJ_TILES[i], c.num_tokens, c.v_dim, c.rank, o_blocks, limits.smem_per_block, False):
+            if proj_tile_supported(PROJ_TILES[i], c.v_dim, c.rank, o_blocks, limits.smem_per_block, False):
                 var tiled = plan
                 tiled.out_tile = i
                 d.project_output(ctx, c, tiled, raw_buf, att_out)
