@@ -24,6 +24,7 @@ output column `16 w + g + 8 (e / 2)` of the tile and block row `8 j + 2 t + e % 
 
 from std.memory import bitcast
 from std.sys import size_of
+from std.utils import StaticTuple
 
 from max.gpu import WARP_SIZE, thread_idx
 from max.gpu.compute.mma import wgmma_async, wgmma_commit_group_sync, wgmma_fence_aligned, wgmma_wait_group_sync
@@ -66,8 +67,7 @@ def project_tile_wg[
 ](p: Fp8Projection[in_dtype, out_dtype], lay: TileLayout, sm: TileSmem, g: Int, m0: Int, n0: Int):
     """`c[g, m0 ..< m0 + nr, n0 ..]` of the staged tiles (`sm.a_s` swizzled, `sm.sa_s` and `sm.sw_s` with one
     K block; `wg_tile_supported`): warpgroup `wg` owns m64 tiles `wg tpw ..< (wg + 1) tpw` of the block's
-    output columns, each computed and stored in turn. The caller fenced the activations' stores for the
-    async proxy and synchronized."""
+    output columns. The caller fenced the activations' stores for the async proxy and synchronized."""
     comptime ACC = nr // 2  # float32 per thread of an m64 x nr tile
     var tid = thread_idx.x
     var wg = tid // WG_THREADS
@@ -78,12 +78,10 @@ def project_tile_wg[
     var chunks = lay.kp // KCHUNK
     var acts = Sw128[DType.bfloat16, 16, 1024].of(smem_u32(sm.a_s))
 
-    var rows = Int(p.rows)
-    var cms = Int(p.c.m_stride)
-    var c_g = p.c.ptr.unsafe_offset(g * Int(p.c.g_stride))
-    comptime for t in range(tpw):  # one tile after the other, each stored at once: one accumulator live
+    var acc = StaticTuple[SIMD[DType.float32, ACC], tpw]()
+    comptime for t in range(tpw):
         var row = (wg * tpw + t) * WG_TILE_COLS + 16 * w + gq  # the fragment's first weight row in the block
-        var acc = SIMD[DType.float32, ACC](0)
+        var out = SIMD[DType.float32, ACC](0)
         var lo_bits = weight_bytes(sm, lay, row, 0, t4)
         var hi_bits = weight_bytes(sm, lay, row + 8, 0, t4)
         for ch in range(chunks):
@@ -95,19 +93,28 @@ def project_tile_wg[
             wgmma_fence_aligned()
             comptime for step in range(KCHUNK // 16):
                 var x = lo.slice[4, offset = 4 * step]().join(hi.slice[4, offset = 4 * step]())
-                acc = wgmma_async[
+                out = wgmma_async[
                     64, nr, 16, DType.bfloat16, DType.float32, 8, ACC,
                     a_type=DType.bfloat16, b_type=DType.bfloat16, layout_b="col",
-                ](x.shuffle[0, 1, 4, 5, 2, 3, 6, 7](), acts.at(ch * nr * 128 + 32 * step), acc)
+                ](x.shuffle[0, 1, 4, 5, 2, 3, 6, 7](), acts.at(ch * nr * 128 + 32 * step), out)
             # A's registers are read until the products complete, and the next chunk's widening may reuse
             # them (ptxas orders register writes before a wgmma, not after it): wait before going on.
             wgmma_commit_group_sync()
             wgmma_wait_group_sync[0]()
-        comptime for h in range(2):  # the accumulator's rows: weight rows `row`, `row + 8`
-            var sw = sm.sw_s.unsafe_load(row + 8 * h)
+        acc[t] = out
+
+    var rows = Int(p.rows)
+    var cms = Int(p.c.m_stride)
+    var c_g = p.c.ptr.unsafe_offset(g * Int(p.c.g_stride))
+    comptime for t in range(tpw):
+        var col0 = (wg * tpw + t) * WG_TILE_COLS
+        comptime for h in range(2):
+            var o = col0 + 16 * w + gq + 8 * h
+            var sw = sm.sw_s.unsafe_load(o)
             comptime for j in range(nr // 8):
                 comptime for e in range(2):
                     var r = 8 * j + 2 * t4 + e
                     if m0 + r < rows:
-                        var v = (acc[4 * j + 2 * h + e] * (sm.sa_s.unsafe_load(r) * sw)).cast[value_dtype]().cast[out_dtype]()
-                        c_g.unsafe_store((m0 + r) * cms + n0 + row + 8 * h, v)
+                        var s = sm.sa_s.unsafe_load(r) * sw
+                        var v = (acc[t][4 * j + 2 * h + e] * s).cast[value_dtype]().cast[out_dtype]()
+                        c_g.unsafe_store((m0 + r) * cms + n0 + o, v)

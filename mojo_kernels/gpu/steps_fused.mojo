@@ -22,9 +22,7 @@ The tile shape is a compile-time `(warps_m, warps_n, tm, tn)`: a block of
 picks it from `PROJ_TILES` (`plan.mojo`).
 """
 
-from std.utils import StaticTuple
-
-from max.gpu import MAX_THREADS_PER_BLOCK_METADATA, WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
+from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
 from max.gpu.host import DeviceContext, FuncAttribute
 from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 
@@ -63,13 +61,6 @@ def tile_cols(tile: Tuple[Int, Int, Int, Int]) -> Int:
 
 def tile_threads(tile: Tuple[Int, Int, Int, Int]) -> Int:
     return WG_THREADS * tile[0] if is_wg_tile(tile) else tile[0] * tile[1] * WARP_SIZE
-
-
-def min_blocks_per_sm(tile: Tuple[Int, Int, Int, Int]) -> Int:
-    """Blocks of a q step of `tile` ptxas keeps registers for on one SM: three of the wgmma tile (its 256 blocks
-    at 128 h b64 and the 65 light blocks of the same launch, new cache rows and the schedule, in one wave of
-    3 x 132; at two an SM the light blocks waited behind the heavy ones), one of an mma.sync tile (no cap)."""
-    return 3 if is_wg_tile(tile) else 1
 
 
 @fieldwise_init
@@ -133,10 +124,6 @@ def tile_of_block(blk: Int, tiles: TileGrid) -> Tuple[Int, Int, Int]:
     return (group, rest - col * m_tiles, col)
 
 
-@__llvm_metadata(
-    MAX_THREADS_PER_BLOCK_METADATA=StaticTuple[Int32, 1](Int32(tile_threads((warps_m, warps_n, tm, tn)))),
-    `nvvm.minctasm`=SIMDLength(min_blocks_per_sm((warps_m, warps_n, tm, tn))),
-)
 def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: QStepParams[dtype]):
     """Grid `H m_tiles n_tiles + cache_rows.count (+ 1 with a schedule)`, `tile_threads` threads,
     `smem_bytes` dynamic (at least `schedule_smem_bytes`). A wgmma tile (`is_wg_tile`: `tn` 0) projects
