@@ -94,7 +94,10 @@ comptime SPLIT_BY_WORK = 0  # GpuPlan.num_partitions: each request's share of th
 # same rule of blocks. H100, 2026-12-07 (benchmarks/results/h100-2026-12-07g-wgmma-q/, `gpu_bench proj`, the
 # step alone, two rounds): 128 h b64 8k 29.1 -> 22.4-22.9 us; at 16 h b8 the mma.sync tiles stay faster
 # (6.5 us against 7.2-13.9 for wgmma tiles of 16 or 64 rows), and step 6 on wgmma (tried: its quantized
-# rows copied into the swizzled operand by loads and stores) took 47 against 16 us at 128 h b64.
+# rows copied into the swizzled operand by loads and stores) took 47 against 16 us at 128 h b64. The whole
+# op alternated with main (same folder, call 3): 128 h b64 8k 359.3 / 359.7 -> 355.6 / 356.9 us, 128 h b128
+# 32k 2412 / 2413 -> 2394 / 2396 us, the shapes where the tile is not taken level; capped at 80 registers
+# for 3 blocks an SM (the launch's 65 light blocks in the same wave; 184 bytes spilled) it was level with main.
 comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (1, 4, 1, 4), (2, 4, 1, 4), (2, 2, 64, 0))
 comptime WG_MIN_ROWS = 32
 comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile fits in shared memory
