@@ -118,7 +118,7 @@ from .schedule import (
     schedule_kernel,
 )
 from .rope_norm import CacheRowsParams, RopeQParams, rope_norm_cache_kernel, rope_q_kernel
-from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step
+from .steps_fused import OutStepParams, QStepParams, TileGrid, enqueue_out_step, enqueue_q_step, is_wg_tile
 from .tma_smem import S9_ROWS, S9_THREADS, TmaAttentionParams
 
 
@@ -517,8 +517,9 @@ def gpu_project_output[
         if plan.out_tile >= 0 and p.has_output:
             var params = out_step_params(p, raw, quant)
             comptime for i in range(len(PROJ_TILES)):
-                if plan.out_tile == i:
-                    enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads, plan.pdl)
+                comptime if not is_wg_tile(PROJ_TILES[i]):  # the q step's alone (plan.mojo)
+                    if plan.out_tile == i:
+                        enqueue_out_step[dtype, PROJ_TILES[i]](ctx, params, p.num_heads, plan.pdl)
             return
     if p.has_attention_output:
         var count = p.num_tokens * p.num_heads * p.kv_lora_rank

@@ -27,8 +27,10 @@ from .attention_sm90 import sm90_supported
 from .attention_wgmma import WG_ROWS, wgmma_supported
 from .tma_smem import S9_ROWS
 from .projection import MATMUL_SMEM_FLOATS
+from ..spec import BlockShape
 from .projection_mma import TileLayout
-from .steps_fused import tile_cols, tile_rows
+from .projection_wgmma import wg_tile_supported
+from .steps_fused import is_wg_tile, tile_cols, tile_rows
 
 # Attention kernels as (16-row groups per block, keys per tile, warps per group): the fastest of
 # the variants timed on the H200 (benchmarks/results/gpu_variants.log; `gpu_bench variants`).
@@ -86,7 +88,18 @@ comptime SPLIT_BY_WORK = 0  # GpuPlan.num_partitions: each request's share of th
 # benchmarks/results/h200-2026-12-05g/): where it ties 32 x 128 on blocks (128 heads, 8 tokens:
 # 16 rows hold them) the q step takes 12.6 us against 20.9 (H100) and the whole op 101 -> 93 us;
 # 16 heads b8 unchanged (64.5 -> 64.5 us, its grid is too small for this tile).
-comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (1, 4, 1, 4), (2, 4, 1, 4))
+# The q step's wgmma tile (warpgroups, m64 tiles per warpgroup, rows, 0; `is_wg_tile`; projection_wgmma.mojo):
+# two warpgroups of two m64 tiles over 64 rows, where it handles the projection (`wg_tile_supported`:
+# DeepSeek's q projection, one K block, per-row scales) and a head has at least WG_MIN_ROWS tokens, by the
+# same rule of blocks. H100, 2026-12-07 (benchmarks/results/h100-2026-12-07g-wgmma-q/, `gpu_bench proj`, the
+# step alone, two rounds): 128 h b64 8k 29.1 -> 22.4-22.9 us; at 16 h b8 the mma.sync tiles stay faster
+# (6.5 us against 7.2-13.9 for wgmma tiles of 16 or 64 rows), and step 6 on wgmma (tried: its quantized
+# rows copied into the swizzled operand by loads and stores) took 47 against 16 us at 128 h b64. The whole
+# op alternated with main (same folder, call 3): 128 h b64 8k 359.3 / 359.7 -> 355.6 / 356.9 us, 128 h b128
+# 32k 2412 / 2413 -> 2394 / 2396 us, the shapes where the tile is not taken level; capped at 80 registers
+# for 3 blocks an SM (the launch's 65 light blocks in the same wave; 184 bytes spilled) it was level with main.
+comptime PROJ_TILES = ((1, 4, 1, 1), (1, 4, 1, 2), (1, 4, 1, 4), (2, 4, 1, 4), (2, 2, 64, 0))
+comptime WG_MIN_ROWS = 32
 comptime FMA_PATH = -1  # a projection on float32 FMA units: float32, or no tile fits in shared memory
 
 # Programmatic dependent launch (pdl.mojo) of the attention kernel, the merge and the output step,
@@ -213,6 +226,16 @@ def tile_fits(tile: Tuple[Int, Int, Int, Int], depth: Int, block_k: Int, smem_pe
     return TileLayout.create(depth, block_k).smem_bytes(tile_rows(tile), tile_cols(tile)) <= smem_per_block
 
 
+def proj_tile_supported(
+    tile: Tuple[Int, Int, Int, Int], n_out: Int, depth: Int, blocks: BlockShape, smem_per_block: Int, wgmma: Bool
+) -> Bool:
+    """Whether a projection (`n_out` x `depth` weights, scale `blocks`) can take `tile`: it fits in shared memory
+    and, a wgmma tile, `wgmma` allows one (the q step) and `wg_tile_supported` holds."""
+    if is_wg_tile(tile) and not (wgmma and wg_tile_supported(tile_rows(tile), tile_cols(tile), n_out, depth, blocks.m, blocks.k)):
+        return False
+    return tile_fits(tile, depth, blocks.k, smem_per_block)
+
+
 comptime PROJ_FILL_SIXTEENTHS = 15
 """A projection's tile is the one with the fewest blocks that still give this many sixteenths of the SMs a
 block (the first tile that fits where none does). 15 rather than 16 (all of them): at 16 h b8 the q step's
@@ -224,16 +247,20 @@ unchanged (the same tiles)."""
 
 def choose_proj_tile[
     dtype: DType
-](groups: Int, rows: Int, n_out: Int, depth: Int, block_k: Int, limits: DeviceLimits) -> Int:
-    """Index in PROJ_TILES of the tile for a projection, or FMA_PATH (float32, or no tile fits)."""
+](groups: Int, rows: Int, n_out: Int, depth: Int, blocks: BlockShape, limits: DeviceLimits, wgmma: Bool) -> Int:
+    """Index in PROJ_TILES of the tile for a projection, or FMA_PATH (float32, or no tile fits): the wgmma tile
+    where `wgmma` allows it (the q step), `rows` (tokens a head) reach WG_MIN_ROWS and it handles the
+    projection and its grid has the fewest blocks that still fill the SMs, else an mma.sync tile."""
     comptime if dtype == DType.float32:
         return FMA_PATH
+    var smem = limits.smem_per_block
     var best = FMA_PATH
     var best_blocks = 0
     var enough = limits.sm_count * PROJ_FILL_SIXTEENTHS // 16
     comptime for i in range(len(PROJ_TILES)):
         comptime t = PROJ_TILES[i]
-        if tile_fits(t, depth, block_k, limits.smem_per_block):
+        var rows_ok = not is_wg_tile(t) or rows >= WG_MIN_ROWS
+        if rows_ok and proj_tile_supported(t, n_out, depth, blocks, smem, wgmma):
             var blocks = groups * ceil_div(rows, tile_rows(t)) * ceil_div(n_out, tile_cols(t))
             if best < 0 or (blocks >= enough and blocks < best_blocks):
                 best = i
@@ -277,15 +304,15 @@ struct GpuPlan(TrivialRegisterPassable):
             if attention == i:
                 rows_per_block = attention_rows_per_block(ATTENTION_VARIANTS[i])
                 split = attention_split(p, ATTENTION_VARIANTS[i], limits)
-        var q_k = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim).k
-        var out_k = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank).k
+        var q_blocks = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim)
+        var out_blocks = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank)
         return Self(
             attention,
             rows_per_block,
             split[0],
             split[1],
-            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.kv_lora_rank, p.nope_dim, q_k, limits),
-            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.v_head_dim, p.kv_lora_rank, out_k, limits),
+            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.kv_lora_rank, p.nope_dim, q_blocks, limits, True),
+            choose_proj_tile[dtype](p.num_heads, p.num_tokens, p.v_head_dim, p.kv_lora_rank, out_blocks, limits, False),
             PDL_DEFAULT,
             QUANTIZE_IN_MERGE_DEFAULT,
             SCHEDULE_IN_Q_STEP_DEFAULT,

@@ -253,7 +253,7 @@ struct ActivationRows[in_dtype: DType, copy_dtype: DType](TrivialRegisterPassabl
 
 @always_inline
 def stage_activations[
-    in_dtype: DType, out_dtype: DType, copy_dtype: DType, warps: Int
+    in_dtype: DType, out_dtype: DType, copy_dtype: DType, warps: Int, swizzled: Bool = False
 ](
     p: Fp8Projection[in_dtype, out_dtype],
     lay: TileLayout,
@@ -272,6 +272,8 @@ def stage_activations[
     then the row's quantized values; zeros pad each K block and the rows past
     M. With `do_copy`, also stores the rows, as `copy_dtype`, at
     `copy + g copy_g_stride + m copy_m_stride + k` (the attention output).
+    With `swizzled` the values go to `sm.a_s` as the wgmma tile's B operand
+    (`store_quantized`, projection_wgmma.mojo) instead of plain rows.
 
     Per-row scales (`bm == 1`) of K blocks up to 512 wide: a warp takes
     SEG_VECS float32x4 slots per lane at once, i.e. 4 items of up to 128, 2 of
@@ -303,18 +305,17 @@ def stage_activations[
         # the item arithmetic of a warp step folds away.
         var vpi = ceil_div(lay.block_kp, SLOT)
         if vpi == 1:
-            quantize_rows_in_registers[warps, 1](act, lay, sm, m0, mt)
+            quantize_rows_in_registers[warps, 1, swizzled](act, lay, sm, m0, mt)
         elif vpi == 2:
-            quantize_rows_in_registers[warps, 2](act, lay, sm, m0, mt)
+            quantize_rows_in_registers[warps, 2, swizzled](act, lay, sm, m0, mt)
         else:
-            quantize_rows_in_registers[warps, 4](act, lay, sm, m0, mt)
+            quantize_rows_in_registers[warps, 4, swizzled](act, lay, sm, m0, mt)
         return
 
     for item in range(wid, items, warps):
         var r = item // kb_count
         var kb = item % kb_count
         var m = m0 + r
-        var dst = sm.a_s.unsafe_offset(r * lay.a_stride + kb * lay.block_kp)
         var k0 = kb * act.bk
         var width = min(act.bk, act.k_total - k0)
         var scale = Float32(1)
@@ -337,14 +338,14 @@ def stage_activations[
                 x = e4m3_as_f16[1](xv.cast[DType.float32](), div)
                 if do_copy:
                     act.copy_g.unsafe_store(m * copy_m_stride + k0 + kk, xv.cast[copy_dtype]())
-            dst.unsafe_store(kk, x[0])
+            store_quantized[swizzled, 1](sm, lay, mt, r, kb * lay.block_kp + kk, x)
         if lane == 0:
             sm.sa_s.unsafe_store(item, scale)
 
 
 @always_inline
 def quantize_rows_in_registers[
-    in_dtype: DType, copy_dtype: DType, //, warps: Int, VPI: Int
+    in_dtype: DType, copy_dtype: DType, //, warps: Int, VPI: Int, swizzled: Bool
 ](act: ActivationRows[in_dtype, copy_dtype], lay: TileLayout, sm: TileSmem, m0: Int, mt: Int):
     """`stage_activations` for per-row scales (`bm == 1`) and K blocks of up to `VPI` float32x4 slots of a warp.
 
@@ -401,15 +402,49 @@ def quantize_rows_in_registers[
             var div = divs[s // VPI]
             var scale = scales[s // VPI]
             if rr < mt and kk < lay.block_kp:
-                sm.a_s.unsafe_offset(rr * lay.a_stride + kbb * lay.block_kp + kk).unsafe_store[alignment=8](
-                    0, e4m3_as_f16[4](v[s], div)
-                )
+                store_quantized[swizzled, 4](sm, lay, mt, rr, kbb * lay.block_kp + kk, e4m3_as_f16[4](v[s], div))
                 if lane == 0 and s % VPI == 0:
                     sm.sa_s.unsafe_store(rr * kb_count + kbb, scale)
                 if act.do_copy and m0 + rr < act.rows and kk < min(act.bk, act.k_total - kbb * act.bk):
                     act.copy_g.unsafe_offset((m0 + rr) * act.copy_ms + kbb * act.bk + kk).unsafe_store[
                         alignment=4 * size_of[copy_dtype]()
                     ](0, v[s].cast[copy_dtype]())
+
+
+@always_inline
+def store_quantized[
+    swizzled: Bool, w: Int
+](sm: TileSmem, lay: TileLayout, mt: Int, r: Int, kp: Int, x: SIMD[DType.float16, w]):
+    """Quantized activations `x` (e4m3 values, exact in float16 and bf16) of block row `r` at padded
+    columns `kp ..< kp + w` (`w` 1, or 4 from a multiple of 4): plain rows of `lay.a_stride` float16
+    values, or (`swizzled`) the wgmma tile's B operand of `mt` rows in bf16 (`swizzled_offset`)."""
+    comptime if swizzled:
+        var base = sm.a_s.unsafe_bitcast[UInt8]()
+        var y = x.cast[DType.bfloat16]()
+        comptime if w == 1:
+            base.unsafe_offset(swizzled_offset(mt, r, kp)).unsafe_bitcast[BFloat16]().unsafe_store(0, y[0])
+        else:
+            comptime for i in range(w // 2):  # pairs: (k, k + 1) and (k + 2, k + 3) land 8 columns apart
+                base.unsafe_offset(swizzled_offset(mt, r, kp + 2 * i)).unsafe_bitcast[BFloat16]().unsafe_store[
+                    alignment=4
+                ](0, y.slice[2, offset = 2 * i]())
+    else:
+        sm.a_s.unsafe_offset(r * lay.a_stride + kp).unsafe_store[alignment = 2 * w](0, x)
+
+
+@always_inline
+def swizzled_offset(rows: Int, r: Int, kp: Int) -> Int:
+    """Byte offset of padded column `kp` of row `r` in a wgmma B operand of `rows` rows (K-major, boxes of
+    64 columns x `rows` rows, 128-byte swizzle: 16-byte chunk `c` of row `r` at chunk `c ^ (r % 8)`), in
+    `project_tile`'s k order: in each 64-wide chunk, byte `16 t + 4 j + i` of a lane's load is k step
+    `j`'s column `2 t + i % 2 + 8 (i / 2)` (the m16n8k16 fragment's columns), so a load's 16 bytes
+    hold the four k steps of one thread's fragment."""
+    var c = kp % KCHUNK
+    var t4 = c // 16
+    var j = (c % 16) // 4
+    var i = c % 4
+    var e = 16 * j + 2 * t4 + i % 2 + 8 * (i // 2)  # column within the box
+    return (kp // KCHUNK) * rows * 128 + r * 128 + (((e // 8) ^ (r % 8)) * 16) + (e % 8) * 2
 
 
 @always_inline

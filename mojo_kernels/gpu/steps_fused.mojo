@@ -29,6 +29,7 @@ from max.gpu.memory import AddressSpace, async_copy_wait_all, external_memory
 from ..common import ceil_div, div_u32
 from .params import DeviceBatch, GPtr, KernelParams
 from .pdl import allow_dependents, launch_attributes, wait_for_producers
+from .attention_block import fence_async_proxy
 from .projection_mma import (
     Fp8Projection,
     QuantizedRows,
@@ -39,20 +40,27 @@ from .projection_mma import (
     stage_quantized,
     stage_weights,
 )
+from .projection_wgmma import WG_THREADS, WG_TILE_COLS, project_tile_wg
 from .rope_norm import CacheRowsParams, rope_norm_cache_row, rope_q_pairs
 from .schedule import ScheduleParams, build_schedule, schedule_smem_bytes
 
 
+def is_wg_tile(tile: Tuple[Int, Int, Int, Int]) -> Bool:
+    """Whether `tile` is a wgmma tile `(warpgroups, m64 tiles per warpgroup, rows, 0)` (projection_wgmma.mojo, the
+    q step alone) rather than an mma.sync tile `(warps_m, warps_n, tm, tn)`."""
+    return tile[3] == 0
+
+
 def tile_rows(tile: Tuple[Int, Int, Int, Int]) -> Int:
-    return tile[0] * tile[2] * 16
+    return tile[2] if is_wg_tile(tile) else tile[0] * tile[2] * 16
 
 
 def tile_cols(tile: Tuple[Int, Int, Int, Int]) -> Int:
-    return tile[1] * tile[3] * 8
+    return WG_TILE_COLS * tile[0] * tile[1] if is_wg_tile(tile) else tile[1] * tile[3] * 8
 
 
 def tile_threads(tile: Tuple[Int, Int, Int, Int]) -> Int:
-    return tile[0] * tile[1] * WARP_SIZE
+    return WG_THREADS * tile[0] if is_wg_tile(tile) else tile[0] * tile[1] * WARP_SIZE
 
 
 @fieldwise_init
@@ -117,11 +125,14 @@ def tile_of_block(blk: Int, tiles: TileGrid) -> Tuple[Int, Int, Int]:
 
 
 def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p: QStepParams[dtype]):
-    """Grid `H m_tiles n_tiles + cache_rows.count (+ 1 with a schedule)`, `32 warps_m warps_n` threads,
-    `smem_bytes` dynamic (at least `schedule_smem_bytes`)."""
-    comptime THREADS = warps_m * warps_n * WARP_SIZE
-    comptime MT = warps_m * tm * 16
-    comptime NT = warps_n * tn * 8
+    """Grid `H m_tiles n_tiles + cache_rows.count (+ 1 with a schedule)`, `tile_threads` threads,
+    `smem_bytes` dynamic (at least `schedule_smem_bytes`). A wgmma tile (`is_wg_tile`: `tn` 0) projects
+    with `project_tile_wg` (warpgroups `warps_m`, m64 tiles `warps_n` each, rows `tm`)."""
+    comptime TILE = (warps_m, warps_n, tm, tn)
+    comptime WG = is_wg_tile(TILE)
+    comptime THREADS = tile_threads(TILE)
+    comptime MT = tile_rows(TILE)
+    comptime NT = tile_cols(TILE)
     var blk = block_idx.x
     # The cache rows are the last blocks but one: latency-bound (one scattered cache row each),
     # they fill the projection's last, partial wave instead of holding SMs at the start. The
@@ -139,17 +150,23 @@ def q_step_kernel[dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int](p:
     var m0 = tile[1] * MT
     var n0 = tile[2] * NT
     var lay = TileLayout.create(Int(p.proj.depth), Int(p.proj.blocks.k))
-    var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=16](), lay, MT, NT)
+    # 1024-byte aligned: a wgmma tile's activations are 128-byte-swizzled boxes.
+    var sm = TileSmem.carve(external_memory[UInt8, address_space=AddressSpace.SHARED, alignment=1024](), lay, MT, NT)
 
     stage_weights[dtype, DType.float32, THREADS](p.proj, lay, sm, g, n0, NT)
-    stage_activations[dtype, DType.float32, DType.float32, THREADS // WARP_SIZE](
+    stage_activations[dtype, DType.float32, DType.float32, THREADS // WARP_SIZE, swizzled=WG](
         p.proj, lay, sm, g, m0, MT, p.proj.c.ptr, 0, 0, False
     )
     if tile[2] == 0:
         rope_q_tile[THREADS](p, g, m0, min(MT, Int(p.proj.rows) - m0))
     async_copy_wait_all()
+    comptime if WG:
+        fence_async_proxy()  # the activations' stores, before wgmma reads them
     barrier()
-    project_tile[dtype, DType.float32, dtype, warps_m, warps_n, tm, tn](p.proj, lay, sm, g, m0, n0)
+    comptime if WG:
+        project_tile_wg[dtype, warps_n, tm](p.proj, lay, sm, g, m0, n0)
+    else:
+        project_tile[dtype, DType.float32, dtype, warps_m, warps_n, tm, tn](p.proj, lay, sm, g, m0, n0)
 
 
 @always_inline

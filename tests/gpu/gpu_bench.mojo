@@ -33,7 +33,7 @@ from mojo_kernels.gpu.pipeline import (
 )
 from mojo_kernels.gpu.params import DeviceBatch, to_global
 from mojo_kernels.gpu.schedule import ScheduleParams
-from mojo_kernels.gpu.steps_fused import enqueue_out_step, enqueue_q_step, tile_cols
+from mojo_kernels.gpu.steps_fused import enqueue_out_step, enqueue_q_step, is_wg_tile, tile_cols
 from mojo_kernels.gpu.projection_mma import QuantizedRows
 from mojo_kernels.gpu.plan import (
     FMA_PATH,
@@ -44,7 +44,7 @@ from mojo_kernels.gpu.plan import (
     GpuPlan,
     attention_rows_per_block,
     attention_split,
-    tile_fits,
+    proj_tile_supported,
 )
 
 from gpu_case import Case, DeviceCase, Rng, decode_case, download, round_to, untracked, upload
@@ -287,7 +287,8 @@ def bench_proj[dtype: DType](ctx: DeviceContext, batch: Int, heads: Int, iters: 
         comptime t = PROJ_TILES[i]
         var tiled = plan
         tiled.q_tile = i
-        tiled.out_tile = i
+        comptime if not is_wg_tile(t):  # a wgmma tile: the q step's alone, the output step the op's
+            tiled.out_tile = i
         bench_proj_plan[dtype](ctx, c, d, tiled, String("tile ", t[0], "x", t[1], "x", t[2], "x", t[3]), q_full, raw, att_out, iters)
     var fma = plan
     fma.q_tile = FMA_PATH
@@ -330,10 +331,10 @@ def bench_candidate_tile[
     op's choice (`want_q`, `want_out`: the same quantization rule, so equal bit for bit)."""
     var p = d.problem(c)
     var limits = DeviceLimits.read(ctx)
-    var q_k = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim).k
-    var out_k = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank).k
+    var q_blocks = p.granularity.resolve(p.num_tokens, p.kv_lora_rank, p.nope_dim)
+    var out_blocks = p.granularity.resolve(p.num_tokens, p.v_head_dim, p.kv_lora_rank)
     var line = String("   tile ", tile[0], "x", tile[1], "x", tile[2], "x", tile[3], " (candidate) :")
-    if tile_fits(tile, p.nope_dim, q_k, limits.smem_per_block):
+    if proj_tile_supported(tile, p.kv_lora_rank, p.nope_dim, q_blocks, limits.smem_per_block, True):
         var params = q_step_params(p, untracked(q_full), cache_rows_params(p, 0), ScheduleParams.nothing(DeviceBatch.of(p.batch)))
         enqueue_q_step[dtype, tile](ctx, params, p.num_heads)
         ctx.synchronize()
@@ -343,8 +344,14 @@ def bench_candidate_tile[
         line += String(" q_full ", time_us(ctx, t0) / Float64(iters), " us (max |diff| vs the op's choice ")
         line += String(max_diff(download[DType.float32](ctx, q_full, len(want_q)), want_q), ")")
     else:
-        line += " q_full: does not fit in shared memory"
-    if tile_cols(tile) <= p.v_head_dim and tile_fits(tile, p.kv_lora_rank, out_k, limits.smem_per_block):
+        line += " q_full: does not fit in shared memory or take these sizes"
+    comptime if is_wg_tile(tile):
+        line += ", output: the q step's tile alone"
+        print(line)
+        return
+    if tile_cols(tile) <= p.v_head_dim and proj_tile_supported(
+        tile, p.v_head_dim, p.kv_lora_rank, out_blocks, limits.smem_per_block, False
+    ):
         p.attention_output = untracked(att_out)
         p.has_attention_output = True
         var params = out_step_params(p, untracked(raw), QuantizedRows.none(to_global(untracked(raw))))

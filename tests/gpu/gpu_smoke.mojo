@@ -49,7 +49,7 @@ from mojo_kernels.gpu.plan import (
     DeviceLimits,
     GpuPlan,
     attention_supported,
-    tile_fits,
+    proj_tile_supported,
 )
 from mojo_kernels.gpu.params import GFPtr, GlobalPtr, to_global
 from mojo_kernels.spec import Granularity
@@ -325,16 +325,16 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
     # q_full: dtype values; a float32 sum in another order may round one ulp the other way.
     # Every tile shape of the tensor-core kernel and the FMA path, then the op's own choice (kept).
     comptime if dtype != DType.float32:
-        var q_bk = Granularity(c.gm, c.gn, c.gk).resolve(c.num_tokens, c.rank, c.nope).k
+        var q_blocks = Granularity(c.gm, c.gn, c.gk).resolve(c.num_tokens, c.rank, c.nope)
         comptime for i in range(len(PROJ_TILES)):
-            if tile_fits(PROJ_TILES[i], c.nope, q_bk, limits.smem_per_block):
+            if proj_tile_supported(PROJ_TILES[i], c.rank, c.nope, q_blocks, limits.smem_per_block, True):
                 var tiled = plan
                 tiled.q_tile = i
                 d.build_q_full(ctx, c, tiled, q_full_buf)
                 var got = download[DType.float32](ctx, q_full_buf, rows * c.key_dim)
                 ok = check_close(tile_label["q_full", i](), got, ref_q_full, ulp_of[dtype]()) and ok
             else:
-                print("  q_full: tile", i, "does not fit in shared memory, skipped")
+                print("  q_full: tile", i, "does not fit in shared memory or take these sizes, skipped")
         var fma_path = plan
         fma_path.q_tile = FMA_PATH
         d.build_q_full(ctx, c, fma_path, q_full_buf)
@@ -423,15 +423,15 @@ def run_case[dtype: DType](ctx: DeviceContext, sm90_only: Bool, name: String, c:
         ref_out_stage[i] = round_to[dtype](ref_out_stage[i])
     var att_out = ctx.enqueue_create_buffer[dtype](max(rows * c.rank, 1))
     comptime if dtype != DType.float32:
-        var o_bk = Granularity(c.gm, c.gn, c.gk).resolve(c.num_tokens, c.v_dim, c.rank).k
+        var o_blocks = Granularity(c.gm, c.gn, c.gk).resolve(c.num_tokens, c.v_dim, c.rank)
         comptime for i in range(len(PROJ_TILES)):
-            if tile_fits(PROJ_TILES[i], c.rank, o_bk, limits.smem_per_block):
+            if proj_tile_supported(PROJ_TILES[i], c.v_dim, c.rank, o_blocks, limits.smem_per_block, False):
                 var tiled = plan
                 tiled.out_tile = i
                 d.project_output(ctx, c, tiled, raw_buf, att_out)
                 ok = check_parity[dtype](tile_label["output stage", i](), download[dtype](ctx, d.output, rows * c.v_dim), ref_out_stage) and ok
             else:
-                print("  output stage: tile", i, "does not fit in shared memory, skipped")
+                print("  output stage: tile", i, "does not fit in shared memory or is the q step's alone, skipped")
         var fma_path = plan
         fma_path.out_tile = FMA_PATH
         d.project_output(ctx, c, fma_path, raw_buf, att_out)
