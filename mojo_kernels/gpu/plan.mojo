@@ -20,6 +20,7 @@ from max.gpu.host import DeviceAttribute, DeviceContext
 
 from ..common import ceil_div
 from ..problem import DecodeProblem
+from ..spec import BlockShape
 from .attention_fma import ATT_ROWS, ATT_THREADS, attention_smem_bytes
 from .attention_mma import MMA_ROWS, attention_mma_smem_bytes, mma_supported
 from .attention_narrow import N9_ROWS
@@ -27,7 +28,6 @@ from .attention_sm90 import sm90_supported
 from .attention_wgmma import WG_ROWS, wgmma_supported
 from .tma_smem import S9_ROWS
 from .projection import MATMUL_SMEM_FLOATS
-from ..spec import BlockShape
 from .projection_mma import TileLayout
 from .projection_wgmma import wg_tile_supported
 from .steps_fused import is_wg_tile, tile_cols, tile_rows

@@ -18,8 +18,9 @@ q step lets the attention kernel launch early.
 Each launch takes one parameter struct (`QStepParams`, `OutStepParams`; `params.mojo`).
 
 The tile shape is a compile-time `(warps_m, warps_n, tm, tn)`: a block of
-`warps_m x warps_n` warps, each owning `16 tm` rows x `8 tn` columns; the plan
-picks it from `PROJ_TILES` (`plan.mojo`).
+`warps_m x warps_n` warps, each owning `16 tm` rows x `8 tn` columns (`project_tile`),
+or the q step's wgmma tile `(warpgroups, m64 tiles per warpgroup, rows, 0)`
+(`project_tile_wg`, projection_wgmma.mojo); the plan picks it from `PROJ_TILES` (`plan.mojo`).
 """
 
 from max.gpu import WARP_SIZE, barrier, block_idx, grid_dim, thread_idx
