@@ -16,14 +16,15 @@ block_k), computed transposed, `C^T [o, r] = sum_k W [o, k] A [r, k]`:
   tensor cores (as the mma.sync tile's), then `part * (sa * sw)`, rounded to the dtype.
 
 A warpgroup takes `tpw` m64 tiles; a block `wgs` warpgroups (`64 tpw wgs` columns) over `nr` rows, so
-the rows are quantized once for all of them. H100, 128 heads, 64 tokens (q step, ncu): see plan.mojo.
+the rows are quantized once for all of them. A register-A `wgmma` reads its A registers until it
+completes: each chunk's products are waited for before the next chunk is widened (`project_tile_wg`).
+Where the op takes this tile, and what it measured: `PROJ_TILES` in plan.mojo.
 
 Accumulator fragments (m64 nN, f32): warp `w` of the warpgroup, lane `4 g + t`, element `4 j + e` is
 output column `16 w + g + 8 (e / 2)` of the tile and block row `8 j + 2 t + e % 2`.
 """
 
 from std.memory import bitcast
-from std.sys import size_of
 from std.utils import StaticTuple
 
 from max.gpu import WARP_SIZE, thread_idx
