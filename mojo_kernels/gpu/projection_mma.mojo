@@ -478,6 +478,13 @@ def stage_quantized[threads: Int](q: QuantizedRows, lay: TileLayout, sm: TileSme
 
 
 @always_inline
+def weight_bytes(sm: TileSmem, lay: TileLayout, row: Int, kp: Int) -> SIMD[DType.uint32, 4]:
+    """Bytes `kp ..< kp + 16` (16-byte aligned) of row `row` of the staged fp8 weights: one lane's fragment
+    load (`project_tile`, `project_tile_wg`)."""
+    return sm.w_s.unsafe_offset(row * lay.w_stride + kp).unsafe_bitcast[UInt32]().unsafe_load[width=4, alignment=16](0)
+
+
+@always_inline
 def project_tile[
     in_dtype: DType, out_dtype: DType, value_dtype: DType, warps_m: Int, warps_n: Int, tm: Int, tn: Int
 ](p: Fp8Projection[in_dtype, out_dtype], lay: TileLayout, sm: TileSmem, g: Int, m0: Int, n0: Int):
@@ -504,12 +511,7 @@ def project_tile[
             var kp0 = kb * lay.block_kp + ch * KCHUNK + 16 * t4
             var wf = Array[SIMD[DType.float16, 16], tn](fill=0)
             comptime for j in range(tn):
-                var bits = (
-                    sm.w_s.unsafe_offset((col_base + j * 8 + gq) * lay.w_stride + kp0)
-                    .unsafe_bitcast[UInt32]()
-                    .unsafe_load[width=4, alignment=16](0)
-                )
-                wf[j] = bitcast[DType.float8_e4m3fn, 16](bits).cast[DType.float16]()
+                wf[j] = bitcast[DType.float8_e4m3fn, 16](weight_bytes(sm, lay, col_base + j * 8 + gq, kp0)).cast[DType.float16]()
             var af = Array[SIMD[DType.float16, 16], 2 * tm](fill=0)
             comptime for i in range(2 * tm):
                 var ap = sm.a_s.unsafe_offset((row_base + (i // 2) * 16 + gq + 8 * (i % 2)) * lay.a_stride + kp0)

@@ -31,7 +31,7 @@ from max.gpu import WARP_SIZE, thread_idx
 from max.gpu.compute.mma import wgmma_async, wgmma_commit_group_sync, wgmma_fence_aligned, wgmma_wait_group_sync
 
 from .hopper import Sw128, smem_u32
-from .projection_mma import KCHUNK, Fp8Projection, TileLayout, TileSmem
+from .projection_mma import KCHUNK, Fp8Projection, TileLayout, TileSmem, weight_bytes
 
 comptime WG_THREADS = 128  # a warpgroup
 comptime WG_TILE_COLS = 64  # output columns of an m64 tile
@@ -46,14 +46,6 @@ def wg_tile_supported(rows_per_block: Int, cols_per_block: Int, n_out: Int, dept
         block_m == 1 and block_k >= depth and depth % KCHUNK == 0 and n_out % cols_per_block == 0
         and cols_per_block % WG_TILE_COLS == 0 and rows_per_block % 8 == 0 and 8 <= rows_per_block <= 256
     )
-
-
-@always_inline
-def weight_bytes(sm: TileSmem, lay: TileLayout, row: Int, chunk: Int, t4: Int) -> SIMD[DType.uint32, 4]:
-    """Bytes `16 t4 ..< 16 t4 + 16` of 64-wide chunk `chunk` of row `row` of the staged fp8 weights."""
-    return sm.w_s.unsafe_offset(row * lay.w_stride + chunk * KCHUNK + 16 * t4).unsafe_bitcast[UInt32]().unsafe_load[
-        width=4, alignment=16
-    ](0)
 
 
 @always_inline
@@ -83,14 +75,14 @@ def project_tile_wg[
     comptime for t in range(tpw):
         var row = (wg * tpw + t) * WG_TILE_COLS + 16 * w + gq  # the fragment's first weight row in the block
         var out = SIMD[DType.float32, ACC](0)
-        var lo_bits = weight_bytes(sm, lay, row, 0, t4)
-        var hi_bits = weight_bytes(sm, lay, row + 8, 0, t4)
+        var lo_bits = weight_bytes(sm, lay, row, 16 * t4)
+        var hi_bits = weight_bytes(sm, lay, row + 8, 16 * t4)
         for ch in range(chunks):
             var lo = widened(lo_bits)
             var hi = widened(hi_bits)
             if ch + 1 < chunks:  # the next chunk's bytes load under this chunk's products
-                lo_bits = weight_bytes(sm, lay, row, ch + 1, t4)
-                hi_bits = weight_bytes(sm, lay, row + 8, ch + 1, t4)
+                lo_bits = weight_bytes(sm, lay, row, (ch + 1) * KCHUNK + 16 * t4)
+                hi_bits = weight_bytes(sm, lay, row + 8, (ch + 1) * KCHUNK + 16 * t4)
             wgmma_fence_aligned()
             comptime for step in range(KCHUNK // 16):
                 var x = lo.slice[4, offset = 4 * step]().join(hi.slice[4, offset = 4 * step]())
