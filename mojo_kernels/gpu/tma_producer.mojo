@@ -197,12 +197,14 @@ def warp_all(x: Bool) -> Bool:
 
 @always_inline
 def widen_raw_rows[
-    rows_: Int, //, dtype: DType, key_rows: Int, raw_boxes: Int
+    rows_: Int, //, dtype: DType, key_rows: Int, raw_boxes: Int, try_pow2: Bool
 ](sm: SmemPlan[True, rows_], slot: Int, row0: Int, jb0: Int, wt: Int):
     """One math warpgroup's thread `wt`: the latent bytes of keys `row0 ..< row0 + key_rows` in raw boxes
     `jb0 ..< jb0 + raw_boxes` of raw slot `slot` times their scales into bf16 boxes `2 jb0 ..` of the stage,
-    in the 128-byte swizzle of both: `widen_pow2` where every scale of the warp's rows of a raw box is a
-    power of two it serves (a warp-uniform branch), else `dequantize8`. The thread takes 16-byte output
+    in the 128-byte swizzle of both: with `try_pow2`, `widen_pow2` where every scale of the warp's rows of
+    a raw box is a power of two it serves (a warp-uniform branch), else `dequantize8`. (H100, 2026-12-07:
+    the narrow kernel's whole op on fp8 rows 1.5-2% faster with it at 16 heads; the 64-row kernel's 7%
+    slower at 128 h b64 8k, where the widening runs between its products.) The thread takes 16-byte output
     chunk `wt % 8` of rows `row0 + wt / 8 + 16 i` of each box."""
     comptime ROWS_PER_THREAD = key_rows * 8 // S9_WG  # 16-byte chunks of a box per thread
     var raw = sm.raw(slot)
@@ -224,14 +226,14 @@ def widen_raw_rows[
                 var src = raw.unsafe_offset(jb * S9_RAW_BOX_BYTES + r * 128 + (((half * 4 + c // 2) ^ swz) * 16) + (c % 2) * 8)
                 bytes = bytes.insert[offset = 8 * (half * ROWS_PER_THREAD + i)](src.unsafe_load[width=8, alignment=8](0))
         var args = WidenedBox[ROWS_PER_THREAD](sm.stage(0), jb, r0, c, swz)
-        comptime if dtype == DType.bfloat16:
+        comptime if try_pow2 and dtype == DType.bfloat16:
             var pow2 = True
             comptime for i in range(ROWS_PER_THREAD):
                 pow2 = pow2 and pow2_multiplier(sc[i]) != 0
             if warp_all(pow2):
                 args.store[dtype, True](bytes, sc)
             else:
-                args.store[dtype, False](bytes, sc)
+                args.store[dtype, False, fenced=True](bytes, sc)
         else:
             args.store[dtype, False](bytes, sc)
 
@@ -249,10 +251,10 @@ struct WidenedBox[rows: Int](TrivialRegisterPassable):
 
     @always_inline
     def store[
-        dtype: DType, pow2: Bool
+        dtype: DType, pow2: Bool, fenced: Bool = False
     ](self, bytes: SIMD[DType.uint8, 16 * Self.rows], sc: SIMD[DType.float32, Self.rows]):
         """The loaded bytes (`8 (half rows + i)`: half `half` of row `i`) widened, `widen_pow2` with `pow2`
-        (every scale `sc` one it serves)."""
+        (every scale `sc` one it serves); `fenced`: `dequantize8` behind the `widen_pow2` branch."""
         comptime for half in range(2):
             var box = 2 * self.jb + half
             comptime for i in range(Self.rows):
@@ -260,13 +262,15 @@ struct WidenedBox[rows: Int](TrivialRegisterPassable):
                 var v: SIMD[dtype, 8]
                 comptime if pow2:
                     v = rebind[SIMD[dtype, 8]](widen_pow2(raw8, pow2_multiplier(sc[i])))
-                else:
+                elif fenced:
                     # The bytes through an `asm volatile` move: else the optimizer hoists this path's conversions
                     # above the branch, onto the `widen_pow2` path too.
                     var word = inlined_assembly["mov.b64 $0, $1;", UInt64, constraints="=l,l", has_side_effect=True](
                         bitcast[DType.uint64, 1](raw8)
                     )
                     v = dequantize8[dtype](bitcast[DType.uint8, 8](word), sc[i])
+                else:
+                    v = dequantize8[dtype](raw8, sc[i])
                 self.stage.unsafe_offset(box * S9_BOX_BYTES + (self.r0 + 16 * i) * 128 + ((self.c ^ self.swz) * 16)).unsafe_bitcast[
                     Scalar[dtype]
                 ]().unsafe_store[alignment=16](0, v)
