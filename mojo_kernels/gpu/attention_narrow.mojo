@@ -253,7 +253,7 @@ def attend_narrow[
             # This warpgroup's value boxes of the one stage, widened from the block's raw slot. Only this
             # warpgroup reads them (its scores and its P V, both waited for), so it waits for no one.
             mbar_wait(sm.raw_full(slot), (b // SLOTS) & 1)
-            widen_raw_rows[dtype, S9_KEYS, 2](rebind[SmemPlan[True, N9_ROWS]](sm), slot, 0, 2 * wg, wt)
+            widen_raw_rows[dtype, S9_KEYS, 2, True](rebind[SmemPlan[True, N9_ROWS]](sm), slot, 0, 2 * wg, wt)
             fence_async_proxy()
             wg_barrier[BAR_N_WIDEN](wg)
 

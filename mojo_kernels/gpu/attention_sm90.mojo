@@ -260,7 +260,7 @@ def attention_sm90_kernel[dtype: DType, fp8: Bool = False](p: TmaAttentionParams
             var slot = b % S9_RAW_SLOTS
             mbar_wait(sm.empty(0), (b & 1) ^ 1)
             mbar_wait(sm.raw_full(slot), (b // S9_RAW_SLOTS) & 1)
-            widen_raw_rows[dtype, S9_KEYS // 2, S9_RAW_BOXES](rebind[SmemPlan[True]](sm), slot, wg * (S9_KEYS // 2), 0, wt)
+            widen_raw_rows[dtype, S9_KEYS // 2, S9_RAW_BOXES, False](rebind[SmemPlan[True]](sm), slot, wg * (S9_KEYS // 2), 0, wt)
             fence_async_proxy()
             wg_barrier[BAR_WIDEN](wg)
             if lane == 0:

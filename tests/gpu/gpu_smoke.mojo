@@ -51,7 +51,10 @@ from mojo_kernels.gpu.plan import (
     attention_supported,
     proj_tile_supported,
 )
+from mojo_kernels.common import DPtr
+from mojo_kernels.gpu.attention_block import dequantize8
 from mojo_kernels.gpu.params import GFPtr, GlobalPtr, to_global
+from mojo_kernels.gpu.tma_producer import pow2_multiplier, widen_pow2
 from mojo_kernels.spec import Granularity
 
 from gpu_case import Case, DeviceCase, download, download_u8, round_to, untracked, upload, upload_u8, variant_index
@@ -581,10 +584,61 @@ def correctness(ctx: DeviceContext, only: String) raises -> Bool:
     return fp8_cases(ctx) and ok
 
 
+comptime WIDEN_SCALES = 136  # 2^-126 ..= 2^7, which widen_pow2 serves, then 2^8 and 0.75 (dequantize8's alone)
+
+
+def widen_check_kernel(bytes: DPtr[DType.uint8], fast: DPtr[DType.bfloat16], slow: DPtr[DType.bfloat16]):
+    """Thread `t`: every e4m3 byte times scale `t` (`2^(t - 126)`, then 0.75), both ways."""
+    var t = Int(thread_idx.x)
+    var scale = Float32(0.75) if t == WIDEN_SCALES - 1 else bitcast[DType.float32](UInt32(t + 1) << 23)
+    var mult = pow2_multiplier(scale)
+    for c in range(32):
+        var raw = bytes.unsafe_offset(8 * c).unsafe_load[width=8](0)
+        var want = dequantize8[DType.bfloat16](raw, scale)
+        var got = widen_pow2(raw, mult) if mult != 0 else want
+        fast.unsafe_offset(t * 256 + 8 * c).unsafe_store(0, got)
+        slow.unsafe_offset(t * 256 + 8 * c).unsafe_store(0, want)
+
+
+def check_widen_pow2(ctx: DeviceContext) raises -> Bool:
+    """The fp8 kernels' power-of-two widening (`widen_pow2`) against `dequantize8` bit for bit: every e4m3
+    byte but NaN, every scale it serves (subnormal inputs and results included), and that it refuses the
+    scales it cannot serve (2^8, 0.75)."""
+    var host = List[UInt8](length=256, fill=0)
+    for i in range(256):
+        host[i] = UInt8(i)
+    var bytes = upload_u8(ctx, host)
+    var fast = ctx.enqueue_create_buffer[DType.bfloat16](WIDEN_SCALES * 256)
+    var slow = ctx.enqueue_create_buffer[DType.bfloat16](WIDEN_SCALES * 256)
+    ctx.enqueue_function[widen_check_kernel](untracked(bytes), untracked(fast), untracked(slow), grid_dim=1, block_dim=WIDEN_SCALES)
+    var got = List[BFloat16](length=WIDEN_SCALES * 256, fill=0)
+    var want = List[BFloat16](length=WIDEN_SCALES * 256, fill=0)
+    ctx.enqueue_copy(dst_ptr=got.unsafe_ptr(), src_buf=fast)
+    ctx.enqueue_copy(dst_ptr=want.unsafe_ptr(), src_buf=slow)
+    ctx.synchronize()
+    var differ = 0
+    var subnormal = 0
+    for t in range(WIDEN_SCALES):
+        for i in range(256):
+            if i % 128 == 127:
+                continue  # NaN bytes: widen_pow2 reads 480 times the scale (documented)
+            var g = bitcast[DType.uint16](got[t * 256 + i])
+            if g != bitcast[DType.uint16](want[t * 256 + i]):
+                differ += 1
+            if g & 0x7F80 == 0 and g & 0x7F != 0:
+                subnormal += 1
+    var refused = pow2_multiplier(Float32(256.0)) == 0 and pow2_multiplier(Float32(0.75)) == 0 and pow2_multiplier(Float32(128.0)) != 0
+    return report(
+        "widen_pow2 vs dequantize8",
+        differ == 0 and subnormal > 0 and refused,
+        String(differ, " of ", WIDEN_SCALES * 254, " values differ; ", subnormal, " subnormal results; 2^8 and 0.75 refused, 2^7 served: ", refused),
+    )
+
+
 def fp8_cases(ctx: DeviceContext) raises -> Bool:
     # The fp8_ds_mla cache (bfloat16 ops): 16 heads (mma.sync) and 128 (wgmma), ragged, masks, page sizes 1 / 16 / 64;
     # every case also runs 1 and 3 partitions and the pinned tensor-core kernels.
-    var ok = True
+    var ok = check_widen_pow2(ctx)
     ok = run_case[DType.bfloat16](
         ctx, False, "fp8 cache, 16 heads", Case.__init__[DType.bfloat16](20, 16, ints(130, 1, 0, 64), ints(1, 4, 2, 1), fp8=True)
     ) and ok
