@@ -192,7 +192,9 @@ struct Fp8LatentRows(TrivialRegisterPassable):
 
     A row is `row_bytes` bytes: `kv_lora_rank` e4m3 latent values, one
     float32 scale per 128 of them, `rope_dim` bfloat16 rope values. Its
-    values are `e4m3 * scale` and the rope values: exactly bfloat16 values.
+    values are `e4m3 * scale` (exactly bfloat16 values for the power-of-two
+    scales pymla writes; other scales' products are read rounded to bfloat16)
+    and the rope values.
     `active` is False when the cache holds rows in the op's dtype.
     """
 
@@ -259,7 +261,8 @@ struct Fp8LatentRows(TrivialRegisterPassable):
         ]()
 
     def dequantize_row[out_dtype: DType](self, b: Int, pos: Int, dst: DPtr[out_dtype]):
-        """`dst[:R + Dr]` = the row's values (`e4m3 * scale`, then the rope part): exact in bfloat16 and float32."""
+        """`dst[:R + Dr]` = the row's values (`e4m3 * scale` rounded to bfloat16, exact for the power-of-two scales
+        pymla writes; then the rope part)."""
         self.dequantize(self.row(b, pos), dst)
 
     def dequantize_rows[out_dtype: DType](self, b: Int, pos: Int, count: Int, dst: DPtr[out_dtype], dst_stride: Int):
@@ -289,7 +292,10 @@ struct Fp8LatentRows(TrivialRegisterPassable):
                     continue
             comptime for i in range(0, FP8_SCALE_BLOCK, W):
                 var at = block * FP8_SCALE_BLOCK + i
-                dst.unsafe_store(at, (widen_e4m3[W](row.unsafe_load[width=W](at)) * s).cast[out_dtype]())
+                # Rounded to bfloat16 for every reader (exact for a power-of-two scale; other scales' products
+                # round, as the GPU kernels' `dequantize8` and the reference's `dequantize_rows` round them).
+                var value = (widen_e4m3[W](row.unsafe_load[width=W](at)) * s).cast[DType.bfloat16]()
+                dst.unsafe_store(at, value.cast[out_dtype]())
         var rope = self.rope(row)
         var d = 0
         while d + W <= self.rope_dim:

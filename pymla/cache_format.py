@@ -35,7 +35,8 @@ rounded float32 quotient: that quotient lands on a power of two only when
 ``amax / 448`` is one exactly, which 8 significant bits allow only there.
 Rows written by a producer with other float32 scales (``amax / 448``) are
 read the same way (the stored scale multiplies), but their values are then
-not always bfloat16 values.
+not always bfloat16 values: every reader (the kernels and
+:func:`dequantize_rows`) rounds ``q * scale`` to bfloat16.
 
 The rope part is stored as bfloat16 (after step 1's rotation, as the
 ``"dtype"`` format stores it). The row's values are read back as
@@ -168,10 +169,12 @@ def split_rows(raw: torch.Tensor, kv_lora_rank: int) -> tuple[torch.Tensor, ...]
 
 
 def dequantize_rows(raw: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
-    """The values ``[..., R + Dr]`` (float32 holding bfloat16 values) of ``fp8_ds_mla`` rows."""
+    """The values ``[..., R + Dr]`` (float32 holding bfloat16 values) of ``fp8_ds_mla`` rows:
+    ``e4m3 * scale`` rounded to bfloat16, as every kernel reads them (exact, no rounding, for the
+    power-of-two scales this package writes; a writer of other scales gets them rounded)."""
     latent, scales, rope = split_rows(raw, kv_lora_rank)
     values = latent.float() * scales.repeat_interleave(SCALE_BLOCK, dim=-1)
-    return torch.cat([values, rope.float()], dim=-1)
+    return torch.cat([values.to(torch.bfloat16).float(), rope.float()], dim=-1)
 
 
 def read_rows(blocks: torch.Tensor, index: tuple, kv_lora_rank: int) -> torch.Tensor:

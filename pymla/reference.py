@@ -34,7 +34,8 @@ rounded to ``D`` for ``P V`` while their sum stays float32.
    (as a new row's input in step 1 and 2, and as ``K[j]``, ``V[j]`` in
    step 5) gives ``e4m3 * scale``, exactly a bfloat16 value: step 5 is the
    bfloat16 computation on these values (:mod:`pymla.cache_format`
-   has the layout, the rule and why the values are exact).
+   has the layout, the rule and why the values are exact; rows another
+   writer left with other scales read as ``rnd(e4m3 * scale)``).
 3. q_nope projection, an fp8 batched matmul over heads:
    ``qn[t, h, :] = rnd(fp8mm(q[t, h, :Dn], w_uk[h]))`` with
    ``fp8mm(a, w)[n] = sum_k dq(a)[k] * dq(w)[n, k]``, where ``a`` is quantized

@@ -72,6 +72,29 @@ def test_fp8_long_context_partitions(target):
 
 
 @pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("heads", [16, 128])
+def test_fp8_scales_not_powers_of_two(heads, target):
+    """Rows another writer left with scales that are not powers of two (each times 0.75 on the rows at
+    page slots 0-3 of every 16, the GPU's narrow kernel widening those warps' rows apart): their values
+    are ``e4m3 * scale`` rounded to bfloat16 for the op and the reference alike (``dequantize_rows``)."""
+    case = make_case(
+        4500 + heads,
+        num_heads=heads,
+        page_size=64,
+        cache_lengths=(300, 70),
+        new_tokens=(1, 2),
+        **FP8,
+    )
+    blocks = case.cache.blocks
+    odd = (torch.arange(blocks.shape[3]) % 16 < 4).view(1, 1, 1, -1, 1) & ~case.new_rows_mask()
+    scales = blocks[..., 512:528].clone().view(torch.float32)
+    scales[odd] *= 0.75
+    blocks[..., 512:528] = scales.view(torch.uint8)
+    assert odd.sum() > 0 and torch.all(torch.frexp(scales[odd])[0] == 0.75), "the odd rows' scales"
+    check_parity(case, target)
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_new_rows_bytes_are_the_references(target):
     """The new rows: the reference's bytes (quantized values, scales, rope) but for rare flips."""
     case = make_case(4200, cache_lengths=(3, 60, 0, 9), new_tokens=(8, 16, 24, 16), **FP8)

@@ -105,15 +105,26 @@ def quantize_row(values: List[Float32], at: Int, rank: Int, rope: Int, mut bytes
         bytes[rope_at + 2 * d + 1] = UInt8(bits >> 8)
 
 
+def scale_row(mut bytes: List[UInt8], bat: Int, rank: Int, factor: Float32):
+    """Every scale of the fp8_ds_mla row `bytes[bat ..]` times `factor`."""
+    for blk in range(rank // 128):
+        var at = bat + rank + 4 * blk
+        var s = bitcast[DType.float32, 1](SIMD[DType.uint8, 4](bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]))[0]
+        var sb = bitcast[DType.uint8, 4](SIMD[DType.float32, 1](s * factor))
+        for k in range(4):
+            bytes[at + k] = sb[k]
+
+
 def dequantize_row(bytes: List[UInt8], bat: Int, rank: Int, rope: Int, mut values: List[Float32], at: Int):
-    """The values of the fp8_ds_mla row `bytes[bat ..]` into `values[at : at + R + Dr]` (e4m3 x scale, then rope)."""
+    """The values of the fp8_ds_mla row `bytes[bat ..]` into `values[at : at + R + Dr]` (e4m3 x scale rounded to
+    bfloat16, as the kernels read it: exact for the scales pymla writes, powers of two; then rope)."""
     for blk in range(rank // 128):
         var s = bitcast[DType.float32, 1](
             SIMD[DType.uint8, 4](bytes[bat + rank + 4 * blk], bytes[bat + rank + 4 * blk + 1],
                                  bytes[bat + rank + 4 * blk + 2], bytes[bat + rank + 4 * blk + 3])
         )[0]
         for i in range(128):
-            values[at + blk * 128 + i] = widen_e4m3[1](SIMD[DType.uint8, 1](bytes[bat + blk * 128 + i]))[0] * s
+            values[at + blk * 128 + i] = round_to[DType.bfloat16](widen_e4m3[1](SIMD[DType.uint8, 1](bytes[bat + blk * 128 + i]))[0] * s)
     var rope_at = bat + rank + 4 * (rank // 128)
     for d in range(rope):
         var bits = (UInt32(bytes[rope_at + 2 * d + 1]) << 24) | (UInt32(bytes[rope_at + 2 * d]) << 16)
@@ -226,11 +237,15 @@ struct Case(Movable):
         gk: Int = 128,
         fp8: Bool = False,
         row_pool: Int = 0,
+        odd_scales: Bool = False,
     ):
         """`row_pool` > 0 (the benchmarks' large caches, whose timings do not depend on the values): the
         cache's rows are copies of `row_pool` rows drawn at random (a hashed pick per physical row),
         instead of every row drawn (about 24 ns a value on a 2-core AMD EPYC: about a minute for 128
-        requests of 32k keys)."""
+        requests of 32k keys). `odd_scales` (with `fp8`): the rows at page slots `s` with `s % 16 < 4` get
+        scales that are not powers of two (each times 0.75; their values e4m3 x scale rounded to bfloat16,
+        as every reader rounds them), as a writer other than pymla's quantizer may leave them: the narrow
+        kernel's warps holding those rows widen them by `dequantize8`, the others by `widen_pow2`."""
         var rng = Rng(seed)
         self.heads = heads
         self.nope = nope
@@ -289,6 +304,8 @@ struct Case(Movable):
             self.fp8_bytes = List[UInt8](length=drawn * self.row_bytes, fill=0)
             for r in range(drawn):
                 quantize_row(self.blocks, r * self.key_dim, rank, rope, self.fp8_bytes, r * self.row_bytes)
+                if odd_scales and (r % page_size) % 16 < 4:
+                    scale_row(self.fp8_bytes, r * self.row_bytes, rank, Float32(0.75))
             for r in range(drawn):
                 dequantize_row(self.fp8_bytes, r * self.row_bytes, rank, rope, self.blocks, r * self.key_dim)
         if drawn < physical_rows:

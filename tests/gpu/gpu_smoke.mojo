@@ -659,6 +659,14 @@ def fp8_cases(ctx: DeviceContext) raises -> Bool:
         Case.__init__[DType.bfloat16](24, 16, ints(2000, 9), ints(2, 3), page_size=64, mask_kind=3, window=32, fp8=True),
     ) and ok
     ok = run_case[DType.bfloat16](
+        ctx, False, "fp8 cache, scales not powers of two on some rows, 16 heads",
+        Case.__init__[DType.bfloat16](26, 16, ints(300, 70), ints(1, 2), page_size=64, fp8=True, odd_scales=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
+        ctx, False, "fp8 cache, scales not powers of two on some rows, 128 heads",
+        Case.__init__[DType.bfloat16](27, 128, ints(130, 20), ints(1, 1), page_size=64, fp8=True, odd_scales=True),
+    ) and ok
+    ok = run_case[DType.bfloat16](
         ctx, False, "fp8 cache, small dims (R 256, Dr 32)",
         Case.__init__[DType.bfloat16](25, 4, ints(10, 31), ints(1, 2), rank=256, nope=64, rope=32, v_dim=64, fp8=True),
     ) and ok
