@@ -7,6 +7,7 @@ from std.memory import bitcast
 from std.sys._assembly import inlined_assembly
 
 from max.gpu import barrier
+from max.gpu.primitives.warp import vote
 
 from ..common import U32Ptr
 from .attention_block import AttentionBlock, AttentionParams, SPtr, dequantize8, fence_async_proxy
@@ -157,7 +158,7 @@ def pow2_multiplier(scale: Float32) -> UInt32:
     `pymla/cache_format.py`), else 0: `widen_pow2`'s factor."""
     var bits = bitcast[DType.uint32](scale)
     var e = bits >> 23  # the biased exponent of a positive scale
-    if (bits & 0x807FFFFF) != 0 or e == 0 or e > 134:
+    if (bits & 0x807FFFFF) != 0 or e == 0 or e > 134:  # the power-of-two test of fp8.bf16_scale_shift, another range
         return 0
     var m = (e + 120) << 7
     return m | (m << 16)
@@ -167,7 +168,8 @@ def pow2_multiplier(scale: Float32) -> UInt32:
 def widen_pow2(e4m3: SIMD[DType.uint8, 8], mult: UInt32) -> SIMD[DType.bfloat16, 8]:
     """`dequantize8` for a power-of-two scale without conversion instructions (two values: one `prmt`, one
     shift, one `and`, one bfloat16 multiply; `dequantize8` takes six). An e4m3 byte `s eeee mmm` sign-extended
-    to 16 bits (`prmt`'s sign mode), shifted left by 4 and masked to `s 0000eeee mmm0000` is a bfloat16 of the
+    to 16 bits (`prmt`'s sign mode), shifted left by 4 and masked to `s 0000eeee mmm0000` (the CPU's
+    `fp8.widen_e4m3_bf16` moves the bits so too, then rebiases the exponent instead) is a bfloat16 of the
     value times `2^-120`, exactly (zero and subnormals too: a bfloat16 subnormal), and one bfloat16 multiply
     by `mult` (`pow2_multiplier`) gives the value times the scale, exactly as `dequantize8` (a value of 4
     significant bits times a power of two). NaN bytes read as 480 times the scale."""
@@ -180,19 +182,6 @@ def widen_pow2(e4m3: SIMD[DType.uint8, 8], mult: UInt32) -> SIMD[DType.bfloat16,
         )
         out[i] = inlined_assembly["mul.rn.bf16x2 $0, $1, $2;", UInt32, constraints="=r,r,r"]((x << 4) & 0x87F087F0, mult)
     return bitcast[DType.bfloat16, 8](out)
-
-
-@always_inline
-def warp_all(x: Bool) -> Bool:
-    """Whether `x` holds in every lane of the warp (`vote.sync.all`): a warp-uniform branch condition."""
-    return (
-        inlined_assembly[
-            "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; vote.sync.all.pred q, p, 0xffffffff; selp.u32 $0, 1, 0, q; }",
-            UInt32,
-            constraints="=r,r",
-        ](UInt32(1 if x else 0))
-        != 0
-    )
 
 
 @always_inline
@@ -230,7 +219,7 @@ def widen_raw_rows[
             var pow2 = True
             comptime for i in range(ROWS_PER_THREAD):
                 pow2 = pow2 and pow2_multiplier(sc[i]) != 0
-            if warp_all(pow2):
+            if vote[DType.uint32](pow2) == UInt32(0xFFFFFFFF):  # every lane's rows: a warp-uniform branch
                 args.store[dtype, True](bytes, sc)
             else:
                 args.store[dtype, False, fenced=True](bytes, sc)
