@@ -95,9 +95,7 @@ def quantize_row(values: List[Float32], at: Int, rank: Int, rope: Int, mut bytes
         for i in range(128):
             var x = SIMD[DType.float32, 1](values[at + blk * 128 + i] / s)
             bytes[bat + blk * 128 + i] = e4m3_bytes[1](round_to_e4m3[1](x))[0]
-        var sb = bitcast[DType.uint8, 4](s)
-        for k in range(4):
-            bytes[bat + rank + 4 * blk + k] = sb[k]
+        store_scale(bytes, bat + rank + 4 * blk, s)
     var rope_at = bat + rank + 4 * (rank // 128)
     for d in range(rope):  # bfloat16 bits: the float32 bits' top half (the values are bfloat16 values)
         var bits = bitcast[DType.uint32, 1](SIMD[DType.float32, 1](values[at + rank + d].cast[DType.bfloat16]().cast[DType.float32]()))[0] >> 16
@@ -105,24 +103,30 @@ def quantize_row(values: List[Float32], at: Int, rank: Int, rope: Int, mut bytes
         bytes[rope_at + 2 * d + 1] = UInt8(bits >> 8)
 
 
+def load_scale(bytes: List[UInt8], at: Int) -> Float32:
+    """The float32 scale whose bytes start at `bytes[at]` (little-endian)."""
+    return bitcast[DType.float32, 1](SIMD[DType.uint8, 4](bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]))[0]
+
+
+def store_scale(mut bytes: List[UInt8], at: Int, s: Float32):
+    """`s` as the float32 bytes at `bytes[at ..]` (little-endian)."""
+    var sb = bitcast[DType.uint8, 4](SIMD[DType.float32, 1](s))
+    for k in range(4):
+        bytes[at + k] = sb[k]
+
+
 def scale_row(mut bytes: List[UInt8], bat: Int, rank: Int, factor: Float32):
     """Every scale of the fp8_ds_mla row `bytes[bat ..]` times `factor`."""
     for blk in range(rank // 128):
         var at = bat + rank + 4 * blk
-        var s = bitcast[DType.float32, 1](SIMD[DType.uint8, 4](bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]))[0]
-        var sb = bitcast[DType.uint8, 4](SIMD[DType.float32, 1](s * factor))
-        for k in range(4):
-            bytes[at + k] = sb[k]
+        store_scale(bytes, at, load_scale(bytes, at) * factor)
 
 
 def dequantize_row(bytes: List[UInt8], bat: Int, rank: Int, rope: Int, mut values: List[Float32], at: Int):
     """The values of the fp8_ds_mla row `bytes[bat ..]` into `values[at : at + R + Dr]` (e4m3 x scale rounded to
     bfloat16, as the kernels read it: exact for the scales pymla writes, powers of two; then rope)."""
     for blk in range(rank // 128):
-        var s = bitcast[DType.float32, 1](
-            SIMD[DType.uint8, 4](bytes[bat + rank + 4 * blk], bytes[bat + rank + 4 * blk + 1],
-                                 bytes[bat + rank + 4 * blk + 2], bytes[bat + rank + 4 * blk + 3])
-        )[0]
+        var s = load_scale(bytes, bat + rank + 4 * blk)
         for i in range(128):
             values[at + blk * 128 + i] = round_to[DType.bfloat16](widen_e4m3[1](SIMD[DType.uint8, 1](bytes[bat + blk * 128 + i]))[0] * s)
     var rope_at = bat + rank + 4 * (rank // 128)
