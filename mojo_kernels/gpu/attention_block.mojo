@@ -296,7 +296,8 @@ def fence_async_proxy():
 @always_inline
 def opaque(x: Int) -> Int:
     """`x` through an empty `asm volatile` move: the optimizer cannot treat it, or what is derived
-    from it, as loop-invariant (so values derived from it are not held in registers across a loop)."""
+    from it, as loop-invariant (so values derived from it are not held in registers across a loop),
+    nor move what is derived from it above the branch it is taken in (`WidenedBox.store`)."""
     return Int(inlined_assembly["mov.b64 $0, $1;", Int64, constraints="=l,l", has_side_effect=True](Int64(x)))
 
 

@@ -10,7 +10,7 @@ from max.gpu import barrier
 from max.gpu.primitives.warp import vote
 
 from ..common import U32Ptr
-from .attention_block import AttentionBlock, AttentionParams, SPtr, dequantize8, fence_async_proxy
+from .attention_block import AttentionBlock, AttentionParams, SPtr, dequantize8, fence_async_proxy, opaque
 from .hopper import arrive_expect_tx, mbar_wait, mbar_wait_u32, smem_u32, tma_load_box
 from .tma_smem import (
     S9_BLOCK_BYTES,
@@ -254,9 +254,7 @@ struct WidenedBox[rows: Int](TrivialRegisterPassable):
                 elif fenced:
                     # The bytes through an `asm volatile` move: else the optimizer hoists this path's conversions
                     # above the branch, onto the `widen_pow2` path too.
-                    var word = inlined_assembly["mov.b64 $0, $1;", UInt64, constraints="=l,l", has_side_effect=True](
-                        bitcast[DType.uint64, 1](raw8)
-                    )
+                    var word = UInt64(opaque(Int(bitcast[DType.uint64, 1](raw8))))
                     v = dequantize8[dtype](bitcast[DType.uint8, 8](word), sc[i])
                 else:
                     v = dequantize8[dtype](raw8, sc[i])
