@@ -64,7 +64,6 @@ class _Named(enum.IntEnum):
             return value
         name = cls._argument if name is None else name
         members = _MEMBERS[cls]
-        labels = cls.labels()
         if codes and isinstance(value, int) and not isinstance(value, bool):
             for member in members.values():
                 if int(member) == value:
@@ -72,11 +71,13 @@ class _Named(enum.IntEnum):
             known = {label: int(m) for label, m in members.items()}
             raise ValueError(f"{name}: expected one of the codes {known}, got {value}")
         if not isinstance(value, str):
-            raise TypeError(f"{name}: expected a str, one of {labels}, got {type(value).__name__}")
-        lowered = value.lower()
-        if lowered not in labels:
-            raise ValueError(f"{name}: expected one of {labels} (any case), got {value!r}")
-        return members[lowered]
+            raise TypeError(
+                f"{name}: expected a str, one of {cls.labels()}, got {type(value).__name__}"
+            )
+        member = members.get(value.lower())
+        if member is None:
+            raise ValueError(f"{name}: expected one of {cls.labels()} (any case), got {value!r}")
+        return member
 
 
 class Mask(_Named):

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from . import bridge, runtime
-from .args import ALL_STEPS, ARGS, BY_NAME, TORCH_SCALAR_DTYPES, Source
+from .args import ALL_STEPS, ARGS, TORCH_SCALAR_DTYPES, Source
 
 ARG_INDEX = {a.name: i for i, a in enumerate(ARGS)}
 """Each argument's position in :data:`pymla.args.ARGS` (the kernel's argument order)."""
@@ -24,6 +24,8 @@ _RUN_NAMES = ("output", "attention_output", "lse", "q", "new_rows", "layer_idx",
 assert {a.name for a in ARGS if a.source in (Source.CALL, Source.LAYER)} == set(_RUN_NAMES)
 _I_OUT, _I_ATTENTION, _I_LSE, _I_Q, _I_ROWS, _I_LAYER, _I_FIRST = (ARG_INDEX[n] for n in _RUN_NAMES)
 _STEP_NAMES = tuple(a.name for a in ARGS if a.source is Source.STEP)
+_SCALAR_DTYPES = {a.name: TORCH_SCALAR_DTYPES[a.dtype] for a in ARGS if a.is_scalar}
+"""The torch dtype of each scalar argument's buffer."""
 
 
 def max_buffers(
@@ -40,9 +42,9 @@ def max_buffers(
     """
     out = {}
     for name, value in values.items():
-        arg = BY_NAME[name]
-        if arg.is_scalar:
-            out[name] = runtime.scalar_buffer(value, TORCH_SCALAR_DTYPES[arg.dtype])
+        scalar_dtype = _SCALAR_DTYPES.get(name)
+        if scalar_dtype is not None:
+            out[name] = runtime.scalar_buffer(value, scalar_dtype)
         elif unordered is not None and value.is_contiguous():
             out[name] = wrap_call_tensor(value, unordered)
         else:
@@ -112,14 +114,31 @@ def step_template(
         },
         unordered,
     )
-    assert set(buffers) == set(_STEP_NAMES)
-    template = [buffers.get(a.name) for a in ARGS]
-    template[_I_OUT] = runtime.empty_buffer(3, dtype, device)
-    template[_I_ATTENTION] = runtime.empty_buffer(3, dtype, device)
-    template[_I_LSE] = runtime.empty_buffer(2, torch.float32, device)
-    template[_I_FIRST] = first_step_buffer(ALL_STEPS)
-    template[_I_ROWS] = runtime.empty_buffer(2, dtype, device)
+    assert buffers.keys() == _STEP_NAME_SET
+    template = _blank_template(dtype, device).copy()
+    for name, buffer in buffers.items():
+        template[ARG_INDEX[name]] = buffer
     return template
+
+
+_STEP_NAME_SET = frozenset(_STEP_NAMES)
+_blank_templates: dict[tuple[torch.dtype, torch.device], list] = {}
+
+
+def _blank_template(dtype: torch.dtype, device: torch.device) -> list:
+    """The argument list without a step or a run: empty buffers of ``dtype`` on ``device`` where
+    the optional tensors go, ``first_step`` 1, None elsewhere (made once per dtype and device)."""
+    key = (dtype, device)
+    found = _blank_templates.get(key)
+    if found is None:
+        found = [None] * len(ARGS)
+        found[_I_OUT] = runtime.empty_buffer(3, dtype, device)
+        found[_I_ATTENTION] = runtime.empty_buffer(3, dtype, device)
+        found[_I_LSE] = runtime.empty_buffer(2, torch.float32, device)
+        found[_I_FIRST] = first_step_buffer(ALL_STEPS)
+        found[_I_ROWS] = runtime.empty_buffer(2, dtype, device)
+        _blank_templates[key] = found
+    return found
 
 
 def run_buffers(

@@ -168,7 +168,7 @@ def mla_decode_branch_fp8(
         # metadata and whose body checks the values when the compiled graph runs.
         num_tokens = q.shape[0] if q.dim() else 0
     else:
-        num_tokens = v.check_inputs(
+        dims = v.check_inputs(
             out,
             q,
             input_row_offsets,
@@ -180,24 +180,19 @@ def mla_decode_branch_fp8(
             w_uk_scale,
             w_uv,
             w_uv_scale,
-            scale=options.scale,
-            epsilon=options.epsilon,
+            options=options,
             scale_granularity=g,
-            mask=options.mask,
-            score_mod=options.score_mod,
-            local_window_size=options.local_window_size,
             check_values=bool(check_values),
             attention_out=attention_out,
             new_rows=new_rows,
             lse=lse,
-            shard=options.shard,
-        ).num_tokens
+        )
+        num_tokens = dims.num_tokens
         if check_values and isinstance(cache, PagedLatentCache):
-            offsets = value_checks._as_numpy(input_row_offsets)  # checked by check_inputs
             tracking = dict(
                 _cache=cache,
                 _new_requests=value_checks.check_pending_rows(
-                    cache, offsets, new_rows_given=new_rows is not None
+                    cache, dims.offsets, new_rows_given=new_rows is not None
                 ),
                 _rerun_layers=rerun_layers,
             )

@@ -49,6 +49,8 @@ def as_int(name: str, value: object) -> int:
 
 def as_float(name: str, value: object) -> float:
     """A real-number argument (int, float or a one-element real tensor, not bool): TypeError otherwise."""
+    if type(value) is float:  # the usual case, before the checks of the others
+        return value
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype.is_floating_point:
         return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -99,8 +101,9 @@ def check_options(
     mask: Mask | str,
     score_mod: ScoreMod | str,
     local_window_size: int,
-) -> None:
-    """The non-tensor options of the op (the scale granularity: ``ScaleGranularity.parse``).
+) -> tuple[float, float, Mask, ScoreMod, int]:
+    """The non-tensor options of the op (the scale granularity: ``ScaleGranularity.parse``),
+    parsed: ``(scale, epsilon, mask, score_mod, local_window_size)``.
 
     ``mask`` and ``score_mod`` are the enums or their names in any case
     (:meth:`pymla.Mask.parse`). Only the windowed masks (sliding_window_causal,
@@ -108,7 +111,7 @@ def check_options(
     window given with them is not silently ignored.
     """
     mask = Mask.parse(mask)
-    ScoreMod.parse(score_mod)
+    score_mod = ScoreMod.parse(score_mod)
     window = as_int("local_window_size", local_window_size)
     if mask.windowed and window < 1:
         raise ValueError(f"local_window_size: expected >= 1 for mask {mask.label!r}, got {window}")
@@ -127,6 +130,7 @@ def check_options(
     epsilon = as_float("epsilon", epsilon)
     if not (math.isfinite(epsilon) and 0 <= epsilon <= FLOAT32_MAX):
         raise ValueError(f"epsilon: expected a finite float32 value >= 0, got {epsilon}")
+    return scale, epsilon, mask, score_mod, window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,30 +152,22 @@ class DecodeOptions:
     shard: CacheShard | None = None  # None: the whole cache
 
     def __post_init__(self) -> None:
-        mask = Mask.parse(self.mask)
-        score_mod = ScoreMod.parse(self.score_mod)
-        check_options(
+        parsed = check_options(
             scale=self.scale,
             epsilon=self.epsilon,
-            mask=mask,
-            score_mod=score_mod,
+            mask=self.mask,
+            score_mod=self.score_mod,
             local_window_size=self.local_window_size,
         )
-        from .shard import CacheShard  # shard.py imports this module's checks
+        from .shard import WHOLE_CACHE, CacheShard  # shard.py imports this module's checks
 
-        shard = CacheShard() if self.shard is None else self.shard
+        shard = WHOLE_CACHE if self.shard is None else self.shard
         if not isinstance(shard, CacheShard):
             raise TypeError(
                 f"shard: expected a pymla.CacheShard or None, got {type(shard).__name__}"
             )
         object.__setattr__(self, "shard", shard)
-        for field, value in (
-            ("scale", as_float("scale", self.scale)),
-            ("epsilon", as_float("epsilon", self.epsilon)),
-            ("mask", mask),
-            ("score_mod", score_mod),
-            ("local_window_size", as_int("local_window_size", self.local_window_size)),
-        ):
+        for field, value in zip(_PARSED_FIELDS, parsed, strict=True):
             object.__setattr__(self, field, value)
 
     def scalars(self) -> dict[str, int | float]:
@@ -184,3 +180,7 @@ class DecodeOptions:
             "local_window_size": self.local_window_size,
             **self.shard.scalars(),
         }
+
+
+_PARSED_FIELDS = ("scale", "epsilon", "mask", "score_mod", "local_window_size")
+"""The :class:`DecodeOptions` fields :func:`check_options` returns parsed, in its order."""

@@ -85,13 +85,20 @@ def compiled_model(config: OpConfig, device: torch.device) -> engine.Model:
         return model
 
 
+_configs: dict[tuple, OpConfig] = {}
+
+
 def model_for(
     dtype: torch.dtype, device: torch.device, cache_dtype: torch.dtype | None = None
 ) -> engine.Model:
     """The compiled op for ``dtype`` on ``device``; ``cache_dtype`` uint8: ``fp8_ds_mla`` cache rows."""
-    cache = None if cache_dtype in (None, dtype) else bridge.max_dtype(cache_dtype)
+    key = (dtype, device, cache_dtype)
+    config = _configs.get(key)
+    if config is None:  # made once: a plan made per call looks its model up each time
+        cache = None if cache_dtype in (None, dtype) else bridge.max_dtype(cache_dtype)
+        config = _configs[key] = OpConfig(bridge.max_dtype(dtype), device_ref(device), cache)
     # Looked up through the module so a test can replace compiled_model.
-    return compiled_model(OpConfig(bridge.max_dtype(dtype), device_ref(device), cache), device)
+    return compiled_model(config, device)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -104,3 +104,8 @@ class CacheShard:
             "num_shards": self.count,
             "shard_interleave": self.interleave,
         }
+
+
+WHOLE_CACHE = CacheShard()
+"""The whole cache, ``CacheShard()`` (immutable: every :class:`pymla.DecodeOptions` without a
+shard shares it)."""

@@ -37,28 +37,28 @@ def _named(values: tuple) -> dict:
     return dict(zip((*INPUT_NAMES, "check_values"), values, strict=True))
 
 
-def _shard(a: dict) -> CacheShard:
-    """The cache shard the schema carries as three ints (checked by ``CacheShard``)."""
-    return CacheShard(a["shard_rank"], a["num_shards"], a["shard_interleave"])
-
-
-def _parsed_options(a: dict) -> tuple[ScaleGranularity, Mask, ScoreMod]:
-    """The options the schema carries as ints, parsed once: granularity, mask and score-mod codes."""
+def _parsed_options(a: dict) -> tuple[ScaleGranularity, DecodeOptions]:
+    """The options the schema carries as ints, parsed once: the granularity, and the mask and
+    score-mod codes, the scalars and the cache's shard as :class:`pymla.DecodeOptions` (checked
+    when made)."""
     granularity = ScaleGranularity.parse(
         (a["m_scale_granularity"], a["n_scale_granularity"], a["k_scale_granularity"])
     )
-    return (
-        granularity,
-        Mask.parse(a["mask"], codes=True),
-        ScoreMod.parse(a["score_mod"], codes=True),
+    options = DecodeOptions(
+        scale=a["scale"],
+        epsilon=a["epsilon"],
+        mask=Mask.parse(a["mask"], codes=True),
+        score_mod=ScoreMod.parse(a["score_mod"], codes=True),
+        local_window_size=a["local_window_size"],
+        shard=CacheShard(a["shard_rank"], a["num_shards"], a["shard_interleave"]),
     )
+    return granularity, options
 
 
 def _check_op_args(
     a: dict,
     granularity: ScaleGranularity,
-    mask: Mask,
-    score_mod: ScoreMod,
+    options: DecodeOptions,
     *,
     metadata_only: bool = False,
 ) -> Dims:
@@ -77,17 +77,12 @@ def _check_op_args(
         a["w_uk_scale"],
         a["w_uv"],
         a["w_uv_scale"],
-        scale=a["scale"],
-        epsilon=a["epsilon"],
+        options=options,
         scale_granularity=granularity,
-        mask=mask,
-        score_mod=score_mod,
-        local_window_size=a["local_window_size"],
         check_values=a["check_values"] and not metadata_only,
         attention_out=a["attention_output"],
         new_rows=a["new_rows"],
         lse=a["lse"],
-        shard=_shard(a),
         first_step=a["first_step"],
     )
 
@@ -95,8 +90,8 @@ def _check_op_args(
 def _torch_op_impl(*values) -> None:
     """The torch op's body: checks, then the plan/run launch on its arguments."""
     a = _named(values)
-    granularity, mask, score_mod = _parsed_options(a)
-    dims = _check_op_args(a, granularity, mask, score_mod)
+    granularity, options = _parsed_options(a)
+    dims = _check_op_args(a, granularity, options)
     if dims.num_tokens == 0:
         return
     out = a["output"] if a["output"].numel() else None
@@ -112,14 +107,6 @@ def _torch_op_impl(*values) -> None:
         granularity,
         _checked=True,
         _launch_now=True,
-    )
-    options = DecodeOptions(
-        scale=a["scale"],
-        epsilon=a["epsilon"],
-        mask=mask,
-        score_mod=score_mod,
-        local_window_size=a["local_window_size"],
-        shard=_shard(a),
     )
     step = DecodePlan(
         KVCacheTensors(a["kv_blocks"], a["cache_lengths"], a["lookup_table"]),

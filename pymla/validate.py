@@ -4,8 +4,9 @@ Errors name the argument, what was expected and what was given, in the form
 ``"<arg>: expected <what>, got <actual>"``. ``TypeError`` means a wrong type
 or dtype; ``ValueError`` a wrong shape, layout, device or value. Nothing here
 writes to any tensor, so a refused call leaves the cache as it was. This
-module checks types, shapes, dtypes, devices and the options; the checks
-that read tensor values (``check_values``) are in :mod:`pymla.value_checks`.
+module checks types, shapes, dtypes and devices (the options come checked, as a
+:class:`pymla.DecodeOptions`); the checks that read tensor values
+(``check_values``) are in :mod:`pymla.value_checks`.
 
 Sizes that several arguments share (heads, kv_lora_rank, qk_rope_head_dim,
 the number of requests, dtype, device) are read off all of them; when they
@@ -15,14 +16,16 @@ two, the first one listed wins).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from . import value_checks  # called through the module, where a test patches the checks
-from .args import BY_NAME, Mask, ScoreMod
+from .args import ARGS, ScoreMod
 from .cache_format import FP8_STORAGE, FP8_VALUE_DTYPE, SCALE_BLOCK, fp8_row_bytes
-from .options import _join, as_int, check_options
+from .options import DecodeOptions, _join, as_int
 from .quant import PRESETS, ScaleGranularity, scale_shape
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -40,6 +43,8 @@ class Dims:
     rope_dim: int
     kv_lora_rank: int
     v_head_dim: int
+    offsets: np.ndarray | None = field(default=None, compare=False)
+    """``input_row_offsets`` as read by the value checks (int64 on the host); None without them."""
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
@@ -65,7 +70,8 @@ def check_tensor(
     dtype_note: str = "",
 ) -> torch.Tensor:
     """Type, dtype, rank, contiguity and device of one tensor argument."""
-    as_tensor(name, t)
+    if not isinstance(t, torch.Tensor):
+        as_tensor(name, t)  # raises
     if t.dtype not in dtypes:
         expected = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {expected}{dtype_note}, got {t.dtype}")
@@ -84,8 +90,9 @@ def check_tensor(
 def check_shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
     """``expected`` holds ints or None (any size); ``what`` names the dims."""
     got = _shape(t)
-    if len(got) != len(expected) or any(
-        e is not None and e != g for e, g in zip(expected, got, strict=True)
+    if got != expected and (
+        len(got) != len(expected)
+        or any(e is not None and e != g for e, g in zip(expected, got, strict=True))
     ):
         shown = ", ".join("*" if e is None else str(e) for e in expected)
         shown = f"({shown},)" if len(expected) == 1 else f"({shown})"
@@ -106,12 +113,12 @@ def spans_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
 # ---------------------------------------------------------------- agreement
 
 
-@dataclass(frozen=True)
-class _Size:
+class _Size(NamedTuple):
     """One argument's say on a shared size: ``t.shape[dim] - offset``.
 
     ``how`` formats the expected ``t.shape[dim]`` from the quantity's
-    description, e.g. ``"{} + 1"`` or ``"kv_lora_rank 512 + {}"``.
+    description, e.g. ``"{} + 1"`` or ``"kv_lora_rank 512 + {}"``. A named
+    tuple: a call makes a dozen (a frozen dataclass costs three times as much).
     """
 
     name: str
@@ -125,41 +132,43 @@ class _Size:
         return self.t.shape[self.dim] - self.offset
 
 
-def _majority(values: list) -> object:
-    """The most frequent value; ties go to the one listed first."""
+def _majority(values: list) -> tuple[object, int | None]:
+    """The most frequent value (ties go to the one listed first) and the position of the first
+    value that differs from it (None: all agree)."""
     first = values[0]
-    if all(v == first for v in values):  # the usual case, without the counting below
-        return first
-    return max(values, key=lambda v: (values.count(v), -values.index(v)))
+    if values.count(first) == len(values):  # the usual case, without the counting below
+        return first, None
+    best = max(values, key=lambda v: (values.count(v), -values.index(v)))
+    return best, next(i for i, v in enumerate(values) if v != best)
 
 
 def _agree_size(quantity: str, sources: list[_Size]) -> int:
     """The size most ``sources`` agree on; a ValueError naming the first that does not."""
     values = [s.value for s in sources]
-    best = _majority(values)
-    for s, v in zip(sources, values, strict=True):
-        if v != best:
-            peers = [o.name for o, w in zip(sources, values, strict=True) if w == best]
-            described = s.how.format(f"{quantity} {best}")
-            raise ValueError(
-                f"{s.name}: expected size {best + s.offset} in dim {s.dim} "
-                f"({described}, as in {_join(peers)}), got {v + s.offset} (shape {_shape(s.t)})"
-            )
+    best, odd = _majority(values)
+    if odd is not None:
+        s = sources[odd]
+        peers = [o.name for o, w in zip(sources, values, strict=True) if w == best]
+        described = s.how.format(f"{quantity} {best}")
+        raise ValueError(
+            f"{s.name}: expected size {best + s.offset} in dim {s.dim} "
+            f"({described}, as in {_join(peers)}), got {values[odd] + s.offset} "
+            f"(shape {_shape(s.t)})"
+        )
     return best
 
 
 def _agree_attr(attr: str, tensors: dict[str, torch.Tensor], error: type[Exception]) -> object:
     """The dtype or device most ``tensors`` share; an error naming the first that differs."""
-    names = list(tensors)
     values = [getattr(t, attr) for t in tensors.values()]
-    best = _majority(values)
-    for name, v in zip(names, values, strict=True):
-        if v != best:
-            peers = [n for n, w in zip(names, values, strict=True) if w == best]
-            if len(peers) > 3:
-                peers = [peers[0], f"{len(peers) - 1} other inputs"]
-            what = f"dtype {best}" if attr == "dtype" else f"a tensor on {best}"
-            raise error(f"{name}: expected {what} (as {_join(peers)}), got {v}")
+    best, odd = _majority(values)
+    if odd is not None:
+        names = list(tensors)
+        peers = [n for n, w in zip(names, values, strict=True) if w == best]
+        if len(peers) > 3:
+            peers = [peers[0], f"{len(peers) - 1} other inputs"]
+        what = f"dtype {best}" if attr == "dtype" else f"a tensor on {best}"
+        raise error(f"{names[odd]}: expected {what} (as {_join(peers)}), got {values[odd]}")
     return best
 
 
@@ -268,6 +277,14 @@ def check_shard_device(shard, score_mod: ScoreMod | str, device: torch.device) -
         )
 
 
+_TENSOR_SPECS = {
+    a.name: (a.rank, a.torch_dtypes(), " (fp8_ds_mla rows)" if a.name == "kv_blocks" else "")
+    for a in ARGS
+    if not a.is_scalar
+}
+"""Each tensor argument's rank, dtypes and dtype note (:data:`pymla.args.ARGS`), read once."""
+
+
 def check_inputs(
     out: torch.Tensor,
     q: torch.Tensor,
@@ -283,17 +300,12 @@ def check_inputs(
     w_uv: torch.Tensor,
     w_uv_scale: torch.Tensor,
     *,
-    scale: float,
-    epsilon: float,
+    options: DecodeOptions,
     scale_granularity: ScaleGranularity,
-    mask: Mask | str,
-    score_mod: ScoreMod | str,
-    local_window_size: int,
     check_values: bool = True,
     attention_out: torch.Tensor | None = None,
     new_rows: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
-    shard=None,
     first_step: int = 1,
 ) -> Dims:
     """Checks every argument of the op; with ``check_values`` also the values it indexes with.
@@ -302,51 +314,41 @@ def check_inputs(
     have), for tracing. ``attention_out``, ``lse``, ``new_rows`` and ``out``
     are optional: None or an empty rank-1 tensor (the torch op's placeholder)
     means not given (no ``out``: the op stops after step 5, which then needs
-    ``attention_out``). ``scale_granularity`` is parsed already
-    (``ScaleGranularity.parse``); ``shard`` is a :class:`pymla.CacheShard`
-    (None: the whole cache). ``first_step`` 6 (step 6 alone) reads
-    ``attention_out`` and needs ``out``.
+    ``attention_out``). ``options`` (a :class:`pymla.DecodeOptions`, checked
+    when made: scale, epsilon, mask, score mod, window, the cache's shard) and
+    ``scale_granularity`` (``ScaleGranularity.parse``) come parsed.
+    ``first_step`` 6 (step 6 alone) reads ``attention_out`` and needs ``out``.
     """
     first_step = as_int("first_step", first_step)
     if first_step not in (1, 6):
         raise ValueError(
             f"first_step: expected 1 (the six steps) or 6 (step 6 alone), got {first_step}"
         )
-    check_options(
-        scale=scale,
-        epsilon=epsilon,
-        mask=mask,
-        score_mod=score_mod,
-        local_window_size=local_window_size,
-    )
     layer_idx = as_int("layer_idx", layer_idx)
 
     # Each input on its own: type, dtype, rank, contiguity (ranks and dtypes: pymla.args).
     inputs = {
-        name: (t, BY_NAME[name].rank, BY_NAME[name].torch_dtypes())
-        for name, t in (
-            ("q", q),
-            ("input_row_offsets", input_row_offsets),
-            ("freqs_cis", freqs_cis),
-            ("kv_norm_gamma", kv_norm_gamma),
-            ("kv_blocks", kv_blocks),
-            ("cache_lengths", cache_lengths),
-            ("lookup_table", lookup_table),
-            ("w_uk", w_uk),
-            ("w_uk_scale", w_uk_scale),
-            ("w_uv", w_uv),
-            ("w_uv_scale", w_uv_scale),
-        )
+        "q": q,
+        "input_row_offsets": input_row_offsets,
+        "freqs_cis": freqs_cis,
+        "kv_norm_gamma": kv_norm_gamma,
+        "kv_blocks": kv_blocks,
+        "cache_lengths": cache_lengths,
+        "lookup_table": lookup_table,
+        "w_uk": w_uk,
+        "w_uk_scale": w_uk_scale,
+        "w_uv": w_uv,
+        "w_uv_scale": w_uv_scale,
     }
-    for name, (t, rank, dtypes) in inputs.items():
-        note = " (fp8_ds_mla rows)" if name == "kv_blocks" else ""
+    for name, t in inputs.items():
+        rank, dtypes, note = _TENSOR_SPECS[name]
         check_tensor(name, t, rank=rank, dtypes=dtypes, dtype_note=note)
-    dev = _agree_attr("device", {name: t for name, (t, _, _) in inputs.items()}, ValueError)
+    dev = _agree_attr("device", inputs, ValueError)
     fp8_cache = kv_blocks.dtype == FP8_STORAGE  # rows in the fp8_ds_mla format
     valued = {"q": q, "freqs_cis": freqs_cis, "kv_norm_gamma": kv_norm_gamma}
-    dtype = _agree_attr(
-        "dtype", valued if fp8_cache else {**valued, "kv_blocks": kv_blocks}, TypeError
-    )
+    if not fp8_cache:
+        valued["kv_blocks"] = kv_blocks
+    dtype = _agree_attr("dtype", valued, TypeError)
     check_cache_format(kv_blocks, dtype)
 
     # Sizes shared between arguments.
@@ -362,26 +364,13 @@ def check_inputs(
     _at_least("w_uk", w_uk, 1, "kv_lora_rank")
     nope_dim = w_uk.shape[2]
     _at_least("w_uk", w_uk, 2, "qk_nope_head_dim")
-    rope_dim = _agree_size(
-        "qk_rope_head_dim",
-        [
-            _Size("freqs_cis", freqs_cis, 1),
-            *(
-                ()
-                if fp8_cache
-                else [
-                    _Size(
-                        "kv_blocks",
-                        kv_blocks,
-                        5,
-                        kv_lora_rank,
-                        f"kv_lora_rank {kv_lora_rank} + {{}}",
-                    )
-                ]
-            ),
-            _Size("q", q, 2, nope_dim, f"w_uk's qk_nope_head_dim {nope_dim} + {{}}"),
-        ],
-    )
+    rope_sources = [_Size("freqs_cis", freqs_cis, 1)]
+    if not fp8_cache:
+        rope_sources.append(
+            _Size("kv_blocks", kv_blocks, 5, kv_lora_rank, f"kv_lora_rank {kv_lora_rank} + {{}}")
+        )
+    rope_sources.append(_Size("q", q, 2, nope_dim, f"w_uk's qk_nope_head_dim {nope_dim} + {{}}"))
+    rope_dim = _agree_size("qk_rope_head_dim", rope_sources)
     if rope_dim < 2 or rope_dim % 2:
         raise ValueError(
             f"freqs_cis: expected an even qk_rope_head_dim >= 2 in dim 1 (q's dim 2 minus w_uk's "
@@ -465,10 +454,10 @@ def check_inputs(
         check_tensor(name, t, rank=len(shape), dtypes=(t_dtype,), device=dev, dtype_note=note)
         check_shape(name, t, shape, what)
         if name == "new_rows":
-            inputs[name] = (t, len(shape), (dtype,))
+            inputs[name] = t
         else:
             written[name] = t
-    check_shard_device(shard, score_mod, dev)
+    check_shard_device(options.shard, options.score_mod, dev)
     if "out" in given:  # first, as the op's own result: an overlap is named after it
         written = {"out": written.pop("out"), **written}
     if first_step == 6 and not {"out", "attention_out"} <= given:
@@ -482,10 +471,11 @@ def check_inputs(
             "(without it the op stops after step 5, so attention_out is needed), got none"
         )
 
+    offsets = None
     if check_values:
-        value_checks._check_no_overlap(written, {name: t for name, (t, _, _) in inputs.items()})
+        value_checks._check_no_overlap(written, inputs)
         value_checks.check_finite_scales(w_uk_scale, w_uv_scale)
-        value_checks.check_positions(
+        offsets = value_checks.check_positions(
             input_row_offsets,
             cache_lengths,
             lookup_table,
@@ -493,6 +483,8 @@ def check_inputs(
             max_seq_len=freqs_cis.shape[0],
             num_blocks=num_blocks,
             page_size=page_size,
-            shard=shard,
+            shard=options.shard,
         )
-    return Dims(num_tokens, num_requests, num_heads, nope_dim, rope_dim, kv_lora_rank, v_head_dim)
+    return Dims(
+        num_tokens, num_requests, num_heads, nope_dim, rope_dim, kv_lora_rank, v_head_dim, offsets
+    )
