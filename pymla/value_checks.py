@@ -71,24 +71,25 @@ def _host_values(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def _first_true(mask: np.ndarray) -> int | None:
-    """The flat index of the first True of a boolean array, None when none is.
+def _first(mask: np.ndarray, value: bool = True) -> int | None:
+    """The flat index of the first element of a boolean array equal to ``value``, None when none is.
 
-    ``argmax`` stops at the first True, at a sixth of ``any()``'s cost on a few values.
+    ``argmax`` (``argmin``) stops at the first True (False), at a sixth of the cost of
+    ``any()`` (``all()``) on a few values.
     """
     if mask.size == 0:
         return None
-    first = int(mask.argmax())
-    return first if mask.flat[first] else None
+    first = int(mask.argmax() if value else mask.argmin())
+    return first if mask.flat[first] == value else None
 
 
 def check_finite_scales(w_uk_scale: torch.Tensor, w_uv_scale: torch.Tensor) -> None:
     """Every weight scale is finite."""
     for name, scales in (("w_uk_scale", w_uk_scale), ("w_uv_scale", w_uv_scale)):
         values = _host_values(scales)
-        finite = np.isfinite(values)
-        if not finite.all():
-            index = tuple(int(v) for v in np.argwhere(~finite)[0])
+        bad = _first(np.isfinite(values), False)
+        if bad is not None:
+            index = tuple(int(v) for v in np.unravel_index(bad, values.shape))
             raise ValueError(
                 f"{name}: expected finite scales, got {values[index]} at {list(index)}"
             )
@@ -112,51 +113,54 @@ def check_positions(
     the pages hold only the shard's positions.
     """
     offsets = _as_numpy(input_row_offsets)
-    if offsets[0] != 0:
-        raise ValueError(f"input_row_offsets: expected to start at 0, got {int(offsets[0])}")
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0:
+        raise ValueError(f"input_row_offsets: expected to start at 0, got {first}")
     steps = offsets[1:] - offsets[:-1]  # new tokens per request
-    b = _first_true(steps < 0)
+    b = _first(steps < 0)
     if b is not None:
         raise ValueError(
             f"input_row_offsets: expected non-decreasing values, got {int(offsets[b])} then "
             f"{int(offsets[b + 1])} at request {b}"
         )
     if num_tokens is None:
-        num_tokens = int(offsets[-1])
-    if offsets[-1] != num_tokens:
+        num_tokens = last
+    if last != num_tokens:
         raise ValueError(
             f"input_row_offsets: expected to end at tot_seq_len = {num_tokens} (q's dim 0), "
-            f"got {int(offsets[-1])}"
+            f"got {last}"
         )
     if steps.size == 0:
         return offsets
     lengths = _as_numpy(cache_lengths)
     ends = lengths + steps  # one past each request's last position
     worst = int(ends.argmax())
-    if ends[worst] > max_seq_len:
+    end = int(ends[worst])
+    if end > max_seq_len:
         raise ValueError(
             f"cache_lengths: expected cached + new tokens <= {max_seq_len} (freqs_cis' rows), got "
-            f"{int(lengths[worst])} + {int(steps[worst])} = {int(ends[worst])} for request {worst}"
+            f"{int(lengths[worst])} + {int(steps[worst])} = {end} for request {worst}"
         )
     sharded = shard is not None and not shard.whole
     held = np.asarray(shard.local_count(ends)) if sharded else ends  # ends: int64 already
     pages_needed = (held + (page_size - 1)) // page_size
     capacity = lookup_table.shape[1]
     b = int(pages_needed.argmax())
+    pages = int(pages_needed[b])
     whose = f" ({int(held[b])} of them in shard {shard.rank})" if sharded else ""
-    if pages_needed[b] > capacity:
+    if pages > capacity:
         raise ValueError(
-            f"lookup_table: expected >= {int(pages_needed[b])} pages per request (request {b} has "
+            f"lookup_table: expected >= {pages} pages per request (request {b} has "
             f"{int(lengths[b])} cached + {int(steps[b])} new tokens{whose} in pages of {page_size}), "
             f"got shape {tuple(lookup_table.shape)} (were its new rows appended to the cache?)"
         )
     table = _as_numpy(lookup_table)
-    used = np.arange(capacity)[None, :] < pages_needed[:, None]
+    used = np.arange(capacity) < pages_needed[:, None]  # [request, page]
     # One test for both errors of a used entry: the marker or not a block (>= num_blocks). The
     # marker is the largest uint32, so both are the entries >= min(num_blocks, marker).
-    if _first_true(used & (table >= min(num_blocks, UNUSED_PAGE))) is not None:
+    if _first(used & (table >= min(num_blocks, UNUSED_PAGE))) is not None:
         _refuse_used_entries(table, used, lengths, steps, num_blocks, page_size, whose)
-    if offsets[-1] > 1:  # fewer than two new tokens cannot share a row
+    if last > 1:  # fewer than two new tokens cannot share a row
         _check_distinct_new_rows(offsets, lengths, table, page_size, shard)
     return offsets
 
@@ -209,7 +213,7 @@ def _check_distinct_new_rows(
     block = table[request, slot // page_size]
     row = block * page_size + slot % page_size
     ordered = np.sort(row)
-    if _first_true(ordered[1:] == ordered[:-1]) is None:
+    if _first(ordered[1:] == ordered[:-1]) is None:
         return  # the common case, at a fifth of np.unique's cost; the error below names the pair
     _, inverse, counts = np.unique(row, return_inverse=True, return_counts=True)
     shared = counts[inverse.reshape(-1)] > 1
