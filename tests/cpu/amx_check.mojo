@@ -13,7 +13,7 @@
 #     /tmp/amx_check loop 16 200  # the AMX path alone, 200 times, 16 heads (perf on an AMX host)
 #     /tmp/amx_check ab 16 10 5 op pf0 whole  # `loop` variants alternated in one process, 10 rounds of best-of-5:
 #                               # medians and per-round ratios to the first (a noisy AMX host)
-#     /tmp/amx_check loop 16 50 stages  # the whole op and each of its stages alone (AMX host)
+#     /tmp/amx_check loop 16 50 stages [fp8]  # the whole op and each of its stages alone (fp8: fp8_ds_mla rows; any CPU)
 #
 # Each case (random bf16 caches, NaN in every slot past a request's tokens; page sizes 1/16/64/128 and one of 24, heads 1/16/128, ragged requests incl. ones with
 # no new token and ones with an empty cache, causal / sliding-window / no mask, 1 or several key
@@ -717,6 +717,8 @@ def main() raises:
         return
     if len(argv()) > 4 and argv()[1] == "loop" and argv()[4] == "stages":
         var c = timing_case(atol(argv()[2]))
+        if len(argv()) > 5 and argv()[5] == "fp8":
+            c.quantize_to_fp8()
         var inputs = OpInputs(c, 16384 + 1)
         print("loop on", cpu_model(), ":", time_stages(c, inputs, atol(argv()[3])))
         return
@@ -738,7 +740,7 @@ def main() raises:
         # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows; `whole`: the whole
         # CPU op on the AMX path (steps 1-6; `fp8-whole` on fp8_ds_mla rows), where the rest of the op shows
         # beside step 5. Prints
-        # the best time. `loop HEADS ITERS stages` (any CPU): the whole op and each of its stages alone.
+        # the best time. `loop HEADS ITERS stages [fp8]` (any CPU): the whole op and each of its stages alone.
         if not amx_permitted():
             raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
