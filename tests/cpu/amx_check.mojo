@@ -525,9 +525,10 @@ def best_ms[F: def() raises -> None](f: F, iters: Int) raises -> Float64:
 
 
 def time_stages(mut c: Case, mut inputs: OpInputs, iters: Int) raises -> String:
-    """The whole CPU op (bf16 rows) and each of its stages alone, best of `iters`, on the AMX path where the CPU
-    has it, else on the AVX512-BF16 path: where the op's time goes beside step 5 (stage launches, projections,
-    merge). Also an empty parallel stage (the task runner's own cost per stage)."""
+    """The whole CPU op (bf16 rows, or fp8_ds_mla rows after `c.quantize_to_fp8()`) and each of its stages alone,
+    best of `iters`, on the AMX path where the CPU has it, else on the AVX512-BF16 path: where the op's time goes
+    beside step 5 (stage launches, projections, merge). Also an empty parallel stage (the task runner's own cost
+    per stage)."""
     var name = "amx" if amx_runs() and amx_permitted() else "avx512bf16"
     var path = PATH_AMX if name == "amx" else PATH_AVX512BF16
     var p = inputs.problem(c)
