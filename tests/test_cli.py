@@ -59,6 +59,7 @@ BAD_OPTIONS = {
         ("--cache-format", "fp4", "invalid choice: 'fp4'"),
         ("--repeat", "0", "expected an integer >= 1, got '0'"),
         ("--rounds", "0", "expected an integer >= 1, got '0'"),
+        ("--llc", "hot", "invalid choice: 'hot'"),
         ("--output-dir", __file__, f"expected a folder, got the file {__file__!r}"),
     ],
     "overhead": [
@@ -287,6 +288,43 @@ def fast_rooflines(monkeypatch):
     """Made-up copy bandwidth and matmul rate instead of the second of measuring them."""
     monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda: 30e9)
     monkeypatch.setattr(bench, "matmul_ceiling", lambda: (400e9, "bfloat16"))
+    monkeypatch.setattr(bench, "LastLevelCacheEvictor", CountingEvictor)
+
+
+class CountingEvictor:
+    """A last-level cache evictor that evicts nothing and counts its calls (the real one writes
+    twice the CPU's last-level cache, 640 MiB on some machines here)."""
+
+    nbytes = 1 << 20
+    calls = 0
+
+    def __call__(self) -> None:
+        CountingEvictor.calls += 1
+
+
+def test_time_call_runs_before_each_before_every_timed_call_only():
+    from pymla.tools import timing
+
+    events = []
+    seconds = timing.time_call(
+        lambda: events.append("call"),
+        warmup=2,
+        repeat=3,
+        before_each=lambda: events.append("evict"),
+    )
+    assert events == ["call", "call"] + ["evict", "call"] * 3 and seconds >= 0
+
+
+def test_last_level_cache_evictor_reads_twice_the_largest_cache_of_written_pages():
+    from pymla.tools import timing
+
+    largest = timing.last_level_cache_bytes()
+    assert largest >= 2**20  # every CPU here lists at least a MiB of cache
+    evictor = timing.LastLevelCacheEvictor(minimum_bytes=0)
+    assert evictor.nbytes == 2 * largest == evictor.buffer.size
+    # Written pages (not the one zero page of an untouched allocation), left clean by each call.
+    evictor()
+    assert bool((evictor.buffer == 1).all())
 
 
 @pytest.mark.parametrize(
@@ -439,6 +477,34 @@ def test_bench_times_the_fp8_cache_beside_the_dtype_cache(fast_rooflines, tmp_pa
     assert dtype_row["plain_torch_ms"] > 0 and fp8_row["plain_torch_ms"] is None
     table = capsys.readouterr().out
     assert " fp8_ds_mla |" in table and table.rstrip().count("\n") >= 3
+
+
+@pytest.mark.parametrize("llc", ["cold", "warm"])
+def test_bench_evicts_the_last_level_cache_before_every_timed_call_when_cold(
+    fast_rooflines, tmp_path, monkeypatch, llc
+):
+    timed = []
+    time_call = bench.time_call
+
+    def count(fn, **kwargs):
+        timed.append(kwargs.get("before_each"))
+        return time_call(fn, **kwargs)
+
+    monkeypatch.setattr(bench, "time_call", count)
+    monkeypatch.setattr(CountingEvictor, "calls", 0)
+    argv = ["bench", *SMALL, "--context", "8", "--llc", llc, "--output-dir", str(tmp_path)]
+    assert main(argv) == 0
+    (saved,) = tmp_path.glob("cpu-*.json")
+    meta = json.loads(saved.read_text())["meta"]
+    assert meta["llc"] == llc
+    # The one-shot call, run() and both plain torch attentions: each with the evictor when cold.
+    assert len(timed) == 4
+    if llc == "cold":
+        assert all(isinstance(e, CountingEvictor) for e in timed) and CountingEvictor.calls >= 4
+        assert meta["llc_evicted_bytes"] == CountingEvictor.nbytes
+    else:
+        assert timed == [None] * 4 and CountingEvictor.calls == 0
+        assert "llc_evicted_bytes" not in meta
 
 
 def test_bench_times_a_long_request_beside_short_ones(fast_rooflines, tmp_path, capsys):

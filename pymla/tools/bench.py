@@ -12,6 +12,12 @@ x context x page size x CPU path, everything measured in the same run:
 - roofline = max((cache + weight bytes) / copy bandwidth,
   attention flops / matmul rate), where attention flops are
   2 x keys x heads x (576 + 512) (scores and P V);
+- ``--llc cold`` (the default): before every timed call the CPU's
+  last-level cache is evicted (``timing.LastLevelCacheEvictor``), so the
+  cache rows and weights come from memory, as in a serving loop where each
+  of the model's layers reads its own (and as the roofline's bytes assume);
+  ``warm`` times repeated calls on the same rows, which a large L3 (300 MiB
+  on the H200 machine's host) holds whole for the default case;
 - the op's time per call and its ratio to the roofline: the one-shot call
   (``pymla.mla_decode_branch_fp8``, every input checked and wrapped per
   call) and a serving loop's ``run()`` on a plan made once;
@@ -49,6 +55,7 @@ import platform
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,7 +67,7 @@ from ..op import mla_decode_branch_fp8
 from ..plan import plan
 from .plain_torch import PlainTorchDecode
 from .scenario import Case, make_case
-from .timing import matmul_ceiling, measure_copy_bandwidth, time_call
+from .timing import LastLevelCacheEvictor, matmul_ceiling, measure_copy_bandwidth, time_call
 
 DEFAULT_OUTPUT_DIR = Path("pymla-bench-results")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -138,8 +145,10 @@ def bench_one(
     mm: tuple[float, str],
     repeat: int,
     requests: str = "equal",
+    before_each: Callable[[], object] | None = None,
 ) -> dict:
-    """One case with ``PYMLA_CPU_PATH=path``, a path of :func:`paths_to_run` (so ``path`` runs)."""
+    """One case with ``PYMLA_CPU_PATH=path``, a path of :func:`paths_to_run` (so ``path`` runs);
+    ``before_each`` (untimed) before every timed call, the op's and plain torch's alike."""
     lengths = cache_lengths(batch, context, requests)
     case = make_case(
         7,
@@ -170,12 +179,14 @@ def bench_one(
             warmup=1,
             repeat=repeat,
             min_seconds=0.2,
+            before_each=before_each,
         )
         run_s = time_call(
             lambda: step.run(case.q, case.layer_idx, weights),
             warmup=1,
             repeat=repeat,
             min_seconds=0.2,
+            before_each=before_each,
         )
     finally:
         if previous is None:
@@ -196,7 +207,10 @@ def bench_one(
         )
         args = (case.q, case.input_row_offsets, case.freqs_cis, case.kv_norm_gamma, kv, 0)
         plain[attention] = time_call(
-            lambda fn=fn, args=args: fn(*args), warmup=1, repeat=max(3, repeat // 2)
+            lambda fn=fn, args=args: fn(*args),
+            warmup=1,
+            repeat=max(3, repeat // 2),
+            before_each=before_each,
         )
     torch_kind = min(plain, key=plain.get) if plain else None
     nbytes = cache_and_weight_bytes(case)
@@ -390,6 +404,13 @@ def run(argv: list[str], prog: str) -> int:
     )
     parser.add_argument("--repeat", type=count, default=5, help="timed calls per case (median)")
     parser.add_argument(
+        "--llc",
+        default="cold",
+        choices=("cold", "warm"),
+        help="cold: the CPU's last-level cache evicted before every timed call (inputs from "
+        "memory, as in a serving loop over a model's layers); warm: repeated calls on cached rows",
+    )
+    parser.add_argument(
         "--rounds",
         type=count,
         default=1,
@@ -460,7 +481,12 @@ def run(argv: list[str], prog: str) -> int:
         "mask": "causal",
         "cases": len(configs),
         "rounds": args.rounds,
+        "llc": args.llc,
     }
+    evict = None
+    if args.llc == "cold":
+        evict = LastLevelCacheEvictor()
+        meta["llc_evicted_bytes"] = evict.nbytes
     args.output_dir.mkdir(parents=True, exist_ok=True)
     measured: list[list[dict]] = [[] for _ in configs]
     rows: list[dict] = []
@@ -490,6 +516,7 @@ def run(argv: list[str], prog: str) -> int:
                     mm,
                     args.repeat,
                     requests,
+                    evict,
                 )
             )
             rows = [combine_rounds(m) for m in measured if m]
@@ -497,7 +524,12 @@ def run(argv: list[str], prog: str) -> int:
     print()
     print(
         f"ceilings measured before each case (torch copy_ read + write, the faster of torch bf16 and float32 mm 2048^3); "
-        f"medians of {args.rounds} round(s); spread: slowest / fastest run()"
+        f"medians of {args.rounds} round(s); spread: slowest / fastest run(); "
+        + (
+            f"last-level cache evicted before every timed call ({evict.nbytes >> 20} MiB read)"
+            if evict is not None
+            else "last-level cache warm (repeated calls on the same rows)"
+        )
     )
     print_table(rows)
     print(f"\nsaved {outputs[0]}")

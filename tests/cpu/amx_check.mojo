@@ -14,6 +14,8 @@
 #     /tmp/amx_check ab 16 10 5 op pf0 whole  # `loop` variants alternated in one process, 10 rounds of best-of-5:
 #                               # medians and per-round ratios to the first (a noisy AMX host)
 #     /tmp/amx_check loop 16 50 stages [fp8]  # the whole op and each of its stages alone (fp8: fp8_ds_mla rows; any CPU)
+#     /tmp/amx_check loop 16 20 cold  # the whole op, the last-level cache evicted before each call (`fp8-cold`:
+#                               # fp8_ds_mla rows; any CPU: AMX where it has it, else the op's own path)
 #
 # Each case (random bf16 caches, NaN in every slot past a request's tokens; page sizes 1/16/64/128 and one of 24, heads 1/16/128, ragged requests incl. ones with
 # no new token and ones with an empty cache, causal / sliding-window / no mask, 1 or several key
@@ -422,12 +424,10 @@ def time_hot_cache(mut c: Case, iters: Int) raises -> Float64:
     return best
 
 
-def read_cache_ms(mut c: Case, iters: Int) raises -> Float64:
-    """Best time to read every byte of the cache once on every core (64-byte vector sums): step 5's memory floor."""
-    var words = c.blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[UInt64]()
-    var total = len(c.blocks) // 4 // 8  # 64-byte vectors
-    var chunks = num_physical_cores() * 4
-    var sums = List[UInt64](length=chunks, fill=0)
+def read_all(words: Pointer[UInt64, MutUntrackedOrigin], count: Int, mut sums: List[UInt64]) raises:
+    """Reads `count` 8-byte words from `words` on every core (64-byte vector sums into `sums`, one per chunk)."""
+    var total = count // 8  # 64-byte vectors
+    var chunks = len(sums)
     var out = sums.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
     def work(i: Int) {var words, var total, var chunks, var out}:
@@ -436,13 +436,41 @@ def read_cache_ms(mut c: Case, iters: Int) raises -> Float64:
             acc += words.unsafe_load[width=8](k * 8)
         out.unsafe_store(i, acc.reduce_add())
 
+    run_tasks(work, chunks, total * 64)
+
+
+def read_cache_ms(mut c: Case, iters: Int) raises -> Float64:
+    """Best time to read every byte of the cache once on every core (64-byte vector sums): step 5's memory floor."""
+    var words = c.blocks.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]().unsafe_bitcast[UInt64]()
+    var sums = List[UInt64](length=num_physical_cores() * 4, fill=0)
     var best = Float64(1e30)
     for _ in range(iters + 1):
         var t0 = perf_counter_ns()
-        run_tasks(work, chunks, total * 64)
+        read_all(words, len(c.blocks) // 4, sums)
         best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
-    _ = sums^
     return best
+
+
+comptime EVICT_BYTES = 1 << 30
+"""What `Evictor` reads: more than twice any last-level cache seen here (the H200 machine's host lists 300 MiB of L3)."""
+
+
+struct Evictor(Movable):
+    """Reads EVICT_BYTES on every core between timed calls, so a call finds none of its inputs cached: what a
+    serving loop's call per layer finds (each of a model's layers reads its own cache rows and weights), and what
+    `python -m pymla bench --llc cold` times. Without it the timing case (151 MB of bf16 rows, 86 MB of fp8 rows)
+    is read from a 300 MiB L3. Written once and only read after: no dirty lines left to write back during the
+    timed call."""
+
+    var buffer: List[UInt64]
+    var sums: List[UInt64]
+
+    def __init__(out self):
+        self.buffer = List[UInt64](length=EVICT_BYTES // 8, fill=1)
+        self.sums = List[UInt64](length=num_physical_cores() * 4, fill=0)
+
+    def evict(mut self) raises:
+        read_all(self.buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), len(self.buffer), self.sums)
 
 
 struct OpInputs(Movable):
@@ -500,13 +528,17 @@ def untracked(mut buffer: List[BFloat16]) -> DPtr[BF16]:
     return buffer.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin]()
 
 
-def time_op(mut c: Case, mut inputs: OpInputs, path: String, iters: Int) raises -> Float64:
-    """Best of `iters` calls of the whole CPU op with `PYMLA_CPU_PATH=path` (the new rows rotated again each time)."""
+def time_op(mut c: Case, mut inputs: OpInputs, path: String, iters: Int, cold: Bool = False) raises -> Float64:
+    """Best of `iters` calls of the whole CPU op with `PYMLA_CPU_PATH=path` (the new rows rotated again each time);
+    `cold`: the last-level cache evicted (`Evictor`, untimed) before each call."""
     _ = setenv("PYMLA_CPU_PATH", path)
     var p = inputs.problem(c)
     mla_decode_branch_fp8_cpu[BF16](p)
+    var evictor = Optional[Evictor](Evictor()) if cold else None
     var best = Float64(1e30)
     for _ in range(iters):
+        if evictor:
+            evictor.value().evict()
         var t0 = perf_counter_ns()
         mla_decode_branch_fp8_cpu[BF16](p)
         best = min(best, Float64(perf_counter_ns() - t0) / 1e6)
@@ -625,7 +657,7 @@ def timing_case(heads: Int) -> Case:
     return Case(99, heads, 64, List[Int](length=8, fill=16383), List[Int](length=8, fill=1), mask(MASK_CAUSAL), random_values=False)
 
 
-comptime VARIANTS = "op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, nodots, notiles, hot, whole"
+comptime VARIANTS = "op, packed, inplace, score, value, pairs, pairs-pf0, pf0, pf2, pf4, nodots, notiles, hot, whole, cold"
 
 
 def time_variant(mut c: Case, mut inputs: OpInputs, variant: String, iters: Int) raises -> Float64:
@@ -658,6 +690,8 @@ def time_variant(mut c: Case, mut inputs: OpInputs, variant: String, iters: Int)
         return time_path[AmxTiles, prefetching(4)](c, PATH_AMX, iters)
     elif variant == "whole":
         return time_op(c, inputs, "amx", iters)
+    elif variant == "cold":
+        return time_op(c, inputs, "amx" if amx_runs() else "auto", iters, cold=True)
     raise Error(String("unknown variant ", variant, " (", VARIANTS, ", each also with an fp8- prefix)"))
 
 
@@ -740,10 +774,9 @@ def main() raises:
         # pairs-pf0 (both, without the next tile's prefetch), pf0, pf2, pf4 (the next tile prefetched not at all,
         # every 2nd, every 4th line); an `fp8-` prefix reads the cache as fp8_ds_mla rows; `whole`: the whole
         # CPU op on the AMX path (steps 1-6; `fp8-whole` on fp8_ds_mla rows), where the rest of the op shows
-        # beside step 5. Prints
+        # beside step 5; `cold`: `whole` with the last-level cache evicted before each call (`Evictor`; on a CPU
+        # without AMX, on the op's own path). Prints
         # the best time. `loop HEADS ITERS stages [fp8]` (any CPU): the whole op and each of its stages alone.
-        if not amx_permitted():
-            raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var heads = atol(argv()[2])
         var iters = atol(argv()[3]) if len(argv()) > 3 else 100
         var c = timing_case(heads)
@@ -752,9 +785,11 @@ def main() raises:
         if which.startswith("fp8-"):
             c.quantize_to_fp8()
             variant = String(which[byte=4:])
+        if (variant != "cold" or amx_runs()) and not amx_permitted():
+            raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
         var inputs = OpInputs(c, 16384 + 1)
         var ms = time_variant(c, inputs, variant, iters)
-        print("loop on", cpu_model(), ": AMX path, tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
+        print("loop on", cpu_model(), ":", "AMX path" if amx_runs() else "the op's path", ", tuning", which, ", heads", heads, ", threads", num_physical_cores(), ":", ms, "ms (best of", iters, ")")
         return
     print("amx_check on", cpu_model(), ": compiled with amx =", HAS_AMX, " avx512bf16 =", HAS_AVX512_BF16, " cpu amx =", cpu_has_amx(),
           " cores =", num_physical_cores())
