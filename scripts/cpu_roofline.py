@@ -6,7 +6,7 @@ Measures torch's copy bandwidth and matmul rate (the faster of bf16 and float32)
 torch threads: the ceilings of `python -m pymla bench`, by the same functions (`pymla` itself needs
 MAX to import, so this file loads `pymla/tools/timing.py`, where both live, alone and repeats only
 the bench's formula for its default case). Prints, per head count, the roofline of the bench's
-case (bf16 cache, page 64, one new token per request): max(cache + weight bytes / copy bandwidth,
+case (bf16 rows and fp8_ds_mla rows, page 64, one new token per request): max(cache + weight bytes / copy bandwidth,
 attention flops / matmul rate). Run it under the same `taskset` as the op it is compared with (e.g.
 `tests/cpu/amx_check.mojo`'s `loop HEADS ITERS whole`).
 """
@@ -42,11 +42,14 @@ def cpu_name() -> str:
     return platform.processor()
 
 
+FP8_DS_MLA_ROW = 656  # 512 e4m3 values, 4 float32 scales, 64 bf16 rope values (pymla.cache_format)
+
+
 def roofline_ms(
-    heads: int, batch: int, context: int, copy_bps: float, flops_per_s: float
+    heads: int, batch: int, context: int, copy_bps: float, flops_per_s: float, row_bytes: int
 ) -> tuple[float, str]:
     keys = batch * (context + 1)
-    cache_bytes = keys * KEY_DIM * 2
+    cache_bytes = keys * row_bytes
     weight_bytes = 2 * heads * RANK * NOPE + 2 * 4 * heads * (RANK // BLOCK) * max(1, NOPE // BLOCK)
     memory = (cache_bytes + weight_bytes) / copy_bps
     compute = 2 * keys * heads * (KEY_DIM + RANK) / flops_per_s
@@ -70,10 +73,12 @@ def main() -> None:
         f"copy {copy_bps / 1e9:.1f} GB/s, {mm_dtype} mm {flops / 1e9:.0f} GFLOP/s"
     )
     for heads in args.heads:
-        ms, bound = roofline_ms(heads, args.batch, args.context, copy_bps, flops)
-        print(
-            f"heads {heads}, batch {args.batch}, context {args.context}: roofline {ms:.2f} ms ({bound})"
-        )
+        for rows, row_bytes in (("bf16", KEY_DIM * 2), ("fp8_ds_mla", FP8_DS_MLA_ROW)):
+            ms, bound = roofline_ms(heads, args.batch, args.context, copy_bps, flops, row_bytes)
+            print(
+                f"heads {heads}, batch {args.batch}, context {args.context}, {rows} rows: "
+                f"roofline {ms:.2f} ms ({bound})"
+            )
 
 
 if __name__ == "__main__":

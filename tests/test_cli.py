@@ -59,7 +59,7 @@ BAD_OPTIONS = {
         ("--cache-format", "fp4", "invalid choice: 'fp4'"),
         ("--repeat", "0", "expected an integer >= 1, got '0'"),
         ("--rounds", "0", "expected an integer >= 1, got '0'"),
-        ("--llc", "hot", "invalid choice: 'hot'"),
+        ("--layers", "0", "expected an integer >= 1, got '0'"),
         ("--output-dir", __file__, f"expected a folder, got the file {__file__!r}"),
     ],
     "overhead": [
@@ -288,43 +288,38 @@ def fast_rooflines(monkeypatch):
     """Made-up copy bandwidth and matmul rate instead of the second of measuring them."""
     monkeypatch.setattr(bench, "measure_copy_bandwidth", lambda: 30e9)
     monkeypatch.setattr(bench, "matmul_ceiling", lambda: (400e9, "bfloat16"))
-    monkeypatch.setattr(bench, "LastLevelCacheEvictor", CountingEvictor)
 
 
-class CountingEvictor:
-    """A last-level cache evictor that evicts nothing and counts its calls (the real one writes
-    twice the CPU's last-level cache, 640 MiB on some machines here)."""
-
-    nbytes = 1 << 20
-    calls = 0
-
-    def __call__(self) -> None:
-        CountingEvictor.calls += 1
-
-
-def test_time_call_runs_before_each_before_every_timed_call_only():
-    from pymla.tools import timing
-
-    events = []
-    seconds = timing.time_call(
-        lambda: events.append("call"),
-        warmup=2,
-        repeat=3,
-        before_each=lambda: events.append("evict"),
-    )
-    assert events == ["call", "call"] + ["evict", "call"] * 3 and seconds >= 0
-
-
-def test_last_level_cache_evictor_reads_twice_the_largest_cache_of_written_pages():
+def test_last_level_cache_is_the_largest_cache_listed():
     from pymla.tools import timing
 
     largest = timing.last_level_cache_bytes()
     assert largest >= 2**20  # every CPU here lists at least a MiB of cache
-    evictor = timing.LastLevelCacheEvictor(minimum_bytes=0)
-    assert evictor.nbytes == 2 * largest == evictor.buffer.size
-    # Written pages (not the one zero page of an untouched allocation), left clean by each call.
-    evictor()
-    assert bool((evictor.buffer == 1).all())
+    levels = Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")
+    listed = [int(p.read_text().strip().removesuffix("K")) * 1024 for p in levels]
+    assert all(size <= largest for size in listed)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "cache_format", "llc", "expected"),
+    [
+        # 8 x 16k bf16 rows, 151 MB a layer: 5 layers exceed twice 320 MiB, 4 do not.
+        ((16383,) * 8, "dtype", 320 * 2**20, 5),
+        # the same rows as fp8_ds_mla (656 bytes): 86 MB a layer, 8 layers.
+        ((16383,) * 8, "fp8_ds_mla", 320 * 2**20, 8),
+        # rows already past twice the cache: one layer
+        ((16383,) * 8, "dtype", 32 * 2**20, 1),
+        # a tiny case: no more layers than DeepSeek-V3 has
+        ((7,), "dtype", 320 * 2**20, 61),
+    ],
+)
+def test_layers_past_cache_exceed_twice_the_last_level_cache(lengths, cache_format, llc, expected):
+    layers = bench.layers_past_cache(lengths, torch.bfloat16, cache_format, llc)
+    assert layers == expected
+    row = 656 if cache_format == "fp8_ds_mla" else 576 * 2
+    per_layer = sum(n + 1 for n in lengths) * row
+    if 1 < layers < 61:
+        assert layers * per_layer > 2 * llc >= (layers - 1) * per_layer
 
 
 @pytest.mark.parametrize(
@@ -479,32 +474,32 @@ def test_bench_times_the_fp8_cache_beside_the_dtype_cache(fast_rooflines, tmp_pa
     assert " fp8_ds_mla |" in table and table.rstrip().count("\n") >= 3
 
 
-@pytest.mark.parametrize("llc", ["cold", "warm"])
-def test_bench_evicts_the_last_level_cache_before_every_timed_call_when_cold(
-    fast_rooflines, tmp_path, monkeypatch, llc
-):
-    timed = []
-    time_call = bench.time_call
+@pytest.mark.parametrize("layers", [None, "3"])
+def test_bench_calls_cycle_through_the_cache_layers(fast_rooflines, tmp_path, monkeypatch, layers):
+    monkeypatch.setattr(bench, "last_level_cache_bytes", lambda: 20 * 2**10)
+    ran = []
+    make_plan = bench.plan
 
-    def count(fn, **kwargs):
-        timed.append(kwargs.get("before_each"))
-        return time_call(fn, **kwargs)
+    def recording_plan(*args, **kwargs):
+        step = make_plan(*args, **kwargs)
+        step_run = step.run
 
-    monkeypatch.setattr(bench, "time_call", count)
-    monkeypatch.setattr(CountingEvictor, "calls", 0)
-    argv = ["bench", *SMALL, "--context", "8", "--llc", llc, "--output-dir", str(tmp_path)]
-    assert main(argv) == 0
+        def record(q, layer, weights):
+            ran.append(layer)
+            return step_run(q, layer, weights)
+
+        step.run = record
+        return step
+
+    monkeypatch.setattr(bench, "plan", recording_plan)
+    argv = ["bench", *SMALL, "--context", "8", "--output-dir", str(tmp_path)]
+    assert main(argv + (["--layers", layers] if layers else [])) == 0
     (saved,) = tmp_path.glob("cpu-*.json")
-    meta = json.loads(saved.read_text())["meta"]
-    assert meta["llc"] == llc
-    # The one-shot call, run() and both plain torch attentions: each with the evictor when cold.
-    assert len(timed) == 4
-    if llc == "cold":
-        assert all(isinstance(e, CountingEvictor) for e in timed) and CountingEvictor.calls >= 4
-        assert meta["llc_evicted_bytes"] == CountingEvictor.nbytes
-    else:
-        assert timed == [None] * 4 and CountingEvictor.calls == 0
-        assert "llc_evicted_bytes" not in meta
+    (row,) = json.loads(saved.read_text())["rows"]
+    # 8 bf16 rows of 576 values a layer: 9216 bytes; twice 20 KiB takes 5 layers.
+    expected = int(layers) if layers else 5
+    assert row["layers"] == expected
+    assert ran == [i % expected for i in range(len(ran))] and len(ran) > expected
 
 
 def test_bench_times_a_long_request_beside_short_ones(fast_rooflines, tmp_path, capsys):

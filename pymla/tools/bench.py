@@ -12,12 +12,14 @@ x context x page size x CPU path, everything measured in the same run:
 - roofline = max((cache + weight bytes) / copy bandwidth,
   attention flops / matmul rate), where attention flops are
   2 x keys x heads x (576 + 512) (scores and P V);
-- ``--llc cold`` (the default): before every timed call the CPU's
-  last-level cache is evicted (``timing.LastLevelCacheEvictor``), so the
-  cache rows and weights come from memory, as in a serving loop where each
-  of the model's layers reads its own (and as the roofline's bytes assume);
-  ``warm`` times repeated calls on the same rows, which a large L3 (300 MiB
-  on the H200 machine's host) holds whole for the default case;
+- ``--layers``: the timed calls cycle through this many layers of the
+  cache, back to back, as a serving loop calls the op once per layer, each
+  layer's rows its own. By default as many as make their rows exceed twice
+  the CPU's last-level cache (``timing.last_level_cache_bytes``), so every
+  call reads its rows from memory, as in a model of 61 layers and as the
+  roofline's bytes assume; ``--layers 1`` times repeated calls on the same
+  rows, which a large L3 (300 MiB on the H200 machine's host) holds whole
+  for the default case. The layers share one set of weights (2-16 MB);
 - the op's time per call and its ratio to the roofline: the one-shot call
   (``pymla.mla_decode_branch_fp8``, every input checked and wrapped per
   call) and a serving loop's ``run()`` on a plan made once;
@@ -61,18 +63,20 @@ from pathlib import Path
 import torch
 
 from ..__main__ import CommandParser, int_at_least
-from ..cache_format import CACHE_FORMATS, DTYPE_FORMAT, FP8_DS_MLA, FP8_VALUE_DTYPE
+from ..cache_format import CACHE_FORMATS, DTYPE_FORMAT, FP8_DS_MLA, FP8_VALUE_DTYPE, row_width
 from ..cpu_paths import REQUESTS, cpu_model, cpu_signature, kernel_cpu_paths, resolve_cpu_path
 from ..op import mla_decode_branch_fp8
 from ..plan import plan
 from .plain_torch import PlainTorchDecode
 from .scenario import Case, make_case
-from .timing import LastLevelCacheEvictor, matmul_ceiling, measure_copy_bandwidth, time_call
+from .timing import last_level_cache_bytes, matmul_ceiling, measure_copy_bandwidth, time_call
 
 DEFAULT_OUTPUT_DIR = Path("pymla-bench-results")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 REQUEST_MIXES = ("equal", "one-long")
 SHORT_FRACTION = 16  # one-long: the other requests' context is the context / this
+KV_LORA_RANK, ROPE_DIM = 512, 64  # DeepSeek-V3 (make_case's defaults)
+MODEL_LAYERS = 61  # DeepSeek-V3's layers: the most --layers' default cycles through
 
 
 def cache_lengths(batch: int, context: int, requests: str) -> tuple[int, ...]:
@@ -81,6 +85,24 @@ def cache_lengths(batch: int, context: int, requests: str) -> tuple[int, ...]:
         return (context - 1,) * batch
     short = max(context // SHORT_FRACTION, 1)
     return (context - 1,) + (short - 1,) * (batch - 1)
+
+
+def layers_past_cache(
+    lengths: tuple[int, ...], dtype: torch.dtype, cache_format: str, llc_bytes: int
+) -> int:
+    """The fewest cache layers whose rows (each request's keys plus its new one) exceed twice
+    ``llc_bytes``, so calls cycling through them find none of their rows cached; at most
+    DeepSeek-V3's 61 (a case that small is cached in a model's serving loop too)."""
+    width = row_width(cache_format, KV_LORA_RANK, ROPE_DIM)
+    row = width if cache_format == FP8_DS_MLA else width * dtype.itemsize
+    per_layer = sum(n + 1 for n in lengths) * row
+    return min(MODEL_LAYERS, max(1, -(-2 * llc_bytes // per_layer)))
+
+
+def cycling_layers(call: Callable[[int], object], layers: int) -> Callable[[], object]:
+    """``call`` on layers 0, 1, .. ``layers`` - 1, 0, .. (one layer per call, as a serving loop)."""
+    order = itertools.cycle(range(layers))
+    return lambda: call(next(order))
 
 
 def visible_keys(case: Case) -> int:
@@ -145,10 +167,10 @@ def bench_one(
     mm: tuple[float, str],
     repeat: int,
     requests: str = "equal",
-    before_each: Callable[[], object] | None = None,
+    layers: int = 1,
 ) -> dict:
-    """One case with ``PYMLA_CPU_PATH=path``, a path of :func:`paths_to_run` (so ``path`` runs);
-    ``before_each`` (untimed) before every timed call, the op's and plain torch's alike."""
+    """One case with ``PYMLA_CPU_PATH=path``, a path of :func:`paths_to_run` (so ``path`` runs),
+    its timed calls cycling through ``layers`` layers of the cache."""
     lengths = cache_lengths(batch, context, requests)
     case = make_case(
         7,
@@ -157,7 +179,7 @@ def bench_one(
         page_size=page_size,
         cache_lengths=lengths,
         new_tokens=(1,) * batch,
-        num_layers=1,
+        num_layers=layers,
         layer_idx=0,
         freqs="rope",
         extra_rows=1,
@@ -175,18 +197,18 @@ def bench_one(
     os.environ["PYMLA_CPU_PATH"] = path
     try:
         op_s = time_call(
-            lambda: mla_decode_branch_fp8(*case.args(), **options),
+            cycling_layers(
+                lambda layer: mla_decode_branch_fp8(*case.args(layer_idx=layer), **options), layers
+            ),
             warmup=1,
             repeat=repeat,
             min_seconds=0.2,
-            before_each=before_each,
         )
         run_s = time_call(
-            lambda: step.run(case.q, case.layer_idx, weights),
+            cycling_layers(lambda layer: step.run(case.q, layer, weights), layers),
             warmup=1,
             repeat=repeat,
             min_seconds=0.2,
-            before_each=before_each,
         )
     finally:
         if previous is None:
@@ -205,12 +227,11 @@ def bench_one(
             scale=case.options["scale"],
             attention=attention,
         )
-        args = (case.q, case.input_row_offsets, case.freqs_cis, case.kv_norm_gamma, kv, 0)
+        args = (case.q, case.input_row_offsets, case.freqs_cis, case.kv_norm_gamma, kv)
         plain[attention] = time_call(
-            lambda fn=fn, args=args: fn(*args),
+            cycling_layers(lambda layer, fn=fn, args=args: fn(*args, layer), layers),
             warmup=1,
             repeat=max(3, repeat // 2),
-            before_each=before_each,
         )
     torch_kind = min(plain, key=plain.get) if plain else None
     nbytes = cache_and_weight_bytes(case)
@@ -224,6 +245,7 @@ def bench_one(
         "context": context,
         "requests": requests,
         "cache_lengths": list(lengths),
+        "layers": layers,
         "page_size": page_size,
         "path": path,
         "cache_format": cache_format,
@@ -404,11 +426,12 @@ def run(argv: list[str], prog: str) -> int:
     )
     parser.add_argument("--repeat", type=count, default=5, help="timed calls per case (median)")
     parser.add_argument(
-        "--llc",
-        default="cold",
-        choices=("cold", "warm"),
-        help="cold: the CPU's last-level cache evicted before every timed call (inputs from "
-        "memory, as in a serving loop over a model's layers); warm: repeated calls on cached rows",
+        "--layers",
+        type=count,
+        default=None,
+        help="cache layers the timed calls cycle through, back to back (a serving loop's call per "
+        "layer); default: enough that their rows exceed twice the CPU's last-level cache, so "
+        "each call reads its rows from memory; 1: every call reads the same, cached rows",
     )
     parser.add_argument(
         "--rounds",
@@ -481,12 +504,9 @@ def run(argv: list[str], prog: str) -> int:
         "mask": "causal",
         "cases": len(configs),
         "rounds": args.rounds,
-        "llc": args.llc,
+        "last_level_cache_bytes": last_level_cache_bytes(),
+        "layers": "given" if args.layers else "past twice the last-level cache (rows)",
     }
-    evict = None
-    if args.llc == "cold":
-        evict = LastLevelCacheEvictor()
-        meta["llc_evicted_bytes"] = evict.nbytes
     args.output_dir.mkdir(parents=True, exist_ok=True)
     measured: list[list[dict]] = [[] for _ in configs]
     rows: list[dict] = []
@@ -494,11 +514,15 @@ def run(argv: list[str], prog: str) -> int:
         for i, (heads, batch, context, requests, page_size, path, cache_format) in enumerate(
             configs
         ):
+            lengths = cache_lengths(batch, context, requests)
+            layers = args.layers or layers_past_cache(
+                lengths, dtype, cache_format, meta["last_level_cache_bytes"]
+            )
             copy_bw, mm = measure_ceilings()
             print(
                 f"[round {round_}/{args.rounds}, {i + 1}/{len(configs)}] heads {heads}, batch "
                 f"{batch}, context {context} ({requests}), page {page_size}, path {path}, cache "
-                f"{cache_format}; copy {copy_bw / 1e9:.1f} GB/s, {mm[1]} mm {mm[0] / 1e9:.0f} "
+                f"{cache_format}, {layers} layer(s); copy {copy_bw / 1e9:.1f} GB/s, {mm[1]} mm {mm[0] / 1e9:.0f} "
                 "GFLOP/s ...",
                 file=sys.stderr,
                 flush=True,
@@ -516,7 +540,7 @@ def run(argv: list[str], prog: str) -> int:
                     mm,
                     args.repeat,
                     requests,
-                    evict,
+                    layers,
                 )
             )
             rows = [combine_rounds(m) for m in measured if m]
@@ -524,11 +548,12 @@ def run(argv: list[str], prog: str) -> int:
     print()
     print(
         f"ceilings measured before each case (torch copy_ read + write, the faster of torch bf16 and float32 mm 2048^3); "
-        f"medians of {args.rounds} round(s); spread: slowest / fastest run(); "
+        f"medians of {args.rounds} round(s); spread: slowest / fastest run(); calls cycle through "
         + (
-            f"last-level cache evicted before every timed call ({evict.nbytes >> 20} MiB read)"
-            if evict is not None
-            else "last-level cache warm (repeated calls on the same rows)"
+            f"{args.layers} cache layer(s)"
+            if args.layers
+            else f"enough cache layers to exceed twice the {last_level_cache_bytes() >> 20} MiB "
+            "last-level cache (JSON: layers)"
         )
     )
     print_table(rows)

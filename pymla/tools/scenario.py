@@ -39,7 +39,7 @@ class Case:
     weights: dict[str, torch.Tensor]
     options: dict = field(default_factory=dict)
 
-    def args(self, cache=None) -> tuple:
+    def args(self, cache=None, layer_idx: int | None = None) -> tuple:
         w = self.weights
         return (
             self.q,
@@ -47,7 +47,7 @@ class Case:
             self.freqs_cis,
             self.kv_norm_gamma,
             self.cache if cache is None else cache,
-            self.layer_idx,
+            self.layer_idx if layer_idx is None else layer_idx,
             w["w_uk"],
             w["w_uk_scale"],
             w["w_uv"],

@@ -1,6 +1,6 @@
 """Wall-clock timing of a call (warm-up, then the median of repeats) and the CPU ceilings benchmarks
 quote ratios against: torch's copy bandwidth and matmul rate, measured in the same run; and the
-eviction of the CPU's last-level cache between timed calls (`LastLevelCacheEvictor`).
+size of the CPU's last-level cache, which a case's rows must exceed to be timed from memory.
 
 Needs torch only (no MAX): `scripts/cpu_roofline.py` loads this file alone."""
 
@@ -13,28 +13,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy
 import torch
 
 
 def time_call(
-    fn: Callable[[], object],
-    *,
-    warmup: int = 2,
-    repeat: int = 10,
-    min_seconds: float = 0.0,
-    before_each: Callable[[], object] | None = None,
+    fn: Callable[[], object], *, warmup: int = 2, repeat: int = 10, min_seconds: float = 0.0
 ) -> float:
-    """Median seconds per call of ``fn`` over at least ``repeat`` calls (and ``min_seconds`` of
-    wall time). ``before_each``, untimed, runs before every timed call (e.g. a
-    :class:`LastLevelCacheEvictor`)."""
+    """Median seconds per call of ``fn`` over at least ``repeat`` calls (and ``min_seconds``)."""
     for _ in range(warmup):
         fn()
     samples: list[float] = []
     start = time.perf_counter()
     while len(samples) < repeat or time.perf_counter() - start < min_seconds:
-        if before_each is not None:
-            before_each()
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
@@ -45,7 +35,7 @@ def last_level_cache_bytes() -> int:
     """The largest CPU cache the system lists: every cache level of every CPU in sysfs, and glibc's
     LEVEL3/LEVEL4_CACHE_SIZE (from CPUID). A VM guest's sysfs may list less than the socket's
     cache its CPUs share (an AMD EPYC guest here: 32 MiB in sysfs, 320 MiB by CPUID): the larger
-    is taken, so that evicting it evicts the real one."""
+    is taken, so that rows exceeding it exceed the real one."""
     sizes = [0]
     for path in glob.glob("/sys/devices/system/cpu/cpu*/cache/index*/size"):
         try:
@@ -65,28 +55,6 @@ def last_level_cache_bytes() -> int:
         if out.returncode == 0 and out.stdout.strip().isdigit():
             sizes.append(int(out.stdout.strip()))
     return max(sizes)
-
-
-class LastLevelCacheEvictor:
-    """Reads a buffer twice the CPU's last-level cache (:func:`last_level_cache_bytes`, at least
-    ``minimum_bytes``), so the next call finds none of its inputs cached: what a serving loop's
-    call per layer finds, each of the model's layers reading its own cache rows and weights
-    (DeepSeek-V3: 61 layers, a 16k-token batch of 8 about 150 MB of bf16 rows each), and what the
-    roofline's bytes over copy bandwidth assumes. Without it a case smaller than the cache (a
-    16-core Xeon guest lists 300 MiB of L3) is timed from the cache, not from memory.
-
-    - The buffer is written once (untouched pages would all read one zero page) and then only
-      read: lines left dirty would be written back during the timed call.
-    - One thread reads it, with numpy: a torch reduction leaves torch's OpenMP workers spinning
-      after it, on the cores the timed call needs (on a 2-core AMD EPYC a torch ``max`` before
-      each call made the op 1.35-1.7x slower than numpy's, measured side by side)."""
-
-    def __init__(self, minimum_bytes: int = 64 * 2**20) -> None:
-        self.nbytes = max(2 * last_level_cache_bytes(), minimum_bytes)
-        self.buffer = numpy.ones(self.nbytes, dtype=numpy.uint8)
-
-    def __call__(self) -> None:
-        self.buffer.max()
 
 
 def measure_copy_bandwidth(nbytes: int = 512 * 2**20) -> float:
