@@ -8,7 +8,7 @@ MAX to import, so this file loads `pymla/tools/timing.py`, where both live, alon
 the bench's formula for its default case). Prints, per head count, the roofline of the bench's
 case (bf16 rows and fp8_ds_mla rows, page 64, one new token per request): max(cache + weight bytes / copy bandwidth,
 attention flops / matmul rate). Run it under the same `taskset` as the op it is compared with (e.g.
-`tests/cpu/amx_check.mojo`'s `loop HEADS ITERS whole`).
+`tests/cpu/amx_check.mojo`'s `loop HEADS ITERS cold`, the whole op with its inputs from memory).
 """
 
 from __future__ import annotations
