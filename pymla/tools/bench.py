@@ -18,7 +18,7 @@ x context x page size x CPU path, everything measured in the same run:
   the CPU's last-level cache (``timing.last_level_cache_bytes``), so every
   call reads its rows from memory, as in a model of 61 layers and as the
   roofline's bytes assume; ``--layers 1`` times repeated calls on the same
-  rows, which a large L3 (300 MiB on the H200 machine's host) holds whole
+  rows, which a large L3 (300 MiB on the H200 machine's host) can hold whole
   for the default case. The layers share one set of weights (2-16 MB);
 - the op's time per call and its ratio to the roofline: the one-shot call
   (``pymla.mla_decode_branch_fp8``, every input checked and wrapped per
