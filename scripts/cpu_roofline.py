@@ -4,7 +4,8 @@
 
 Measures torch's copy bandwidth and matmul rate (the faster of bf16 and float32) with `--threads`
 torch threads: the ceilings of `python -m pymla bench`, by the same functions (`pymla` itself needs
-MAX to import, so this file loads `pymla/tools/timing.py`, where both live, alone and repeats only
+MAX to import, so this file loads `pymla/tools/timing.py`, where both live, and
+`pymla/cache_format.py` (the fp8_ds_mla row's bytes) alone, and repeats only
 the bench's formula for its default case). Prints, per head count, the roofline of the bench's
 case (bf16 rows and fp8_ds_mla rows, page 64, one new token per request): max(cache + weight bytes / copy bandwidth,
 attention flops / matmul rate). Run it under the same `taskset` as the op it is compared with (e.g.
@@ -20,12 +21,19 @@ import platform
 
 import torch
 
-_TIMING = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "pymla", "tools", "timing.py"
-)
-_spec = importlib.util.spec_from_file_location("pymla_timing", _TIMING)
-timing = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(timing)
+_PYMLA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "pymla")
+
+
+def _load(name: str, *parts: str):
+    """One pymla file as a module of its own (it needs torch only; `pymla` itself needs MAX)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(_PYMLA, *parts))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+timing = _load("pymla_timing", "tools", "timing.py")
+cache_format = _load("pymla_cache_format", "cache_format.py")
 
 KEY_DIM = 576  # kv_lora_rank 512 + rope 64 (DeepSeek-V3)
 RANK = 512
@@ -40,9 +48,6 @@ def cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor()
-
-
-FP8_DS_MLA_ROW = 656  # 512 e4m3 values, 4 float32 scales, 64 bf16 rope values (pymla.cache_format)
 
 
 def roofline_ms(
@@ -73,7 +78,10 @@ def main() -> None:
         f"copy {copy_bps / 1e9:.1f} GB/s, {mm_dtype} mm {flops / 1e9:.0f} GFLOP/s"
     )
     for heads in args.heads:
-        for rows, row_bytes in (("bf16", KEY_DIM * 2), ("fp8_ds_mla", FP8_DS_MLA_ROW)):
+        for rows, row_bytes in (
+            ("bf16", KEY_DIM * 2),
+            ("fp8_ds_mla", cache_format.fp8_row_bytes(RANK, KEY_DIM - RANK)),
+        ):
             ms, bound = roofline_ms(heads, args.batch, args.context, copy_bps, flops, row_bytes)
             print(
                 f"heads {heads}, batch {args.batch}, context {args.context}, {rows} rows: "

@@ -552,7 +552,7 @@ def run(argv: list[str], prog: str) -> int:
         + (
             f"{args.layers} cache layer(s)"
             if args.layers
-            else f"enough cache layers to exceed twice the {last_level_cache_bytes() >> 20} MiB "
+            else f"enough cache layers to exceed twice the {meta['last_level_cache_bytes'] >> 20} MiB "
             "last-level cache (JSON: layers)"
         )
     )

@@ -458,9 +458,9 @@ comptime EVICT_BYTES = 1 << 30
 struct Evictor(Movable):
     """Reads EVICT_BYTES on every core between timed calls, so a call finds none of its inputs cached: what a
     serving loop's call per layer finds (each of a model's layers reads its own cache rows and weights), and what
-    `python -m pymla bench` times by cycling its calls through cache layers. Without it the timing case (151 MB of bf16 rows, 86 MB of fp8 rows)
-    can be read from a 300 MiB L3. Written once and only read after: no dirty lines left to write back during the
-    timed call."""
+    `python -m pymla bench` times by cycling its calls through cache layers. Without it the timing case (151 MB
+    of bf16 rows, 86 MB of fp8 rows) can be read from a 300 MiB L3. Written once and only read after: no dirty
+    lines left to write back during the timed call."""
 
     var buffer: List[UInt64]
     var sums: List[UInt64]
