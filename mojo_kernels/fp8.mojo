@@ -147,8 +147,20 @@ def widen_e4m3_bf16[w: Int](bytes: SIMD[DType.uint8, w], k: Int) -> SIMD[DType.b
     sign. Vectors with a zero or subnormal byte (`e == 0`: rare in a cache
     block scaled to its largest value) take `widen_e4m3_bf16_any`.
     """
-    if (bytes & 0x78).eq(0).reduce_or():
+    if has_zero_exponent[w](bytes):
         return widen_e4m3_bf16_any[w](bytes, k)
+    return widen_e4m3_bf16_normal[w](bytes, k)
+
+
+@always_inline
+def has_zero_exponent[w: Int](bytes: SIMD[DType.uint8, w]) -> Bool:
+    """Whether any byte is a zero or subnormal e4m3 (exponent field 0): `widen_e4m3_bf16_normal` serves the rest."""
+    return (bytes & 0x78).eq(0).reduce_or()
+
+
+@always_inline
+def widen_e4m3_bf16_normal[w: Int](bytes: SIMD[DType.uint8, w], k: Int) -> SIMD[DType.bfloat16, w]:
+    """`widen_e4m3_bf16` of bytes that are all normal e4m3 (`not has_zero_exponent(bytes)`): the bit arithmetic alone."""
     var extended = bitcast[DType.uint16, w](bitcast[DType.int8, w](bytes).cast[DType.int16]())
     return bitcast[DType.bfloat16, w](((extended << 4) & 0x87F0) + UInt16((120 + k) << 7))
 

@@ -5,7 +5,17 @@ Rows in the op's dtype (`PagedLatentRows`) or in the `fp8_ds_mla` format
 """
 
 from .common import DPtr, FPtr, U32Ptr, U8Ptr
-from .fp8 import NO_SHIFT, bf16_scale_shift, cache_block_scale, e4m3_bytes, round_to_e4m3, widen_e4m3, widen_e4m3_bf16
+from .fp8 import (
+    NO_SHIFT,
+    bf16_scale_shift,
+    cache_block_scale,
+    e4m3_bytes,
+    has_zero_exponent,
+    round_to_e4m3,
+    widen_e4m3,
+    widen_e4m3_bf16_any,
+    widen_e4m3_bf16_normal,
+)
 
 
 @fieldwise_init
@@ -285,10 +295,18 @@ struct Fp8LatentRows(TrivialRegisterPassable):
             var s = scales.unsafe_load(block)
             comptime if out_dtype == DType.bfloat16:
                 var k = bf16_scale_shift(s)
-                if k != NO_SHIFT:  # the scales of the rule: bit arithmetic, 32 values a step
-                    comptime for i in range(0, FP8_SCALE_BLOCK, 2 * W):
-                        var at = block * FP8_SCALE_BLOCK + i
-                        dst.unsafe_store(at, rebind[SIMD[out_dtype, 2 * W]](widen_e4m3_bf16[2 * W](row.unsafe_load[width=2 * W](at), k)))
+                if k != NO_SHIFT:  # the scales of the rule: bit arithmetic, 64 values a step
+                    comptime HALF = FP8_SCALE_BLOCK // 2
+                    var base = block * FP8_SCALE_BLOCK
+                    var lo = row.unsafe_load[width=HALF](base)
+                    var hi = row.unsafe_load[width=HALF](base + HALF)
+                    var out = dst.unsafe_bitcast[BFloat16]()
+                    if has_zero_exponent[HALF](lo) or has_zero_exponent[HALF](hi):  # one test per block: rare
+                        out.unsafe_store(base, widen_e4m3_bf16_any[HALF](lo, k))
+                        out.unsafe_store(base + HALF, widen_e4m3_bf16_any[HALF](hi, k))
+                    else:
+                        out.unsafe_store(base, widen_e4m3_bf16_normal[HALF](lo, k))
+                        out.unsafe_store(base + HALF, widen_e4m3_bf16_normal[HALF](hi, k))
                     continue
             comptime for i in range(0, FP8_SCALE_BLOCK, W):
                 var at = block * FP8_SCALE_BLOCK + i
