@@ -13,6 +13,7 @@
 #     /tmp/amx_check loop 16 200  # the AMX path alone, 200 times, 16 heads (perf on an AMX host)
 #     /tmp/amx_check ab 16 10 5 op pf0 whole  # `loop` variants alternated in one process, 10 rounds of best-of-5:
 #                               # medians and per-round ratios to the first (a noisy AMX host)
+#     /tmp/amx_check ab 16 5 3 cold fp8-cold  # fp8_ds_mla rows against bf16 rows from memory, round by round (any CPU)
 #     /tmp/amx_check loop 16 50 stages [fp8]  # the whole op and each of its stages alone (fp8: fp8_ds_mla rows; any CPU)
 #     /tmp/amx_check loop 16 20 cold  # the whole op, the last-level cache evicted before each call (`fp8-cold`:
 #                               # fp8_ds_mla rows; any CPU: AMX where it has it, else the op's own path)
@@ -705,19 +706,23 @@ def alternate_variants(heads: Int, rounds: Int, iters: Int, names: List[String])
     """`ab`: the variants `names` alternated for `rounds` rounds in one process (best of `iters` each): per variant
     the median and the best of its rounds, and the median over the rounds of its time over the first
     variant's in the same round. On a host whose speed drifts between rounds (the H100 machine's: 1.5-2x
-    in one call) the per-round ratio is the number to read."""
-    var fp8 = names[0].startswith("fp8-")
-    for name in names:
-        if name.startswith("fp8-") != fp8:
-            raise Error("ab: every variant or none takes the fp8- prefix")
+    in one call) the per-round ratio is the number to read. Variants with and without the fp8- prefix mix:
+    the case holds both row formats (`ab 16 5 3 cold fp8-cold`: fp8 rows against bf16 rows, round by round)."""
     var c = timing_case(heads)
-    if fp8:
+    var any_fp8 = False
+    for name in names:
+        var variant = String(name[byte=4:]) if name.startswith("fp8-") else name
+        if (variant != "cold" or amx_runs()) and not amx_permitted():
+            raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        any_fp8 = any_fp8 or name.startswith("fp8-")
+    if any_fp8:
         c.quantize_to_fp8()
     var inputs = OpInputs(c, 16384 + 1)
     var times = List[List[Float64]](length=len(names), fill=List[Float64]())
     for _ in range(rounds):
         for i in range(len(names)):
-            var variant = String(names[i][byte=4:]) if fp8 else names[i]
+            c.use_fp8 = names[i].startswith("fp8-")
+            var variant = String(names[i][byte=4:]) if c.use_fp8 else names[i]
             times[i].append(time_variant(c, inputs, variant, iters))
     var out = String("ab on ", cpu_model(), ", heads ", heads, ", threads ", num_physical_cores(), ", ", rounds,
                      " rounds, best of ", iters, " each:")
@@ -758,9 +763,8 @@ def main() raises:
         print("loop on", cpu_model(), ":", time_stages(c, inputs, atol(argv()[3])))
         return
     if len(argv()) > 5 and argv()[1] == "ab":
-        # `ab HEADS ROUNDS ITERS V1 V2 ...`: `loop` variants alternated in one process (AMX host).
-        if not amx_permitted():
-            raise Error("Linux refused the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM)")
+        # `ab HEADS ROUNDS ITERS V1 V2 ...`: `loop` variants alternated in one process (an AMX host; `cold` and
+        # `fp8-cold` alone on any CPU).
         var names = List[String]()
         for i in range(5, len(argv())):
             names.append(String(argv()[i]))
