@@ -299,6 +299,55 @@ def check_case(mut c: Case, partitions: Int, mut failures: Int) raises:
     c.use_fp8 = False
 
 
+def check_fp8_dequantize(mut failures: Int):
+    """`Fp8LatentRows.dequantize` to bfloat16 (bit arithmetic per 128-value block after one zero-exponent test per
+    block) against its float32 route (`e4m3 * scale` rounded to bfloat16): bit for bit, on rows whose blocks hold
+    only normal bytes, a zero or subnormal byte in the block's first or second half, and a scale that is not a power
+    of two."""
+    comptime RANK = 512
+    comptime KEY_DIM = 576
+    comptime ROWS = 4
+    var row_bytes = RANK + 4 * (RANK // 128) + 2 * (KEY_DIM - RANK)
+    var rng = Rng(5)
+    var bytes = List[UInt8](length=ROWS * row_bytes, fill=0)
+    var lookup = List[UInt32](length=1, fill=0)
+    for r in range(ROWS):
+        var row = r * row_bytes
+        for i in range(RANK):  # normal e4m3: exponent 1..15, any sign and mantissa, never NaN
+            var e = 1 + rng.below(15)
+            var m = rng.below(7 if e == 15 else 8)
+            bytes[row + i] = UInt8(rng.below(2) * 128 + e * 8 + m)
+        for block in range(RANK // 128):
+            var scale = power_of_two(-9 + 5 * r - 3 * block) if r != 3 or block != 2 else Float32(0.75)
+            var scale_bits = bitcast[DType.uint32](scale)
+            for byte in range(4):
+                bytes[row + RANK + 4 * block + byte] = UInt8((scale_bits >> UInt32(8 * byte)) & 0xFF)
+        for d in range(KEY_DIM - RANK):
+            var rope_bits = bitcast[DType.uint16](rng.uniform().cast[BF16]())
+            bytes[row + RANK + 16 + 2 * d] = UInt8(rope_bits & 0xFF)
+            bytes[row + RANK + 16 + 2 * d + 1] = UInt8(rope_bits >> 8)
+    bytes[row_bytes + 70] = 0x00  # row 1, block 0, second half: zero
+    bytes[row_bytes + 128 + 3] = 0x01  # row 1, block 1, first half: subnormal
+    bytes[2 * row_bytes + 3 * 128 + 127] = 0x80  # row 2, block 3: negative zero
+    bytes[2 * row_bytes + 2 * 128 + 64] = 0x85  # row 2, block 2: negative subnormal
+    var rows = Fp8LatentRows.create(
+        bytes.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        lookup.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
+        1, 1, ROWS, row_bytes, 0, RANK,
+    )
+    var as_bf16 = List[BFloat16](length=ROWS * KEY_DIM, fill=BFloat16(0))
+    var as_f32 = List[Float32](length=ROWS * KEY_DIM, fill=0)
+    rows.dequantize_rows[BF16](0, 0, ROWS, as_bf16.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), KEY_DIM)
+    rows.dequantize_rows[DType.float32](0, 0, ROWS, as_f32.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), KEY_DIM)
+    var wrong = 0
+    for i in range(ROWS * KEY_DIM):
+        if bitcast[DType.uint16](as_bf16[i]) != bitcast[DType.uint16](as_f32[i].cast[BF16]()):
+            wrong += 1
+    if wrong:
+        failures += 1
+    print("PASS" if wrong == 0 else "FAIL", "fp8 rows dequantized to bf16:", wrong, "of", ROWS * KEY_DIM, "values differ")
+
+
 def check_fp8_widening(mut failures: Int):
     """`widen_e4m3_bf16` (the bf16 route of fp8 key reads) against `widen_e4m3 * 2^k` rounded to bf16:
     bit for bit, every e4m3 byte but NaN, alone and in vectors of 32 (normal only, or mixed with
@@ -828,6 +877,7 @@ def main() raises:
     check_case(tails, 0, failures)
     check_case(tails, 2, failures)
     check_fp8_widening(failures)
+    check_fp8_dequantize(failures)
     check_scratch(failures)
     check_projections(failures)
     check_divisor(failures)
