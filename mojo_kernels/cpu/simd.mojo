@@ -7,6 +7,7 @@ from std.utils import IndexList
 from max.algorithm import sync_parallelize
 
 from ..common import DPtr, FPtr
+from ..fp8 import widen_e4m3, widen_e4m3_bf16
 
 comptime F32_WIDTH = simd_width_of[DType.float32]()
 """Float32 lanes of one SIMD register on the host."""
@@ -70,24 +71,41 @@ def dpbf16(acc: SIMD[DType.float32, 16], a: SIMD[DType.bfloat16, 32], b: SIMD[DT
 
 
 @always_inline
+def load_as[elem: DType, width: Int, stored: DType](p: DPtr[stored], i: Int) -> SIMD[elem, width]:
+    """`width` values of `p` from `i` as `elem`: loaded as they are (`stored == elem`), or fp8 e4m3
+    bytes (`stored` uint8) widened exactly as `fp8_matmul.widen_weight_rows` widens them."""
+    comptime if stored == elem:
+        return rebind[SIMD[elem, width]](p.unsafe_load[width=width](i))
+    else:
+        comptime assert stored == DType.uint8, "values are stored as they are read, or as fp8 e4m3 bytes"
+        var bytes = rebind[SIMD[DType.uint8, width]](p.unsafe_load[width=width](i))
+        comptime if elem == DType.bfloat16:
+            return rebind[SIMD[elem, width]](widen_e4m3_bf16[width](bytes, 0))
+        else:
+            return widen_e4m3[width](bytes).cast[elem]()
+
+
+@always_inline
 def dot_lanes[
-    rows: Int, cols: Int, elem: DType = DType.float32
+    rows: Int, cols: Int, elem: DType = DType.float32, b_stored: DType = elem
 ](
     a: DPtr[elem],
     a_stride: Int,
-    b: DPtr[elem],
+    b: DPtr[b_stored],
     b_stride: Int,
     depth: Int,
 ) -> Array[F32Vec, rows * cols]:
     """Lane-wise partial sums of `<a[r, :depth], b[c, :depth]>` for a `rows x cols` block.
 
-    The micro-kernel of the float32 attention scores and of the fp8 matmuls
-    (on weights widened once per call): each step loads `rows + cols`
-    vectors and does `rows * cols` multiply-adds in registers: float32
-    FMAs, or for `elem` bfloat16 (AVX512-BF16 only) `vdpbf16ps` on 32 values
-    (lane `i` adds the products of values `2i` and `2i + 1`). A tail of
-    `depth` past the last whole step is added into lane 0. Summing the
-    lanes (`reduce_add`) gives the dot products.
+    The micro-kernel of the float32 attention scores and of the fp8 matmuls:
+    each step loads `rows + cols` vectors and does `rows * cols`
+    multiply-adds in registers: float32 FMAs, or for `elem` bfloat16
+    (AVX512-BF16 only) `vdpbf16ps` on 32 values (lane `i` adds the products
+    of values `2i` and `2i + 1`). `b` holds `elem` values (the matmuls'
+    weights widened once per call) or, with `b_stored` uint8, fp8 e4m3 bytes
+    widened in registers as they are loaded (`load_as`). A tail of `depth`
+    past the last whole step is added into lane 0. Summing the lanes
+    (`reduce_add`) gives the dot products.
     """
     comptime W = F32_WIDTH
     comptime STEP = 2 * W if elem == DType.bfloat16 else W
@@ -98,7 +116,7 @@ def dot_lanes[
         comptime for r in range(rows):
             av[r] = a.unsafe_load[width=STEP](r * a_stride + d)
         comptime for c in range(cols):
-            var bv = b.unsafe_load[width=STEP](c * b_stride + d)
+            var bv = load_as[elem, STEP](b, c * b_stride + d)
             comptime for r in range(rows):
                 comptime if elem == DType.bfloat16:
                     acc[r * cols + c] = rebind[F32Vec](
@@ -114,7 +132,7 @@ def dot_lanes[
         comptime for r in range(rows):
             comptime for c in range(cols):
                 var x = a.unsafe_load(r * a_stride + d).cast[DType.float32]()
-                acc[r * cols + c][0] += x * b.unsafe_load(c * b_stride + d).cast[DType.float32]()
+                acc[r * cols + c][0] += x * load_as[elem, 1](b, c * b_stride + d).cast[DType.float32]()
     return acc^
 
 
