@@ -31,9 +31,9 @@ comptime WIDEN_IN_DOTS_MAX_ROWS = 2 * DOT_ROWS
 """Up to this many tokens the bf16 dots widen the weights' bytes in registers (4 integer operations per 32,
 once per register block of DOT_ROWS tokens) instead of reading a slice widened once: no bf16 copy of the
 weights to store and load again. On a 2-core AMD EPYC (AVX512-BF16), the whole op from memory, 4k keys,
-widened slices against this: batch 1 0.70-0.81 -> 0.65-0.67 ms (16 heads) and 4.45-4.62 -> 4.08-4.19 ms
-(128 heads), batch 4 14.0-14.1 -> 13.2-13.3 ms (128 heads), batch 8 level or 1% faster. The float32 dots
-keep the slices (their widening takes several times the operations: batch 1, 16 heads, 16% slower in registers)."""
+16 and 128 heads, old and new alternated: 3-5% faster at batch 1 to 4, level at batch 8
+(benchmarks/results/cpu-2026-12-08c-epyc-widen-in-dots). The float32 dots keep the slices (their widening
+takes several times the operations: batch 1, 16 heads, 16% slower in registers)."""
 
 
 def weight_rows_per_slice(depth: Int) -> Int:
