@@ -28,7 +28,7 @@ b8 16k, 2-core AMD EPYC, alternated rounds: 32 keys 13.4-13.7 ms, 64 keys 13.0-1
 batch 1."""
 comptime MAX_KEY_TILE = max(KEY_TILE, BF16_KEY_TILE, AMX_KEY_TILE)
 comptime ROW_BLOCK = DOT_ROWS  # rows per register block (scores and P V)
-comptime COL_BLOCK = 4  # value vectors per register block of P V
+comptime COL_BLOCK = 4 if F32_WIDTH >= 16 else 2  # value vectors per register block of P V (AVX2: see DOT_COLS)
 
 
 struct TaskRows(Movable):
