@@ -50,8 +50,8 @@ comptime DOT_COLS = 4 if F32_WIDTH >= 16 else 2
 """Rows of `b` per full register block of `dot_block`: `DOT_ROWS x DOT_COLS` accumulators, `DOT_ROWS + 1`
 operand vectors. 4 with AVX-512's 32 vector registers; 2 with AVX2's 16, where a 4 x 4 block spills: the
 float32 path on this project's 2-core AMD EPYC with the kernel built for `znver3` (AVX2; scores and P V
-together, COL_BLOCK), whole op from memory, batch 8, 16k: 16 heads 50.6-54.8 -> 34.7-44.4 ms, 128 heads
-356-367 -> 217-226 ms (benchmarks/results/cpu-2026-12-08d-avx2-blocks)."""
+together, COL_BLOCK), whole op from memory, batch 8, 16k, alternated: 16 heads 50.4-52.3 -> 33.4-34.1 ms,
+128 heads 348-357 -> 213-220 ms (benchmarks/results/cpu-2026-12-08d-avx2-blocks)."""
 
 
 comptime F32Vec = SIMD[DType.float32, F32_WIDTH]
