@@ -196,13 +196,22 @@ def test_sizes_with_tails(dtype, target):
     )
 
 
-def test_amx_tile_layouts(tmp_path):
+# An AVX2 target (16 vector registers: the f32 path's smaller register blocks, simd.DOT_COLS) besides the op's.
+AVX2_TARGET = "znver3"
+
+
+@pytest.mark.parametrize("target", ["op", AVX2_TARGET])
+def test_amx_tile_layouts(tmp_path, target):
     """tests/cpu/amx_check.mojo, built for the op's target: the AMX paths of steps 5, 3 and 6 on
-    emulated tiles (and on the unit where the kernel and the CPU have AMX) against the f32 paths."""
+    emulated tiles (and on the unit where the kernel and the CPU have AMX) against the f32 paths.
+    Built for an AVX2 target too, where the CPU runs AVX2 code: the f32 path's AVX2 register blocks
+    against the emulated tiles, on any CPU this suite runs on."""
+    if target == AVX2_TARGET and not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("this CPU runs no AVX2 code")
     root = Path(__file__).resolve().parents[1]
     binary = tmp_path / "amx_check"
     build = subprocess.run(
-        [mojo_binary(), "build", "--target-cpu", compile_target_name(), "-I", str(root),
+        [mojo_binary(), "build", "--target-cpu", compile_target_name() if target == "op" else target, "-I", str(root),
          str(root / "tests" / "cpu" / "amx_check.mojo"), "-o", str(binary)],
         capture_output=True, text=True, timeout=600,
         env=dict(os.environ),  # not the C environment: max.nn putenv()s PYTHONEXECUTABLE
@@ -217,6 +226,6 @@ def test_amx_tile_layouts(tmp_path):
     assert sum(line.startswith("PASS amx-emulated in-place") for line in lines) >= 30
     assert sum(line.startswith("PASS amx-emulated projection") for line in lines) >= 9  # steps 3, 6
     assert any(line.startswith("PASS divisor") for line in lines)  # the GPU quantizations' division
-    if "amx" in kernel_cpu_paths() and "amx_tile" in cpu_flags():
+    if target == "op" and "amx" in kernel_cpu_paths() and "amx_tile" in cpu_flags():
         assert sum(line.startswith("PASS amx packed") for line in lines) >= 30
         assert sum(line.startswith("PASS amx in-place") for line in lines) >= 30
