@@ -41,6 +41,7 @@ for part in "$@"; do
         timeout 100 .amxbin/amx_check ab 16 4 3 cold fp8-cold whole fp8-whole
         timeout 80 .amxbin/amx_check ab 128 3 3 cold fp8-cold
         timeout 60 .amxbin/amx_check ab 16 3 5 op hot fp8-op fp8-hot
+        timeout 60 .amxbin/amx_check ab 16 3 5 fp8-op fp8-packed op packed
         python3 scripts/cpu_roofline.py --threads 16 --heads 16 128
       } > "$out/host_cpu.log" 2>&1
       cat "$out/host_cpu.log" ;;
