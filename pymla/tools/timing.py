@@ -37,12 +37,12 @@ def last_level_cache_bytes() -> int:
     cache its CPUs share (an AMD EPYC guest here: 32 MiB in sysfs, 320 MiB by CPUID): the larger
     is taken, so that rows exceeding it exceed the real one."""
     sizes = [0]
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
     for path in glob.glob("/sys/devices/system/cpu/cpu*/cache/index*/size"):
         try:
             text = Path(path).read_text().strip()
         except OSError:
             continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
         if text[-1:] in units and text[:-1].isdigit():
             sizes.append(int(text[:-1]) * units[text[-1]])
         elif text.isdigit():

@@ -311,30 +311,26 @@ def check_fp8_dequantize(mut failures: Int):
     var rng = Rng(5)
     var bytes = List[UInt8](length=ROWS * row_bytes, fill=0)
     var lookup = List[UInt32](length=1, fill=0)
-    for r in range(ROWS):
-        var row = r * row_bytes
-        for i in range(RANK):  # normal e4m3: exponent 1..15, any sign and mantissa, never NaN
-            var e = 1 + rng.below(15)
-            var m = rng.below(7 if e == 15 else 8)
-            bytes[row + i] = UInt8(rng.below(2) * 128 + e * 8 + m)
-        for block in range(RANK // 128):
-            var scale = power_of_two(-9 + 5 * r - 3 * block) if r != 3 or block != 2 else Float32(0.75)
-            var scale_bits = bitcast[DType.uint32](scale)
-            for byte in range(4):
-                bytes[row + RANK + 4 * block + byte] = UInt8((scale_bits >> UInt32(8 * byte)) & 0xFF)
-        for d in range(KEY_DIM - RANK):
-            var rope_bits = bitcast[DType.uint16](rng.uniform().cast[BF16]())
-            bytes[row + RANK + 16 + 2 * d] = UInt8(rope_bits & 0xFF)
-            bytes[row + RANK + 16 + 2 * d + 1] = UInt8(rope_bits >> 8)
-    bytes[row_bytes + 70] = 0x00  # row 1, block 0, second half: zero
-    bytes[row_bytes + 128 + 3] = 0x01  # row 1, block 1, first half: subnormal
-    bytes[2 * row_bytes + 3 * 128 + 127] = 0x80  # row 2, block 3: negative zero
-    bytes[2 * row_bytes + 2 * 128 + 64] = 0x85  # row 2, block 2: negative subnormal
     var rows = Fp8LatentRows.create(
         bytes.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         lookup.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](),
         1, 1, ROWS, row_bytes, 0, RANK,
     )
+    for r in range(ROWS):
+        var row = rows.row(0, r)  # the scales and the rope part written through the rows' own accessors
+        for i in range(RANK):  # normal e4m3: exponent 1..15, any sign and mantissa, never NaN
+            var e = 1 + rng.below(15)
+            var m = rng.below(7 if e == 15 else 8)
+            row.unsafe_store(i, UInt8(rng.below(2) * 128 + e * 8 + m))
+        for block in range(RANK // 128):
+            var scale = power_of_two(-9 + 5 * r - 3 * block) if r != 3 or block != 2 else Float32(0.75)
+            rows.scales(row).unsafe_store(block, scale)
+        for d in range(KEY_DIM - RANK):
+            rows.rope(row).unsafe_store(d, rng.uniform().cast[BF16]())
+    bytes[row_bytes + 70] = 0x00  # row 1, block 0, second half: zero
+    bytes[row_bytes + 128 + 3] = 0x01  # row 1, block 1, first half: subnormal
+    bytes[2 * row_bytes + 3 * 128 + 127] = 0x80  # row 2, block 3: negative zero
+    bytes[2 * row_bytes + 2 * 128 + 64] = 0x85  # row 2, block 2: negative subnormal
     var as_bf16 = List[BFloat16](length=ROWS * KEY_DIM, fill=BFloat16(0))
     var as_f32 = List[Float32](length=ROWS * KEY_DIM, fill=0)
     rows.dequantize_rows[BF16](0, 0, ROWS, as_bf16.unsafe_ptr().unsafe_origin_cast[MutUntrackedOrigin](), KEY_DIM)
